@@ -194,8 +194,9 @@ def write_type_envelopes():
     tid = "3f9b3e4e-6c1e-4a43-9d43-6f0f1b0e2a11"
     body = [[{"__type__": "datetime", "__value__": "2031-05-01T12:00:00.123456+00:00"},
              {"__type__": "uuid", "__value__": "6c8f7f3e-0c9a-4c55-9f0e-3c2b1a0d9e8f"},
+             {"__type__": "uuid", "__value__": {"hex": "6c8f7f3e0c9a4c559f0e3c2b1a0d9e8f"}},
              {"__type__": "decimal", "__value__": "12.50"},
-             {"__type__": "bytes", "__value__": "aGVsbG8="},
+             {"__type__": "bytes", "__value__": "hello"},
              {"__type__": "base64", "__value__": "aGVsbG8="},
              {"__type__": "date", "__value__": "2031-05-01"},
              {"__type__": "time", "__value__": "12:30:00"}],
@@ -210,7 +211,7 @@ def write_type_envelopes():
     doc = {
         "name": "p2_json_kombu53_types",
         "producer": "hand-written in the format of kombu >= 5.3 (kombu 5.2 does not emit __type__)",
-        "note": "bytes decode to []byte; datetime/date to time.Time; uuid, decimal and time to string",
+        "note": "bytes (UTF-8 text) and base64 decode to []byte; uuid (string or {hex}) to its canonical string; datetime/date to time.Time; uuid, decimal and time to string",
         "properties": {"content_type": "application/json", "content_encoding": "utf-8",
                        "correlation_id": tid, "delivery_mode": 2, "priority": 0},
         "headers": headers,
@@ -219,6 +220,7 @@ def write_type_envelopes():
         "expected": {
             "task": "tasks.typed", "id": tid,
             "args": [{"$time": "2031-05-01T12:00:00.123456+00:00"},
+                     "6c8f7f3e-0c9a-4c55-9f0e-3c2b1a0d9e8f",
                      "6c8f7f3e-0c9a-4c55-9f0e-3c2b1a0d9e8f", "12.50",
                      {"$bytes": "aGVsbG8="}, {"$bytes": "aGVsbG8="},
                      {"$time": "2031-05-01T00:00:00+00:00"}, "12:30:00"],

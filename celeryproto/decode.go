@@ -1,0 +1,494 @@
+package celeryproto
+
+import (
+	"fmt"
+	"math"
+	"time"
+)
+
+// Decoder decodes deliveries within its Limits. It is safe for concurrent use.
+type Decoder struct {
+	limits Limits
+}
+
+// NewDecoder returns a Decoder; a zero MaxBodyBytes means DefaultMaxBodyBytes.
+func NewDecoder(l Limits) *Decoder {
+	if l.MaxBodyBytes <= 0 {
+		l.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	return &Decoder{limits: l}
+}
+
+var defaultDecoder = NewDecoder(Limits{})
+
+// Decode decodes d with the default limits.
+func Decode(d *Delivery) (*Message, error) { return defaultDecoder.Decode(d) }
+
+// knownHeaders are the protocol 2 headers that become Message fields; the
+// others are kept in Message.Headers.
+var knownHeaders = map[string]struct{}{
+	"lang": {}, "task": {}, "id": {}, "shadow": {}, "eta": {}, "expires": {},
+	"group": {}, "group_index": {}, "retries": {}, "timelimit": {}, "root_id": {},
+	"parent_id": {}, "argsrepr": {}, "kwargsrepr": {}, "origin": {},
+	"ignore_result": {}, "stamped_headers": {}, "stamps": {}, "compression": {},
+}
+
+// Decode decodes one delivery into a Message. Protocol 2 is recognised by
+// the "task" header; otherwise the body must be a protocol 1 mapping with a
+// "task" key. A protocol 2 header set with a protocol 1 style body (a
+// mapping with "args") is the hybrid form: the body fields are read and the
+// headers override them. Every error is a *DecodeError.
+func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
+	if d == nil {
+		return nil, decodeErr(ErrShape, nil, "nil delivery")
+	}
+	if len(d.Body) > dec.limits.MaxBodyBytes {
+		return nil, decodeErr(ErrTooLarge, nil, "body of %d bytes exceeds the limit of %d", len(d.Body), dec.limits.MaxBodyBytes)
+	}
+	ser, err := serializerFor(d.ContentType)
+	if err != nil {
+		return nil, err
+	}
+	m := &Message{
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+		ReplyTo: d.ReplyTo, CorrelationID: d.CorrelationID, Priority: d.Priority,
+	}
+	body := d.Body
+	if c, ok := d.Headers["compression"]; ok && c != nil {
+		cs, ok := c.(string)
+		if !ok {
+			return nil, decodeErr(ErrBadHeader, nil, "header compression must be a string, got %s", typeName(c))
+		}
+		if body, err = decompress(cs, body, dec.limits.MaxBodyBytes); err != nil {
+			return nil, err
+		}
+		m.Compression = cs
+	}
+	payload, err := unmarshal(ser, body)
+	if err != nil {
+		return nil, decodeErr(ErrMalformed, err, "cannot decode %s body", ser)
+	}
+	if t, ok := d.Headers["task"]; ok && t != nil {
+		if bm, ok := payload.(map[string]any); ok {
+			if _, hybrid := bm["args"]; hybrid {
+				return m, dec.decodeV1(m, bm, d.Headers)
+			}
+		}
+		return m, dec.decodeV2(m, payload, d.Headers)
+	}
+	bm, ok := payload.(map[string]any)
+	if !ok {
+		return nil, decodeErr(ErrShape, nil, "no task header and the body is not a protocol 1 mapping, got %s", typeName(payload))
+	}
+	if _, ok := bm["task"]; !ok {
+		return nil, decodeErr(ErrShape, nil, "no task header and no task in the protocol 1 body")
+	}
+	return m, dec.decodeV1(m, bm, d.Headers)
+}
+
+func (dec *Decoder) decodeV2(m *Message, payload any, h map[string]any) error {
+	m.Protocol = 2
+	parts, ok := payload.([]any)
+	if !ok || len(parts) != 3 {
+		if ok {
+			return decodeErr(ErrShape, nil, "protocol 2 body must be a 3-element list, got %d elements", len(parts))
+		}
+		return decodeErr(ErrShape, nil, "protocol 2 body must be a 3-element list, got %s", typeName(payload))
+	}
+	var err error
+	if m.Args, err = argsValue("args", parts[0]); err != nil {
+		return err
+	}
+	if m.Kwargs, err = kwargsValue("kwargs", parts[1]); err != nil {
+		return err
+	}
+	if parts[2] != nil {
+		embed, ok := parts[2].(map[string]any)
+		if !ok {
+			return decodeErr(ErrShape, nil, "protocol 2 embed must be a mapping, got %s", typeName(parts[2]))
+		}
+		if err := m.readEmbed(embed, true); err != nil {
+			return err
+		}
+	}
+	return m.readFields(h, true)
+}
+
+func (dec *Decoder) decodeV1(m *Message, body map[string]any, h map[string]any) error {
+	m.Protocol = 1
+	var err error
+	if m.Args, err = argsValue("args", body["args"]); err != nil {
+		return err
+	}
+	if m.Kwargs, err = kwargsValue("kwargs", body["kwargs"]); err != nil {
+		return err
+	}
+	if err := m.readEmbed(body, false); err != nil {
+		return err
+	}
+	fields := body
+	if g, ok := body["taskset"]; ok && g != nil {
+		if _, has := body["group"]; !has || body["group"] == nil {
+			fields["group"] = g
+		}
+	}
+	if err := m.readFields(fields, false); err != nil {
+		return err
+	}
+	if len(h) > 0 {
+		// Hybrid: headers override the body's fields.
+		return m.readFields(h, true)
+	}
+	return nil
+}
+
+func (m *Message) readEmbed(e map[string]any, withChain bool) error {
+	var err error
+	if m.Callbacks, err = signatures("callbacks", e["callbacks"]); err != nil {
+		return err
+	}
+	if m.Errbacks, err = signatures("errbacks", e["errbacks"]); err != nil {
+		return err
+	}
+	if withChain {
+		if m.Chain, err = signatures("chain", e["chain"]); err != nil {
+			return err
+		}
+	}
+	if c := e["chord"]; c != nil {
+		s, err := signature("chord", c)
+		if err != nil {
+			return err
+		}
+		m.Chord = &s
+	}
+	return nil
+}
+
+// readFields reads the task fields from protocol 2 headers or a protocol 1
+// body. Absent keys leave the field as it is.
+func (m *Message) readFields(h map[string]any, keepCustom bool) error {
+	for k, v := range h {
+		var err error
+		switch k {
+		case "task":
+			m.Task, err = str(k, v)
+		case "id":
+			m.ID, err = str(k, v)
+		case "shadow":
+			m.Shadow, err = str(k, v)
+		case "root_id":
+			m.RootID, err = str(k, v)
+		case "parent_id":
+			m.ParentID, err = str(k, v)
+		case "group":
+			m.GroupID, err = str(k, v)
+		case "origin":
+			m.Origin, err = str(k, v)
+		case "argsrepr":
+			m.ArgsRepr, err = str(k, v)
+		case "kwargsrepr":
+			m.KwargsRepr, err = str(k, v)
+		case "eta":
+			m.ETA, err = timeValue(k, v)
+		case "expires":
+			m.Expires, err = timeValue(k, v)
+		case "retries":
+			var n int64
+			n, _, err = intValue(k, v)
+			m.Retries = int(n)
+		case "group_index":
+			var n int64
+			var ok bool
+			if n, ok, err = intValue(k, v); ok {
+				i := int(n)
+				m.GroupIndex = &i
+			}
+		case "timelimit":
+			m.TimeLimit, err = timeLimitValue(v)
+		case "ignore_result":
+			m.IgnoreResult, err = boolValue(k, v)
+		case "stamps":
+			if v != nil {
+				s, ok := v.(map[string]any)
+				if !ok {
+					err = decodeErr(ErrBadHeader, nil, "%s must be a mapping, got %s", k, typeName(v))
+				}
+				m.Stamps = s
+			}
+		case "stamped_headers":
+			m.StampedHeaders, err = stringList(k, v)
+		default:
+			if _, known := knownHeaders[k]; known || !keepCustom {
+				continue
+			}
+			if m.Headers == nil {
+				m.Headers = make(map[string]any)
+			}
+			m.Headers[k] = v
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func badField(k string, v any, want string) error {
+	return decodeErr(ErrBadHeader, nil, "%s must be %s, got %s", k, want, typeName(v))
+}
+
+func str(k string, v any) (string, error) {
+	switch x := v.(type) {
+	case nil:
+		return "", nil
+	case string:
+		return x, nil
+	case []byte:
+		return string(x), nil
+	}
+	return "", badField(k, v, "a string")
+}
+
+func boolValue(k string, v any) (bool, error) {
+	switch x := v.(type) {
+	case nil:
+		return false, nil
+	case bool:
+		return x, nil
+	}
+	if n, ok, err := intValue(k, v); err == nil && ok {
+		return n != 0, nil
+	}
+	return false, badField(k, v, "a bool")
+}
+
+// intValue accepts every integer width, integral floats and nil (ok false).
+func intValue(k string, v any) (int64, bool, error) {
+	switch x := v.(type) {
+	case nil:
+		return 0, false, nil
+	case int64:
+		return x, true, nil
+	case int:
+		return int64(x), true, nil
+	case int8:
+		return int64(x), true, nil
+	case int16:
+		return int64(x), true, nil
+	case int32:
+		return int64(x), true, nil
+	case uint8:
+		return int64(x), true, nil
+	case uint16:
+		return int64(x), true, nil
+	case uint32:
+		return int64(x), true, nil
+	case uint64:
+		if x <= math.MaxInt64 {
+			return int64(x), true, nil
+		}
+	case uint:
+		if uint64(x) <= math.MaxInt64 {
+			return int64(x), true, nil
+		}
+	case float64:
+		if x == math.Trunc(x) && math.Abs(x) < 1<<53 {
+			return int64(x), true, nil
+		}
+	case float32:
+		if float64(x) == math.Trunc(float64(x)) && math.Abs(float64(x)) < 1<<24 {
+			return int64(x), true, nil
+		}
+	}
+	return 0, false, badField(k, v, "an integer")
+}
+
+// seconds reads a time limit element: a number of seconds or nil.
+func seconds(v any) (time.Duration, error) {
+	var f float64
+	switch x := v.(type) {
+	case float64:
+		f = x
+	case float32:
+		f = float64(x)
+	default:
+		n, ok, err := intValue("timelimit element", v)
+		if err != nil || !ok {
+			return 0, err
+		}
+		f = float64(n)
+	}
+	if math.IsNaN(f) || f < 0 || f > float64(math.MaxInt64/int64(time.Second)) {
+		return 0, decodeErr(ErrBadHeader, nil, "timelimit element out of range: %v", f)
+	}
+	return time.Duration(f * float64(time.Second)), nil
+}
+
+func timeLimitValue(v any) (TimeLimit, error) {
+	var tl TimeLimit
+	if v == nil {
+		return tl, nil
+	}
+	list, ok := v.([]any)
+	if !ok {
+		switch x := v.(type) {
+		case []int64:
+			list = make([]any, len(x))
+			for i, e := range x {
+				list[i] = e
+			}
+		case []float64:
+			list = make([]any, len(x))
+			for i, e := range x {
+				list[i] = e
+			}
+		default:
+			return tl, badField("timelimit", v, "a [hard, soft] list")
+		}
+	}
+	if len(list) != 2 {
+		return tl, decodeErr(ErrBadHeader, nil, "timelimit must have 2 elements [hard, soft], got %d", len(list))
+	}
+	var err error
+	if tl.Hard, err = seconds(list[0]); err != nil {
+		return tl, err
+	}
+	if tl.Soft, err = seconds(list[1]); err != nil {
+		return tl, err
+	}
+	return tl, nil
+}
+
+func timeValue(k string, v any) (time.Time, error) {
+	switch x := v.(type) {
+	case nil:
+		return time.Time{}, nil
+	case time.Time:
+		return x.UTC(), nil
+	case string:
+		if x == "" {
+			return time.Time{}, nil
+		}
+		t, err := ParseTime(x)
+		if err != nil {
+			return time.Time{}, decodeErr(ErrBadHeader, err, "bad %s", k)
+		}
+		return t, nil
+	case []byte:
+		return timeValue(k, string(x))
+	}
+	return time.Time{}, badField(k, v, "an ISO 8601 time")
+}
+
+func stringList(k string, v any) ([]string, error) {
+	if v == nil {
+		return nil, nil
+	}
+	list, ok := v.([]any)
+	if !ok {
+		return nil, badField(k, v, "a list of strings")
+	}
+	out := make([]string, 0, len(list))
+	for _, e := range list {
+		s, ok := e.(string)
+		if !ok {
+			return nil, badField(k+" element", e, "a string")
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func argsValue(k string, v any) ([]any, error) {
+	switch x := v.(type) {
+	case nil:
+		return []any{}, nil
+	case []any:
+		return x, nil
+	}
+	return nil, decodeErr(ErrShape, nil, "%s must be a list, got %s", k, typeName(v))
+}
+
+func kwargsValue(k string, v any) (map[string]any, error) {
+	switch x := v.(type) {
+	case nil:
+		return map[string]any{}, nil
+	case map[string]any:
+		return x, nil
+	}
+	return nil, decodeErr(ErrShape, nil, "%s must be a mapping, got %s", k, typeName(v))
+}
+
+func signatures(k string, v any) ([]Signature, error) {
+	if v == nil {
+		return nil, nil
+	}
+	list, ok := v.([]any)
+	if !ok {
+		return nil, decodeErr(ErrShape, nil, "embed %s must be a list of signatures, got %s", k, typeName(v))
+	}
+	out := make([]Signature, 0, len(list))
+	for _, e := range list {
+		s, err := signature(k, e)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func signature(k string, v any) (Signature, error) {
+	var s Signature
+	m, ok := v.(map[string]any)
+	if !ok {
+		return s, decodeErr(ErrShape, nil, "%s signature must be a mapping, got %s", k, typeName(v))
+	}
+	var err error
+	if s.Task, err = str(k+".task", m["task"]); err != nil {
+		return s, err
+	}
+	if s.Args, err = argsValue(k+".args", m["args"]); err != nil {
+		return s, err
+	}
+	if s.Kwargs, err = kwargsValue(k+".kwargs", m["kwargs"]); err != nil {
+		return s, err
+	}
+	if s.Options, err = kwargsValue(k+".options", m["options"]); err != nil {
+		return s, err
+	}
+	if s.SubtaskType, err = str(k+".subtask_type", m["subtask_type"]); err != nil {
+		return s, err
+	}
+	if s.Immutable, err = boolValue(k+".immutable", m["immutable"]); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+// typeName names a decoded value's type the way the wire would: object,
+// array, string, number, ...
+func typeName(v any) string {
+	switch v.(type) {
+	case nil:
+		return "null"
+	case map[string]any:
+		return "object"
+	case []any:
+		return "array"
+	case string:
+		return "string"
+	case bool:
+		return "bool"
+	case int, int8, int16, int32, int64, uint, uint8, uint16, uint32, uint64:
+		return "integer"
+	case float32, float64:
+		return "number"
+	case []byte:
+		return "bytes"
+	case time.Time:
+		return "time"
+	}
+	return fmt.Sprintf("%T", v)
+}

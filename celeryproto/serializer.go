@@ -1,0 +1,153 @@
+package celeryproto
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+	yaml "go.yaml.in/yaml/v3"
+)
+
+// Content types of the serializers Celery uses.
+const (
+	ContentTypeJSON    = "application/json"
+	ContentTypeMsgpack = "application/x-msgpack"
+	ContentTypeYAML    = "application/x-yaml"
+	ContentTypePickle  = "application/x-python-serialize"
+)
+
+// serializerFor maps a content type (with kombu's aliases) to a serializer name.
+func serializerFor(contentType string) (string, error) {
+	ct := strings.ToLower(strings.TrimSpace(contentType))
+	if i := strings.IndexByte(ct, ';'); i >= 0 {
+		ct = strings.TrimSpace(ct[:i])
+	}
+	switch ct {
+	case ContentTypeJSON, "json", "application/data", "text/json":
+		return "json", nil
+	case ContentTypeMsgpack, "msgpack", "application/msgpack":
+		return "msgpack", nil
+	case ContentTypeYAML, "yaml", "application/yaml", "text/yaml":
+		return "yaml", nil
+	case ContentTypePickle, "pickle", "application/python-pickle":
+		return "", decodeErr(ErrPickle, nil, "unsupported content type %q: pickle is never decoded", contentType)
+	default:
+		return "", decodeErr(ErrUnsupportedContentType, nil, "unsupported content type %q", truncate(contentType, 100))
+	}
+}
+
+func unmarshal(serializer string, data []byte) (any, error) {
+	switch serializer {
+	case "json":
+		return decodeJSON(data)
+	case "msgpack":
+		dec := msgpack.NewDecoder(bytes.NewReader(data))
+		v, err := dec.DecodeInterface()
+		if err != nil {
+			return nil, err
+		}
+		if _, err := dec.PeekCode(); err == nil {
+			return nil, errors.New("trailing data after msgpack value")
+		}
+		return normalize(v, 0)
+	case "yaml":
+		var v any
+		if err := yaml.Unmarshal(data, &v); err != nil {
+			return nil, err
+		}
+		return normalize(v, 0)
+	}
+	return nil, fmt.Errorf("unknown serializer %q", serializer)
+}
+
+// normalize converts msgpack and YAML values to the package's value types:
+// integers of any width to int64 (float64 past its range), float32 to
+// float64, maps to map[string]any.
+func normalize(v any, depth int) (any, error) {
+	if depth > maxDepth {
+		return nil, fmt.Errorf("nesting deeper than %d", maxDepth)
+	}
+	switch x := v.(type) {
+	case nil, bool, string, int64, float64, []byte, time.Time:
+		return x, nil
+	case int:
+		return int64(x), nil
+	case int8:
+		return int64(x), nil
+	case int16:
+		return int64(x), nil
+	case int32:
+		return int64(x), nil
+	case uint:
+		return uintValue(uint64(x)), nil
+	case uint8:
+		return int64(x), nil
+	case uint16:
+		return int64(x), nil
+	case uint32:
+		return int64(x), nil
+	case uint64:
+		return uintValue(x), nil
+	case float32:
+		return float64(x), nil
+	case []any:
+		for i, e := range x {
+			n, err := normalize(e, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			x[i] = n
+		}
+		return x, nil
+	case map[string]any:
+		for k, e := range x {
+			n, err := normalize(e, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			x[k] = n
+		}
+		return x, nil
+	case map[any]any:
+		out := make(map[string]any, len(x))
+		for k, e := range x {
+			n, err := normalize(e, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			out[keyString(k)] = n
+		}
+		return out, nil
+	default:
+		return nil, fmt.Errorf("unsupported value of type %T", v)
+	}
+}
+
+func uintValue(u uint64) any {
+	if u > math.MaxInt64 {
+		return float64(u)
+	}
+	return int64(u)
+}
+
+func keyString(k any) string {
+	switch x := k.(type) {
+	case string:
+		return x
+	case []byte:
+		return string(x)
+	case nil:
+		return "None"
+	case bool:
+		if x {
+			return "True"
+		}
+		return "False"
+	default:
+		return fmt.Sprint(x)
+	}
+}
