@@ -1,0 +1,353 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+)
+
+// The batcher is a group commit: Claim and Complete calls queue up; a
+// flusher takes what is queued (at most MaxSize of each kind, one per key)
+// and writes it as one claim statement and one complete statement, sent as
+// one pipeline with a single Sync, so they commit together in one implicit
+// transaction. A flusher starts as soon as something is queued and it is
+// free; while it writes, new calls queue for the next flush.
+
+type opState int
+
+const (
+	opQueued opState = iota
+	opTaken
+	opCancelled
+)
+
+type claimOp struct {
+	p     ClaimParams
+	token Token
+	state opState // guarded by batcher.mu
+	done  chan claimResult
+}
+
+type claimResult struct {
+	c   Claim
+	err error
+}
+
+type completeOp struct {
+	ref    Ref
+	result *string
+	state  opState
+	done   chan completeResult
+}
+
+type completeResult struct {
+	ok  bool
+	err error
+}
+
+type opKey struct{ task, key string }
+
+type batcher struct {
+	s   *Store
+	cfg BatchConfig
+
+	mu        sync.Mutex
+	claims    []*claimOp
+	completes []*completeOp
+	closed    bool
+
+	wake chan struct{}
+	quit chan struct{}
+	wg   sync.WaitGroup
+}
+
+func newBatcher(s *Store, cfg BatchConfig) *batcher {
+	b := &batcher{s: s, cfg: cfg, wake: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
+	for range cfg.Flushers {
+		b.wg.Go(b.run)
+	}
+	return b
+}
+
+func (b *batcher) close() {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return
+	}
+	b.closed = true
+	b.mu.Unlock()
+	close(b.quit)
+	b.wg.Wait()
+	b.mu.Lock()
+	claims, completes := b.claims, b.completes
+	b.claims, b.completes = nil, nil
+	b.mu.Unlock()
+	for _, op := range claims {
+		op.done <- claimResult{err: ErrClosed}
+	}
+	for _, op := range completes {
+		op.done <- completeResult{err: ErrClosed}
+	}
+}
+
+func (b *batcher) signal() {
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
+	op := &claimOp{p: p, token: newToken(), done: make(chan claimResult, 1)}
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return Claim{}, ErrClosed
+	}
+	b.claims = append(b.claims, op)
+	b.mu.Unlock()
+	b.signal()
+	select {
+	case r := <-op.done:
+		return r.c, r.err
+	case <-ctx.Done():
+		if b.cancel(&op.state) {
+			return Claim{}, fmt.Errorf("claim: %w", context.Cause(ctx))
+		}
+		return Claim{}, fmt.Errorf("claim: %w", &unknownError{err: context.Cause(ctx)})
+	}
+}
+
+func (b *batcher) complete(ctx context.Context, ref Ref, res *string) (bool, error) {
+	op := &completeOp{ref: ref, result: res, done: make(chan completeResult, 1)}
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return false, ErrClosed
+	}
+	b.completes = append(b.completes, op)
+	b.mu.Unlock()
+	b.signal()
+	select {
+	case r := <-op.done:
+		return r.ok, r.err
+	case <-ctx.Done():
+		if b.cancel(&op.state) {
+			return false, fmt.Errorf("complete: %w", context.Cause(ctx))
+		}
+		return false, fmt.Errorf("complete: %w", &unknownError{err: context.Cause(ctx)})
+	}
+}
+
+// cancel marks a queued op cancelled; false when a flusher already took it.
+func (b *batcher) cancel(st *opState) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if *st == opQueued {
+		*st = opCancelled
+		return true
+	}
+	return false
+}
+
+func (b *batcher) run() {
+	for {
+		select {
+		case <-b.quit:
+			return
+		case <-b.wake:
+		}
+		for {
+			claims, completes, more := b.take()
+			if len(claims) == 0 && len(completes) == 0 {
+				break
+			}
+			if more {
+				b.signal() // let another flusher start on the rest
+			}
+			b.flush(claims, completes)
+		}
+	}
+}
+
+// take removes up to MaxSize claims and completions from the queue, at most
+// one per key of each kind (repeats wait for the next flush, which sees
+// this one's outcome), and reports whether more are left.
+func (b *batcher) take() ([]*claimOp, []*completeOp, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var claims []*claimOp
+	seen := map[opKey]bool{}
+	rest := b.claims[:0]
+	for _, op := range b.claims {
+		k := opKey{op.p.Task, op.p.Key}
+		switch {
+		case op.state == opCancelled:
+		case len(claims) >= b.cfg.MaxSize || seen[k]:
+			rest = append(rest, op)
+		default:
+			seen[k] = true
+			op.state = opTaken
+			claims = append(claims, op)
+		}
+	}
+	clear(b.claims[len(rest):])
+	b.claims = rest
+
+	var completes []*completeOp
+	clear(seen)
+	crest := b.completes[:0]
+	for _, op := range b.completes {
+		k := opKey{op.ref.Task, op.ref.Key}
+		switch {
+		case op.state == opCancelled:
+		case len(completes) >= b.cfg.MaxSize || seen[k]:
+			crest = append(crest, op)
+		default:
+			seen[k] = true
+			op.state = opTaken
+			completes = append(completes, op)
+		}
+	}
+	clear(b.completes[len(crest):])
+	b.completes = crest
+	return claims, completes, len(b.claims) > 0 || len(b.completes) > 0
+}
+
+func (b *batcher) fail(claims []*claimOp, completes []*completeOp, err error) {
+	for _, op := range claims {
+		select {
+		case op.done <- claimResult{err: err}:
+		default:
+		}
+	}
+	for _, op := range completes {
+		select {
+		case op.done <- completeResult{err: err}:
+		default:
+		}
+	}
+}
+
+// flush writes one batch, retrying a deadlock or serialization failure
+// (the whole implicit transaction rolled back), and answers every caller.
+func (b *batcher) flush(claims []*claimOp, completes []*completeOp) {
+	var err error
+	for attempt := range 3 {
+		var cr []claimRow
+		var ck map[opKey]bool
+		cr, ck, err = b.write(claims, completes)
+		if err == nil {
+			b.answer(claims, completes, cr, ck)
+			return
+		}
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || (pgErr.Code != "40P01" && pgErr.Code != "40001") {
+			break
+		}
+		b.s.log.Debug("idempotency batch conflict, retrying", zap.Int("attempt", attempt+1), zap.Error(err))
+	}
+	b.s.log.Warn("idempotency batch failed", zap.Int("claims", len(claims)),
+		zap.Int("completes", len(completes)), zap.Error(err))
+	b.fail(claims, completes, writeError("batch", err))
+}
+
+func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow, map[opKey]bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.Timeout)
+	defer cancel()
+	batch := &pgx.Batch{}
+	if n := len(claims); n > 0 {
+		tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
+		owners, ids := make([]string, n), make([]string, n)
+		fps, msgs := make([][]byte, n), make([][]byte, n)
+		leases := make([]int64, n)
+		for i, op := range claims {
+			tasks[i], keys[i], tokens[i] = op.p.Task, op.p.Key, string(op.token)
+			owners[i], ids[i] = op.p.Owner, op.p.TaskID
+			fps[i], msgs[i], leases[i] = op.p.Fingerprint, op.p.Message, op.p.Lease.Microseconds()
+			if fps[i] == nil {
+				fps[i] = []byte{}
+			}
+		}
+		batch.Queue(b.s.q.claimBatch, tasks, keys, tokens, owners, ids, fps, leases, msgs)
+	}
+	if n := len(completes); n > 0 {
+		tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
+		results := make([]*string, n)
+		for i, op := range completes {
+			tasks[i], keys[i], tokens[i], results[i] = op.ref.Task, op.ref.Key, string(op.ref.Token), op.result
+		}
+		batch.Queue(b.s.q.complete, tasks, keys, tokens, results)
+	}
+	res := b.s.pool.SendBatch(ctx, batch)
+	var rows []claimRow
+	var completed map[opKey]bool
+	err := func() error {
+		if len(claims) > 0 {
+			rs, err := res.Query()
+			if err != nil {
+				return err
+			}
+			rows = make([]claimRow, 0, len(claims))
+			for rs.Next() {
+				var r claimRow
+				if err := r.scan(rs); err != nil {
+					rs.Close()
+					return err
+				}
+				rows = append(rows, r)
+			}
+			rs.Close()
+			if err := rs.Err(); err != nil {
+				return err
+			}
+		}
+		if len(completes) > 0 {
+			rs, err := res.Query()
+			if err != nil {
+				return err
+			}
+			completed = make(map[opKey]bool, len(completes))
+			for rs.Next() {
+				var k opKey
+				if err := rs.Scan(&k.task, &k.key); err != nil {
+					rs.Close()
+					return err
+				}
+				completed[k] = true
+			}
+			rs.Close()
+			return rs.Err()
+		}
+		return nil
+	}()
+	// Close reads up to ReadyForQuery: only then has the transaction committed.
+	if cerr := res.Close(); err == nil {
+		err = cerr
+	}
+	return rows, completed, err
+}
+
+func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows []claimRow, completed map[opKey]bool) {
+	byKey := make(map[opKey]*claimRow, len(rows))
+	for i := range rows {
+		byKey[opKey{rows[i].task, rows[i].key}] = &rows[i]
+	}
+	for _, op := range claims {
+		r, ok := byKey[opKey{op.p.Task, op.p.Key}]
+		if !ok {
+			op.done <- claimResult{err: errors.New("idempotency: batch returned no row for a claim")}
+			continue
+		}
+		op.done <- claimResult{c: r.claim(op.token)}
+	}
+	for _, op := range completes {
+		op.done <- completeResult{ok: completed[opKey{op.ref.Task, op.ref.Key}]}
+	}
+}

@@ -1,0 +1,250 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+)
+
+// querier is what the statements run on: the pool or a transaction.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Claim claims the operation (p.Task, p.Key) for this delivery in one round
+// trip and says what it found: OutcomeFirst (claimed now, run it, with a
+// fresh token; a failed or released record is claimed again),
+// OutcomeCompleted (with the stored result), OutcomeInProgress,
+// OutcomeStale (the claimant's lease lapsed: apply the task's policy, see
+// ApplyPolicy), OutcomeMismatch, OutcomeHeld or OutcomeSkipped. A
+// duplicate (completed or in progress) is counted.
+//
+// With batching on, concurrent claims are written together; each caller
+// still gets its own exact outcome.
+func (s *Store) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
+	if err := p.validate(); err != nil {
+		return Claim{}, err
+	}
+	if s.batch != nil && !p.AllowMismatch {
+		return s.batch.claim(ctx, p)
+	}
+	return s.claimOne(ctx, s.pool, p, false)
+}
+
+// TakeOver is Claim that also takes over a stale claim, atomically: of
+// several deliveries taking over the same lapsed claim exactly one gets
+// OutcomeFirst (a new token, the attempt bumped, a takeover counted); the
+// others see OutcomeInProgress. The old owner is fenced out. Use it for the
+// retry and lookup policies.
+func (s *Store) TakeOver(ctx context.Context, p ClaimParams) (Claim, error) {
+	if err := p.validate(); err != nil {
+		return Claim{}, err
+	}
+	return s.claimOne(ctx, s.pool, p, true)
+}
+
+func (s *Store) claimOne(ctx context.Context, q querier, p ClaimParams, takeover bool) (Claim, error) {
+	token := newToken()
+	row := q.QueryRow(ctx, s.q.claimOne, p.Task, p.Key, string(token), p.Owner, p.TaskID,
+		p.Fingerprint, p.Lease.Microseconds(), p.Message, takeover, p.AllowMismatch)
+	var r claimRow
+	if err := r.scan(row); err != nil {
+		return Claim{}, writeError("claim", err)
+	}
+	return r.claim(token), nil
+}
+
+type claimRow struct {
+	task, key, status, token string
+	attempt                  int32
+	result                   []byte
+	errText                  string
+	leaseUntil               *time.Time
+	owner, taskID, note      string
+}
+
+func (r *claimRow) scan(row pgx.Row) error {
+	return row.Scan(&r.task, &r.key, &r.status, &r.token, &r.attempt, &r.result, &r.errText,
+		&r.leaseUntil, &r.owner, &r.taskID, &r.note)
+}
+
+func (r *claimRow) claim(mine Token) Claim {
+	c := Claim{
+		Token:   Token(r.token),
+		Attempt: int(r.attempt),
+		Status:  Status(r.status),
+		Result:  r.result,
+		Error:   r.errText,
+		Owner:   r.owner,
+		TaskID:  r.taskID,
+	}
+	if r.leaseUntil != nil {
+		c.LeaseUntil = *r.leaseUntil
+	}
+	switch r.note {
+	case "first", "takeover":
+		c.Outcome = OutcomeFirst
+		if Token(r.token) != mine {
+			// Cannot happen: the row was claimed with another token.
+			c.Outcome = OutcomeInProgress
+		}
+	case "completed":
+		c.Outcome = OutcomeCompleted
+	case "in_progress":
+		c.Outcome = OutcomeInProgress
+	case "stale":
+		c.Outcome = OutcomeStale
+	case "mismatch":
+		c.Outcome = OutcomeMismatch
+	case "held":
+		c.Outcome = OutcomeHeld
+	case "skipped":
+		c.Outcome = OutcomeSkipped
+	}
+	if c.Outcome != OutcomeFirst && c.Outcome != OutcomeStale {
+		c.Token = ""
+	}
+	return c
+}
+
+// Policy decides what happens to a stale claim (a claimant whose lease
+// lapsed, typically a crashed worker) of an outside-system task.
+type Policy int
+
+// The stale-claim policies. The zero value is PolicyHold, the safe default.
+const (
+	// PolicyHold records the operation as held, keeps the message to replay
+	// it, and waits for a person.
+	PolicyHold Policy = iota
+	// PolicyRetry takes over and runs again: the rare duplicate, counted.
+	PolicyRetry
+	// PolicySkip records the operation as skipped and does not run it: the
+	// rare miss, counted.
+	PolicySkip
+	// PolicyLookup takes over and asks the outside system whether the
+	// operation happened: found completes it with that result, not found
+	// runs it again, an error falls back to the fallback policy.
+	PolicyLookup
+)
+
+// String returns the policy's name.
+func (p Policy) String() string {
+	switch p {
+	case PolicyHold:
+		return "hold"
+	case PolicyRetry:
+		return "retry"
+	case PolicySkip:
+		return "skip"
+	case PolicyLookup:
+		return "lookup"
+	}
+	return fmt.Sprintf("Policy(%d)", int(p))
+}
+
+// LookupFunc asks the outside system whether the operation with this key
+// happened, and if so what its result (JSON) is.
+type LookupFunc func(ctx context.Context, key string) (result []byte, found bool, err error)
+
+// StalePolicy is a task's declared answer to a stale claim.
+type StalePolicy struct {
+	Policy Policy
+	// Fallback applies when Lookup returns an error. PolicyLookup here
+	// means PolicyHold.
+	Fallback Policy
+	// Lookup is required by PolicyLookup.
+	Lookup LookupFunc
+	// Reason is recorded on skipped and held records.
+	Reason string
+}
+
+// ApplyPolicy settles a stale claim (stale is the OutcomeStale answer of
+// Claim for p) by the task's policy. It returns OutcomeFirst with a token
+// when the caller must run the task, OutcomeCompleted when the lookup found
+// the operation done (recorded with its result), OutcomeSkipped or
+// OutcomeHeld when recorded so, or whatever another delivery got to first
+// (for example OutcomeInProgress when it won the takeover).
+func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp StalePolicy) (Claim, error) {
+	if err := p.validate(); err != nil {
+		return Claim{}, err
+	}
+	if stale.Outcome != OutcomeStale {
+		return stale, nil
+	}
+	reason := sp.Reason
+	if reason == "" {
+		reason = "stale claim: policy " + sp.Policy.String()
+	}
+	switch sp.Policy {
+	case PolicyRetry:
+		return s.TakeOver(ctx, p)
+	case PolicySkip:
+		return s.settle(ctx, p, p.Ref(stale.Token), PolicySkip, reason, stale)
+	case PolicyLookup:
+		if sp.Lookup == nil {
+			return Claim{}, errors.New("idempotency: policy lookup without a lookup function")
+		}
+		c, err := s.TakeOver(ctx, p)
+		if err != nil || c.Outcome != OutcomeFirst {
+			return c, err
+		}
+		result, found, lerr := sp.Lookup(ctx, p.Key)
+		switch {
+		case lerr == nil && found:
+			if err := s.Complete(ctx, p.Ref(c.Token), result); err != nil {
+				return Claim{}, fmt.Errorf("complete after lookup: %w", err)
+			}
+			c.Outcome, c.Status, c.Result, c.Token = OutcomeCompleted, StatusCompleted, result, ""
+			return c, nil
+		case lerr == nil:
+			return c, nil // not found: run it again, under the new claim
+		}
+		s.log.Warn("idempotency lookup failed, applying fallback policy",
+			zap.String("task", p.Task), zap.String("fallback", sp.Fallback.String()), zap.Error(lerr))
+		switch sp.Fallback {
+		case PolicyRetry:
+			return c, nil
+		case PolicySkip:
+			return s.settle(ctx, p, p.Ref(c.Token), PolicySkip, reason+" (lookup failed)", c)
+		default:
+			return s.settle(ctx, p, p.Ref(c.Token), PolicyHold, reason+" (lookup failed)", c)
+		}
+	default:
+		return s.settle(ctx, p, p.Ref(stale.Token), PolicyHold, reason, stale)
+	}
+}
+
+// Ref returns the Ref of this operation with token t.
+func (p ClaimParams) Ref(t Token) Ref { return Ref{Task: p.Task, Key: p.Key, Token: t} }
+
+// settle records the claim ref as skipped or held; when another delivery
+// moved the record first, it reports the record as Claim finds it now.
+func (s *Store) settle(ctx context.Context, p ClaimParams, ref Ref, pol Policy, reason string, c Claim) (Claim, error) {
+	var err error
+	if pol == PolicySkip {
+		err = s.Skip(ctx, ref, reason)
+	} else {
+		err = s.Hold(ctx, ref, p.Message, reason)
+	}
+	switch {
+	case err == nil:
+		c.Token, c.LeaseUntil = "", time.Time{}
+		if pol == PolicySkip {
+			c.Outcome, c.Status = OutcomeSkipped, StatusSkipped
+		} else {
+			c.Outcome, c.Status = OutcomeHeld, StatusHeld
+		}
+		return c, nil
+	case errors.Is(err, ErrFenced):
+		return s.claimOne(ctx, s.pool, p, false)
+	default:
+		return Claim{}, err
+	}
+}

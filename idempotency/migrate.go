@@ -1,0 +1,111 @@
+package idempotency
+
+import (
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// Migration is one versioned schema change, embedded in the binary.
+type Migration struct {
+	Version int
+	Name    string
+	SQL     string // with the placeholder __SCHEMA__ for the schema
+}
+
+// Migrations returns the embedded migrations in version order.
+func Migrations() ([]Migration, error) {
+	entries, err := fs.ReadDir(migrationFiles, "migrations")
+	if err != nil {
+		return nil, fmt.Errorf("read migrations: %w", err)
+	}
+	var ms []Migration
+	for _, e := range entries {
+		name := e.Name()
+		num, rest, ok := strings.Cut(name, "_")
+		if !ok || !strings.HasSuffix(rest, ".sql") {
+			return nil, fmt.Errorf("migration %q: name must be NNNN_name.sql", name)
+		}
+		v, err := strconv.Atoi(num)
+		if err != nil {
+			return nil, fmt.Errorf("migration %q: version: %w", name, err)
+		}
+		b, err := migrationFiles.ReadFile("migrations/" + name)
+		if err != nil {
+			return nil, fmt.Errorf("read migration %q: %w", name, err)
+		}
+		ms = append(ms, Migration{Version: v, Name: strings.TrimSuffix(rest, ".sql"), SQL: string(b)})
+	}
+	sort.Slice(ms, func(i, j int) bool { return ms[i].Version < ms[j].Version })
+	return ms, nil
+}
+
+// Migrate creates the schema and applies the migrations not yet applied, in
+// one transaction. It is idempotent and safe to run from several processes
+// at once: a transaction-scoped advisory lock per schema serializes them.
+func (s *Store) Migrate(ctx context.Context) error {
+	ms, err := Migrations()
+	if err != nil {
+		return err
+	}
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('onceler.idempotency.migrate:' || $1, 0))`, s.name); err != nil {
+		return fmt.Errorf("migrate: lock: %w", err)
+	}
+	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+s.schema); err != nil {
+		return fmt.Errorf("migrate: create schema: %w", err)
+	}
+	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.schema+`.migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+		return fmt.Errorf("migrate: create migrations table: %w", err)
+	}
+	applied := map[int]bool{}
+	rows, err := tx.Query(ctx, `SELECT version FROM `+s.schema+`.migrations`)
+	if err != nil {
+		return fmt.Errorf("migrate: read applied: %w", err)
+	}
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return fmt.Errorf("migrate: read applied: %w", err)
+	}
+	for _, v := range versions {
+		applied[int(v)] = true
+	}
+	n := 0
+	for _, m := range ms {
+		if applied[m.Version] {
+			continue
+		}
+		if _, err := tx.Exec(ctx, strings.ReplaceAll(m.SQL, "__SCHEMA__", s.schema)); err != nil {
+			return fmt.Errorf("migrate: apply %04d_%s: %w", m.Version, m.Name, err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.schema+`.migrations (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
+			return fmt.Errorf("migrate: record %04d_%s: %w", m.Version, m.Name, err)
+		}
+		n++
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return writeError("migrate: commit", err)
+	}
+	if n > 0 {
+		s.log.Info("idempotency schema migrated", zap.Int("applied", n))
+	}
+	return nil
+}

@@ -1,0 +1,258 @@
+package idempotency
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+func checkResult(result []byte) (*string, error) {
+	if result == nil {
+		return nil, nil
+	}
+	if !json.Valid(result) {
+		return nil, ErrInvalidResult
+	}
+	r := string(result)
+	return &r, nil
+}
+
+// Complete records the operation as completed with its JSON result (nil
+// for none). It fails with ErrFenced when ref.Token is no longer the current
+// claim (taken over, failed, released); completing again with the same
+// token is a no-op. An error that may have committed is ErrUnknownOutcome.
+func (s *Store) Complete(ctx context.Context, ref Ref, result []byte) error {
+	res, err := checkResult(result)
+	if err != nil {
+		return fmt.Errorf("complete: %w", err)
+	}
+	var done bool
+	if s.batch != nil {
+		done, err = s.batch.complete(ctx, ref, res)
+	} else {
+		done, err = s.completeOne(ctx, s.pool, ref, res)
+	}
+	if err != nil {
+		return err
+	}
+	if !done {
+		return s.checkFenced(ctx, ref, StatusCompleted)
+	}
+	return nil
+}
+
+func (s *Store) completeOne(ctx context.Context, q querier, ref Ref, res *string) (bool, error) {
+	rows, err := q.Query(ctx, s.q.complete, []string{ref.Task}, []string{ref.Key},
+		[]string{string(ref.Token)}, []*string{res})
+	if err != nil {
+		return false, writeError("complete", err)
+	}
+	n := 0
+	for rows.Next() {
+		n++
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return false, writeError("complete", err)
+	}
+	return n == 1, nil
+}
+
+// checkFenced explains why a write on ref changed no row: nil when the
+// record already is in state done with ref's token (a repeated call),
+// ErrNotFound, or ErrFenced.
+func (s *Store) checkFenced(ctx context.Context, ref Ref, done Status) error {
+	var status, token string
+	err := s.pool.QueryRow(ctx, s.q.state, ref.Task, ref.Key).Scan(&status, &token)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ErrNotFound
+	}
+	if err != nil {
+		return fmt.Errorf("read record state: %w", err)
+	}
+	if Token(token) == ref.Token && Status(status) == done {
+		return nil
+	}
+	return fmt.Errorf("%w (record is %s)", ErrFenced, status)
+}
+
+// exec runs a fencing write that returns its count of changed rows.
+func (s *Store) fenced(ctx context.Context, op string, ref Ref, done Status, sql string, args ...any) error {
+	var n int64
+	if err := s.pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+		return writeError(op, err)
+	}
+	if n == 0 {
+		if err := s.checkFenced(ctx, ref, done); err != nil {
+			return fmt.Errorf("%s: %w", op, err)
+		}
+	}
+	return nil
+}
+
+// Fail releases the claim as failed, keeping errText, so that a later
+// delivery may claim it again. The failure is counted.
+func (s *Store) Fail(ctx context.Context, ref Ref, errText string) error {
+	return s.fenced(ctx, "fail", ref, StatusFailed, s.q.fail, ref.Task, ref.Key, string(ref.Token), errText)
+}
+
+// Skip records the claim as skipped (abandoned by policy); counted.
+func (s *Store) Skip(ctx context.Context, ref Ref, reason string) error {
+	return s.fenced(ctx, "skip", ref, StatusSkipped, s.q.skip, ref.Task, ref.Key, string(ref.Token), reason)
+}
+
+// Hold records the claim as held for a person to resolve, keeping message
+// (when not nil) to replay it; counted.
+func (s *Store) Hold(ctx context.Context, ref Ref, message []byte, reason string) error {
+	return s.fenced(ctx, "hold", ref, StatusHeld, s.q.hold, ref.Task, ref.Key, string(ref.Token), message, reason)
+}
+
+// Release makes the claim claimable again without counting a failure, for
+// a task that asked to be retried later.
+func (s *Store) Release(ctx context.Context, ref Ref) error {
+	tag, err := s.pool.Exec(ctx, s.q.release, ref.Task, ref.Key, string(ref.Token))
+	if err != nil {
+		return writeError("release", err)
+	}
+	if tag.RowsAffected() == 0 {
+		if err := s.checkFenced(ctx, ref, StatusFailed); err != nil {
+			return fmt.Errorf("release: %w", err)
+		}
+	}
+	return nil
+}
+
+// Renew extends the lease of a current claim to now + lease. It fails with
+// ErrFenced when the token is not current or the lease already lapsed.
+func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
+	tag, err := s.pool.Exec(ctx, s.q.renew, ref.Task, ref.Key, string(ref.Token), lease.Microseconds())
+	if err != nil {
+		return fmt.Errorf("renew: %w", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("renew: %w", ErrFenced)
+	}
+	return nil
+}
+
+// Keep renews the lease of ref every lease/3 while the task runs, and
+// returns a context for the task. When the lease cannot be renewed before
+// it lapses (counted from the call to Keep, so call it right after the
+// claim), or the claim is fenced, the context is cancelled with cause
+// ErrLeaseLost (see context.Cause) and the task must not complete. The
+// returned stop function ends the heartbeat, waits for it, and cancels the
+// context; call it before Complete or Fail (with the caller's context).
+func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context.Context, func()) {
+	kctx, cancel := context.WithCancelCause(ctx)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.keep(kctx, cancel, stop, ref, lease)
+	}()
+	var once sync.Once
+	return kctx, func() {
+		once.Do(func() {
+			close(stop)
+			<-done
+			cancel(context.Canceled)
+		})
+	}
+}
+
+func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <-chan struct{}, ref Ref, lease time.Duration) {
+	deadline := time.Now().Add(lease)
+	interval := lease / 3
+	t := time.NewTimer(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for {
+			start := time.Now()
+			rctx, rcancel := context.WithDeadline(ctx, deadline)
+			err := s.Renew(rctx, ref, lease)
+			rcancel()
+			if err == nil {
+				deadline = start.Add(lease)
+				break
+			}
+			if errors.Is(err, ErrFenced) || !time.Now().Before(deadline) || ctx.Err() != nil {
+				s.log.Warn("idempotency lease lost", zap.String("task", ref.Task), zap.Error(err))
+				cancel(fmt.Errorf("%w: %w", ErrLeaseLost, err))
+				return
+			}
+			s.log.Info("idempotency lease renewal failed, retrying", zap.String("task", ref.Task), zap.Error(err))
+			wait := min(interval/4, time.Until(deadline))
+			t.Reset(max(wait, time.Millisecond))
+			select {
+			case <-stop:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+		t.Reset(interval)
+	}
+}
+
+// RunTx runs a same-database task: the claim, fn's effect (through tx) and
+// the completion commit in one transaction, so no lease is needed. A
+// concurrent duplicate blocks on the record's unique key and then sees
+// OutcomeCompleted. When the claim finds anything but a claimable record,
+// fn does not run and that outcome is returned (a duplicate is counted).
+// An error from fn rolls everything back (no record, no effect) and is
+// returned. On success the Claim has OutcomeFirst, StatusCompleted and the
+// result. A commit that may have succeeded is ErrUnknownOutcome.
+func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Context, tx pgx.Tx) ([]byte, error)) (Claim, error) {
+	if err := p.validate(); err != nil {
+		return Claim{}, err
+	}
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return Claim{}, fmt.Errorf("run tx: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	c, err := s.claimOne(ctx, tx, p, false)
+	if err != nil {
+		return Claim{}, err
+	}
+	if c.Outcome != OutcomeFirst {
+		if err := tx.Commit(ctx); err != nil { // keeps the duplicate count
+			return c, writeError("run tx: commit", err)
+		}
+		return c, nil
+	}
+	result, err := fn(ctx, tx)
+	if err != nil {
+		return Claim{}, err
+	}
+	res, err := checkResult(result)
+	if err != nil {
+		return Claim{}, fmt.Errorf("run tx: %w", err)
+	}
+	ok, err := s.completeOne(ctx, tx, p.Ref(c.Token), res)
+	if err != nil {
+		return Claim{}, err
+	}
+	if !ok {
+		return Claim{}, fmt.Errorf("run tx: %w", ErrFenced)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return Claim{}, writeError("run tx: commit", err)
+	}
+	c.Status, c.Result, c.LeaseUntil = StatusCompleted, result, time.Time{}
+	return c, nil
+}

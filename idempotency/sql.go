@@ -1,0 +1,162 @@
+package idempotency
+
+import "strings"
+
+// queries holds every statement of the package, with the schema filled in.
+type queries struct {
+	claimOne, claimBatch string
+	complete             string
+	renew                string
+	fail, release        string
+	skip, hold           string
+	state                string
+	get, list            string
+	resolveCompleted     string
+	resolveRetry         string
+	repeats              string
+	purgeRecords         string
+	purgeEvents          string
+}
+
+// claimSQL is the claim: one statement that inserts a fresh claim, or on
+// conflict decides from the current row (which ON CONFLICT DO UPDATE always
+// reads in its latest committed version, after waiting for a concurrent
+// writer) what this delivery found, claims it again when it may (failed, or
+// lapsed and {TAKEOVER}), counts duplicates, and logs repeats in the events
+// table. The decision is written to last_claim and returned.
+const claimSQL = `
+WITH up AS (
+    INSERT INTO {S}.records AS r
+        (task, key, status, token, owner, task_id, attempt, fingerprint,
+         claimed_at, lease_until, message, last_claim)
+    SELECT v.task, v.key, 'claimed', v.token, v.owner, v.task_id, 1, NULLIF(v.fp, ''::bytea),
+           now(), now() + v.lease_us * interval '1 microsecond', v.message, 'first'
+    FROM {SRC}
+    ORDER BY 1, 2
+    ON CONFLICT (task, key) DO UPDATE SET
+        status            = CASE WHEN {CLAIM} THEN 'claimed' ELSE r.status END,
+        token             = CASE WHEN {CLAIM} THEN EXCLUDED.token ELSE r.token END,
+        owner             = CASE WHEN {CLAIM} THEN EXCLUDED.owner ELSE r.owner END,
+        task_id           = CASE WHEN {CLAIM} THEN EXCLUDED.task_id ELSE r.task_id END,
+        attempt           = CASE WHEN {CLAIM} THEN r.attempt + 1 ELSE r.attempt END,
+        fingerprint       = CASE WHEN {CLAIM} THEN COALESCE(EXCLUDED.fingerprint, r.fingerprint) ELSE r.fingerprint END,
+        claimed_at        = CASE WHEN {CLAIM} THEN now() ELSE r.claimed_at END,
+        lease_until       = CASE WHEN {CLAIM} THEN EXCLUDED.lease_until ELSE r.lease_until END,
+        message           = CASE WHEN {CLAIM} THEN COALESCE(EXCLUDED.message, r.message) ELSE r.message END,
+        updated_at        = CASE WHEN {CLAIM} THEN now() ELSE r.updated_at END,
+        duplicate_count   = r.duplicate_count + CASE WHEN {DUP} THEN 1 ELSE 0 END,
+        last_duplicate_at = CASE WHEN {DUP} THEN now() ELSE r.last_duplicate_at END,
+        last_claim        = {NOTE}
+    RETURNING r.task, r.key, r.status, r.token, r.attempt, r.result, r.error,
+              r.lease_until, r.owner, r.task_id, r.last_claim
+), ev AS (
+    INSERT INTO {S}.events (task, key, kind)
+    SELECT task, key, CASE WHEN last_claim IN ('completed', 'in_progress') THEN 'duplicate' ELSE last_claim END
+    FROM up WHERE last_claim IN ('completed', 'in_progress', 'takeover', 'mismatch')
+)
+SELECT task, key, status, token, attempt, result, error, lease_until, owner, task_id, last_claim FROM up`
+
+// claimNote is what a delivery found on an existing row r.
+const claimNote = `(CASE
+            WHEN r.fingerprint <> EXCLUDED.fingerprint AND NOT {ALLOW} THEN 'mismatch'
+            WHEN r.status = 'failed' THEN 'first'
+            WHEN r.status = 'completed' THEN 'completed'
+            WHEN r.status = 'claimed' AND r.lease_until > now() THEN 'in_progress'
+            WHEN r.status = 'claimed' AND {TAKEOVER} THEN 'takeover'
+            WHEN r.status = 'claimed' THEN 'stale'
+            ELSE r.status
+        END)`
+
+const claimOneSource = `(VALUES ($1::text, $2::text, $3::text, $4::text, $5::text, $6::bytea, $7::bigint, $8::bytea))
+         AS v(task, key, token, owner, task_id, fp, lease_us, message)`
+
+const claimBatchSource = `unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::bigint[], $8::bytea[])
+         AS v(task, key, token, owner, task_id, fp, lease_us, message)`
+
+// completeSQL completes every (task, key, token) whose claim is current.
+const completeSQL = `
+WITH v AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS v(task, key, token, result)
+)
+UPDATE {S}.records AS r SET
+    status = 'completed', result = v.result::jsonb, completed_at = now(), updated_at = now(),
+    lease_until = NULL, message = NULL
+FROM v
+WHERE r.task = v.task AND r.key = v.key AND r.token = v.token AND r.status = 'claimed'
+RETURNING r.task, r.key`
+
+func newQueries(schema string) queries {
+	fill := func(q string) string { return strings.ReplaceAll(q, "{S}", schema) }
+	claim := func(src, takeover, allow string) string {
+		note := strings.NewReplacer("{ALLOW}", allow, "{TAKEOVER}", takeover).Replace(claimNote)
+		return fill(strings.NewReplacer(
+			"{SRC}", src,
+			"{CLAIM}", note+" IN ('first', 'takeover')",
+			"{DUP}", note+" IN ('completed', 'in_progress')",
+			"{NOTE}", note,
+		).Replace(claimSQL))
+	}
+	const cols = `task, key, status, token, owner, task_id, attempt, fingerprint, claimed_at,
+        lease_until, completed_at, updated_at, result, error, reason, duplicate_count,
+        last_duplicate_at, message`
+	return queries{
+		claimOne:   claim(claimOneSource, "$9::bool", "$10::bool"),
+		claimBatch: claim(claimBatchSource, "false", "false"),
+		complete:   fill(completeSQL),
+		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'
+WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed' AND lease_until > now()`),
+		fail: fill(`WITH up AS (
+    UPDATE {S}.records SET status = 'failed', error = $4, lease_until = NULL, updated_at = now()
+    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
+    RETURNING task, key
+), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'failure' FROM up)
+SELECT count(*) FROM up`),
+		release: fill(`UPDATE {S}.records SET status = 'failed', error = '', reason = 'released',
+    lease_until = NULL, updated_at = now()
+WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'`),
+		skip: fill(`WITH up AS (
+    UPDATE {S}.records SET status = 'skipped', reason = $4, lease_until = NULL, updated_at = now()
+    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
+    RETURNING task, key
+), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'skipped' FROM up)
+SELECT count(*) FROM up`),
+		hold: fill(`WITH up AS (
+    UPDATE {S}.records SET status = 'held', reason = $5, message = COALESCE($4, message),
+        lease_until = NULL, updated_at = now()
+    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
+    RETURNING task, key
+), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'held' FROM up)
+SELECT count(*) FROM up`),
+		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),
+		get:   fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
+		list: fill(`SELECT ` + cols + ` FROM {S}.records
+WHERE ($1 = '' OR task = $1) AND ($2 = '' OR key = $2) AND ($3 = '' OR status = $3)
+  AND (task, key) > ($4, $5)
+ORDER BY task, key LIMIT $6`),
+		resolveCompleted: fill(`UPDATE {S}.records SET status = 'completed', result = $3::jsonb,
+    completed_at = now(), updated_at = now(), reason = 'resolved completed', message = NULL
+WHERE task = $1 AND key = $2 AND status = 'held'`),
+		resolveRetry: fill(`UPDATE {S}.records SET status = 'failed', reason = 'resolved retry', updated_at = now()
+WHERE task = $1 AND key = $2 AND status = 'held'
+RETURNING message`),
+		repeats: fill(`SELECT task,
+    count(*) FILTER (WHERE kind = 'duplicate'),
+    count(*) FILTER (WHERE kind = 'takeover'),
+    count(*) FILTER (WHERE kind = 'held'),
+    count(*) FILTER (WHERE kind = 'skipped'),
+    count(*) FILTER (WHERE kind = 'mismatch'),
+    count(*) FILTER (WHERE kind = 'failure')
+FROM {S}.events WHERE at >= $1 AND at <= now()
+GROUP BY task ORDER BY task`),
+		purgeRecords: fill(`WITH doomed AS (
+    SELECT task, key FROM {S}.records
+    WHERE status IN ('completed', 'failed', 'skipped') AND updated_at < $1
+    ORDER BY status, updated_at LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {S}.records AS r USING doomed d
+WHERE r.task = d.task AND r.key = d.key AND r.status IN ('completed', 'failed', 'skipped')`),
+		purgeEvents: fill(`DELETE FROM {S}.events WHERE id IN (
+    SELECT id FROM {S}.events WHERE at < $1 ORDER BY at LIMIT $2)`),
+	}
+}

@@ -1,0 +1,224 @@
+package idempotency
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+)
+
+// DefaultSchema is the schema the tables live in unless Config.Schema says
+// otherwise.
+const DefaultSchema = "onceler"
+
+// Status is the state of a record. See the package documentation for the
+// state machine.
+type Status string
+
+// The states of a record.
+const (
+	// StatusClaimed: a delivery holds the claim (token and lease).
+	StatusClaimed Status = "claimed"
+	// StatusCompleted: the effect happened; final.
+	StatusCompleted Status = "completed"
+	// StatusFailed: the last run failed or was released; a later delivery
+	// may claim it again.
+	StatusFailed Status = "failed"
+	// StatusHeld: a stale claim waits for a person to decide.
+	StatusHeld Status = "held"
+	// StatusSkipped: a stale claim was abandoned by policy (the rare miss).
+	StatusSkipped Status = "skipped"
+)
+
+// Config configures a Store.
+type Config struct {
+	// Schema holds the tables. Default "onceler".
+	Schema string
+	// Logger receives structured logs. Default: no logging.
+	Logger *zap.Logger
+	// Batch configures group-commit batching of claims and completions.
+	// Batching is on by default.
+	Batch BatchConfig
+}
+
+// BatchConfig configures the group-commit batching of Claim and Complete.
+// Concurrent calls queue up and a flusher writes them as one statement each
+// in one implicit transaction, as soon as it is free: there is no fixed
+// wait, so an idle store answers a lone call at once.
+type BatchConfig struct {
+	// Disabled sends every Claim and Complete as its own statement.
+	Disabled bool
+	// MaxSize is the most claims (and, separately, completions) in one
+	// flush. Default 256.
+	MaxSize int
+	// Flushers is the number of flushing goroutines, each using one pool
+	// connection at a time. Default 2.
+	Flushers int
+	// Timeout bounds one flush. Default 30s.
+	Timeout time.Duration
+}
+
+// Store is the durable idempotency record in PostgreSQL. It is safe for
+// concurrent use. Close it to stop its flushers.
+type Store struct {
+	pool   *pgxpool.Pool
+	schema string // sanitized identifier
+	name   string
+	log    *zap.Logger
+	q      queries
+	batch  *batcher // nil when batching is disabled
+}
+
+var schemaName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+// New returns a Store on pool. It does not touch the database; call
+// Migrate to create or upgrade the schema.
+func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
+	if pool == nil {
+		return nil, errors.New("idempotency: nil pool")
+	}
+	if cfg.Schema == "" {
+		cfg.Schema = DefaultSchema
+	}
+	if !schemaName.MatchString(cfg.Schema) {
+		return nil, fmt.Errorf("idempotency: invalid schema name %q", cfg.Schema)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.Batch.MaxSize <= 0 {
+		cfg.Batch.MaxSize = 256
+	}
+	if cfg.Batch.Flushers <= 0 {
+		cfg.Batch.Flushers = 2
+	}
+	if cfg.Batch.Timeout <= 0 {
+		cfg.Batch.Timeout = 30 * time.Second
+	}
+	s := &Store{
+		pool:   pool,
+		schema: pgx.Identifier{cfg.Schema}.Sanitize(),
+		name:   cfg.Schema,
+		log:    cfg.Logger.With(zap.String("schema", cfg.Schema)),
+	}
+	s.q = newQueries(s.schema)
+	if !cfg.Batch.Disabled {
+		s.batch = newBatcher(s, cfg.Batch)
+	}
+	return s, nil
+}
+
+// Close stops the flushers; calls still queued fail with ErrClosed. It does
+// not close the pool.
+func (s *Store) Close() {
+	if s.batch != nil {
+		s.batch.close()
+	}
+}
+
+// Token identifies one claim. Completion, renewal, failure and release
+// require it, so an owner whose claim was taken over is fenced out.
+type Token string
+
+func newToken() Token {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return Token(hex.EncodeToString(b[:]))
+}
+
+// Ref names a claim: the record and the token of the claimant.
+type Ref struct {
+	Task, Key string
+	Token     Token
+}
+
+// ClaimParams describes one delivery that wants to run an operation.
+type ClaimParams struct {
+	// Task is the stable task name.
+	Task string
+	// Key is the operation key: the business operation the effect belongs to.
+	Key string
+	// Fingerprint is a hash of the canonical arguments; empty means none.
+	Fingerprint []byte
+	// Owner is the worker node name.
+	Owner string
+	// TaskID is the Celery task id of this delivery.
+	TaskID string
+	// Lease is how long the claim holds without renewal. Default 1 minute.
+	Lease time.Duration
+	// Message is the original delivery, kept for replaying held operations.
+	// It may be nil; it is cleared when the record completes.
+	Message []byte
+	// AllowMismatch claims even when the stored fingerprint differs (the
+	// stored fingerprint is replaced). By default a mismatch is reported as
+	// OutcomeMismatch and nothing changes.
+	AllowMismatch bool
+}
+
+func (p *ClaimParams) validate() error {
+	if p.Task == "" || p.Key == "" {
+		return errors.New("idempotency: claim needs a task and a key")
+	}
+	if p.Lease <= 0 {
+		p.Lease = time.Minute
+	}
+	return nil
+}
+
+// Outcome is what a claim found.
+type Outcome int
+
+// The outcomes of Claim and TakeOver.
+const (
+	// OutcomeFirst: claimed now, with a fresh token; run the task.
+	OutcomeFirst Outcome = iota + 1
+	// OutcomeCompleted: already done; Result holds the stored result.
+	OutcomeCompleted
+	// OutcomeInProgress: another delivery holds a live claim.
+	OutcomeInProgress
+	// OutcomeStale: another delivery's claim lapsed; apply the task's policy.
+	OutcomeStale
+	// OutcomeMismatch: same key, different arguments (fingerprint).
+	OutcomeMismatch
+	// OutcomeHeld: the operation waits for a person.
+	OutcomeHeld
+	// OutcomeSkipped: the operation was abandoned by policy.
+	OutcomeSkipped
+)
+
+var outcomeNames = [...]string{"unknown", "first", "completed", "in_progress", "stale", "mismatch", "held", "skipped"}
+
+// String returns the outcome's name, for logs and metrics.
+func (o Outcome) String() string {
+	if o < 0 || int(o) >= len(outcomeNames) {
+		return "unknown"
+	}
+	return outcomeNames[o]
+}
+
+// Claim is the answer of Claim, TakeOver, RunTx and ApplyPolicy.
+type Claim struct {
+	Outcome Outcome
+	// Token is the new claim's token when Outcome is OutcomeFirst, and the
+	// lapsed claim's token when OutcomeStale (for Skip and Hold, which
+	// succeed only while that claim is still the current one).
+	Token   Token
+	Attempt int
+	Status  Status
+	// Result is the stored JSON result when completed.
+	Result []byte
+	// Error is the error text of the last failure.
+	Error      string
+	LeaseUntil time.Time
+	// Owner and TaskID name the current claimant.
+	Owner, TaskID string
+}
+
+// Ref returns the Ref of this claim for task and key.
+func (c Claim) Ref(task, key string) Ref { return Ref{Task: task, Key: key, Token: c.Token} }
