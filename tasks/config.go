@@ -1,0 +1,146 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/idempotency"
+)
+
+// Config configures a Worker. Zero values take the documented defaults.
+type Config struct {
+	// Broker is the RabbitMQ connection configuration. The worker opens one
+	// connection for consuming and one for publishing (results, quarantine).
+	Broker amqp.Config
+	// Queues are the queues consumed. Default: amqp.CeleryQueue("celery").
+	// Each queue q gets a durable quarantine queue "q.quarantine".
+	Queues []amqp.QueueSpec
+
+	// Pool is the PostgreSQL pool of the record (and of same-database
+	// effects). Required unless every task is pure or NoRecord is set.
+	Pool *pgxpool.Pool
+	// Store is the idempotency record. Default: idempotency.New(Pool, ...)
+	// with the default schema, opened and closed by the worker. The schema
+	// must be migrated (Store.Migrate) before Run.
+	Store *idempotency.Store
+
+	// Concurrency is the number of task goroutines. Default 4 × GOMAXPROCS,
+	// at least 8.
+	Concurrency int
+	// Prefetch is the broker's prefetch window (unacknowledged deliveries).
+	// Default Concurrency × 4.
+	Prefetch int
+	// Lease is the claim lease of tasks that do not set one. Default 30 s.
+	Lease time.Duration
+	// Grace is how long running tasks may take to finish after Run's context
+	// is cancelled before their contexts are cancelled. Default 30 s.
+	Grace time.Duration
+	// Hostname is the node name. Default "onceler@<host>".
+	Hostname string
+	// Logger receives structured logs. Default: none.
+	Logger *zap.Logger
+	// Metrics registers the worker's Prometheus collectors. Default: not
+	// registered (the collectors still count).
+	Metrics prometheus.Registerer
+
+	// NoRecord runs every task without the record, as if pure: duplicates
+	// run again. For demonstrating what the record prevents.
+	NoRecord bool
+	// MaxAttempts bounds how often one message may be delivered (quorum
+	// queues: x-delivery-count) or one operation claimed by redeliveries (the
+	// record's attempt count) before the message is quarantined as poison.
+	// Default 5.
+	MaxAttempts int
+	// Crash injects a process crash at a pipeline point (tests, replay suite).
+	Crash CrashConfig
+	// Observer receives task events (task-received, task-started, ...).
+	Observer Observer
+	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
+	// arguments may carry secrets.
+	LogArguments bool
+}
+
+func (c *Config) setDefaults() error {
+	if len(c.Queues) == 0 {
+		c.Queues = []amqp.QueueSpec{amqp.CeleryQueue("celery")}
+	}
+	for _, q := range c.Queues {
+		if q.Name == "" {
+			return errors.New("tasks: queue without a name")
+		}
+	}
+	if c.Concurrency <= 0 {
+		c.Concurrency = max(8, 4*runtime.GOMAXPROCS(0))
+	}
+	if c.Prefetch <= 0 {
+		c.Prefetch = c.Concurrency * 4
+	}
+	if c.Lease <= 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.Grace <= 0 {
+		c.Grace = 30 * time.Second
+	}
+	if c.Hostname == "" {
+		h, err := os.Hostname()
+		if err != nil || h == "" {
+			h = "localhost"
+		}
+		c.Hostname = "onceler@" + h
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.MaxAttempts <= 0 {
+		c.MaxAttempts = 5
+	}
+	return c.Crash.validate()
+}
+
+// Crash points for CrashConfig.At.
+const (
+	// CrashAfterClaim: the claim is committed (same-database: taken in the
+	// open transaction), the task has not run.
+	CrashAfterClaim = "after_claim"
+	// CrashAfterEffect: same-database, after the task's effect and before the
+	// commit; outside, after Run returned and before Complete.
+	CrashAfterEffect = "after_effect"
+	// CrashBeforeAck: after completion and the result publish, before the ack.
+	CrashBeforeAck = "before_ack"
+)
+
+// CrashConfig makes the process kill itself with SIGKILL the first time a
+// task named Task (any task when empty) reaches the point At. The zero value
+// injects nothing.
+type CrashConfig struct {
+	At   string
+	Task string
+}
+
+func (c CrashConfig) validate() error {
+	switch c.At {
+	case "", CrashAfterClaim, CrashAfterEffect, CrashBeforeAck:
+		return nil
+	}
+	return fmt.Errorf("tasks: unknown crash point %q (want %s, %s or %s)", c.At, CrashAfterClaim, CrashAfterEffect, CrashBeforeAck)
+}
+
+// FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK.
+func FromEnv() CrashConfig {
+	return CrashConfig{At: os.Getenv("ONCELER_CRASH_AT"), Task: os.Getenv("ONCELER_CRASH_TASK")}
+}
+
+// Observer receives the worker's task events with Celery's field names (see
+// doc.go). Event must not block: it is called on the task path.
+type Observer interface {
+	Event(ctx context.Context, typ string, fields map[string]any)
+}

@@ -1,0 +1,218 @@
+package tasks
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// TaskInfo describes a delivery the worker holds, for remote control
+// (celery inspect active/reserved/scheduled).
+type TaskInfo struct {
+	ID, Name             string
+	ArgsRepr, KwargsRepr string // Celery's argsrepr/kwargsrepr (may hold secrets)
+	Started              time.Time // zero unless running
+	ETA                  time.Time // zero unless scheduled
+	Queue, Exchange      string
+	RoutingKey           string
+	Priority             uint8
+	Redelivered          bool
+	Acknowledged         bool // always false: onceler acknowledges late
+	Hostname             string
+}
+
+// Registered returns the names of the tasks this worker serves, sorted.
+func (w *Worker) Registered() []string { return w.reg.Names() }
+
+// Hostname returns the worker's node name.
+func (w *Worker) Hostname() string { return w.cfg.Hostname }
+
+func (w *Worker) info(j *job, started time.Time) TaskInfo {
+	ti := TaskInfo{Started: started, Queue: j.d.Queue, Exchange: j.d.Exchange, RoutingKey: j.d.RoutingKey,
+		Priority: j.d.Priority, Redelivered: j.d.Redelivered, Hostname: w.cfg.Hostname}
+	if j.msg != nil {
+		ti.ID, ti.Name, ti.ArgsRepr, ti.KwargsRepr, ti.ETA = j.msg.ID, j.msg.Task, j.msg.ArgsRepr, j.msg.KwargsRepr, j.msg.ETA
+	} else {
+		ti.ID = j.d.CorrelationID
+	}
+	return ti
+}
+
+// Active returns the tasks running now.
+func (w *Worker) Active() []TaskInfo {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]TaskInfo, 0, len(w.active))
+	for j, rs := range w.active {
+		out = append(out, w.info(j, rs.started))
+	}
+	return out
+}
+
+// Reserved returns the deliveries received and waiting to run (not those
+// scheduled for an ETA).
+func (w *Worker) Reserved() []TaskInfo {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]TaskInfo, 0, len(w.reserved))
+	for j := range w.reserved {
+		if _, held := w.timers[j]; held && j.msg != nil && !j.msg.ETA.IsZero() {
+			continue
+		}
+		out = append(out, w.info(j, time.Time{}))
+	}
+	return out
+}
+
+// Scheduled returns the deliveries held until their ETA.
+func (w *Worker) Scheduled() []TaskInfo {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []TaskInfo
+	for j := range w.timers {
+		if j.msg != nil && !j.msg.ETA.IsZero() && time.Now().Before(j.msg.ETA) {
+			out = append(out, w.info(j, time.Time{}))
+		}
+	}
+	return out
+}
+
+// Revoke marks task ids revoked: a revoked delivery is answered REVOKED
+// (TaskRevokedError) on receipt or before it runs. With terminate, a
+// running task with that id has its context cancelled (cause ErrRevoked).
+// The set keeps the last 50,000 ids.
+func (w *Worker) Revoke(ids []string, terminate bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, id := range ids {
+		w.revoked.add(id)
+	}
+	if !terminate {
+		return
+	}
+	want := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+	}
+	for j, rs := range w.active {
+		if j.msg != nil && want[j.msg.ID] {
+			rs.cancel(ErrRevoked)
+		}
+	}
+}
+
+func (w *Worker) isRevoked(id string) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.revoked.has(id)
+}
+
+// Stats returns counters in the shape of Celery's inspect stats.
+func (w *Worker) Stats() map[string]any {
+	w.mu.Lock()
+	total := make(map[string]any, len(w.totals))
+	for k, v := range w.totals {
+		total[k] = v
+	}
+	scheduled := w.scheduled
+	w.mu.Unlock()
+	uptime := 0
+	if !w.started.IsZero() {
+		uptime = int(time.Since(w.started).Seconds())
+	}
+	return map[string]any{
+		"total":          total,
+		"pid":            os.Getpid(),
+		"uptime":         uptime,
+		"prefetch_count": w.cfg.Prefetch + scheduled,
+		"pool": map[string]any{
+			"implementation":  "onceler:goroutines",
+			"max-concurrency": w.cfg.Concurrency,
+			"processes":       []int{os.Getpid()},
+		},
+		"broker": map[string]any{"transport": "amqp"},
+	}
+}
+
+// revokedSet is a bounded set of ids; the oldest leave first.
+type revokedSet struct {
+	max   int
+	ids   map[string]struct{}
+	order []string
+}
+
+func newRevokedSet(n int) revokedSet {
+	return revokedSet{max: n, ids: make(map[string]struct{})}
+}
+
+func (s *revokedSet) add(id string) {
+	if _, ok := s.ids[id]; ok {
+		return
+	}
+	s.ids[id] = struct{}{}
+	s.order = append(s.order, id)
+	if len(s.order) > s.max {
+		delete(s.ids, s.order[0])
+		s.order = s.order[1:]
+	}
+}
+
+func (s *revokedSet) has(id string) bool {
+	_, ok := s.ids[id]
+	return ok
+}
+
+// event hands an event to the Observer, with Celery's common task fields.
+func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[string]any) {
+	if w.cfg.Observer == nil || j.msg == nil {
+		return
+	}
+	if fields == nil {
+		fields = make(map[string]any, 4)
+	}
+	fields["uuid"] = j.msg.ID
+	if _, ok := fields["name"]; !ok {
+		fields["name"] = j.msg.Task
+	}
+	fields["hostname"] = w.cfg.Hostname
+	w.cfg.Observer.Event(ctx, typ, fields)
+}
+
+func (w *Worker) receivedFields(j *job) map[string]any {
+	m := j.msg
+	f := map[string]any{
+		"args": m.ArgsRepr, "kwargs": m.KwargsRepr, "root_id": m.RootID, "parent_id": m.ParentID,
+		"retries": m.Retries, "eta": nil, "expires": nil,
+	}
+	if !m.ETA.IsZero() {
+		f["eta"] = celeryproto.FormatTime(m.ETA)
+	}
+	if !m.Expires.IsZero() {
+		f["expires"] = celeryproto.FormatTime(m.Expires)
+	}
+	return f
+}
+
+// HealthHandler serves /healthz (200 while Run runs) and /readyz (200 only
+// while consuming and the database answers; 503 otherwise).
+func (w *Worker) HealthHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(rw http.ResponseWriter, _ *http.Request) {
+		if !w.running.Load() {
+			http.Error(rw, "not running", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = rw.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("/readyz", func(rw http.ResponseWriter, r *http.Request) {
+		if !w.ready(r.Context()) {
+			http.Error(rw, "not ready", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = rw.Write([]byte("ready\n"))
+	})
+	return mux
+}

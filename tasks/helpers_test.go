@@ -1,0 +1,273 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// env is one test's broker names, schema and record.
+type env struct {
+	t      *testing.T
+	url    string
+	queue  string
+	store  *idempotency.Store
+	schema string
+	conn   *amqp091.Connection
+	ch     *amqp091.Channel
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	e := &env{t: t, url: testenv.AMQPURL(t), queue: testenv.Name("tq")}
+	pool := testenv.Pool(t)
+	e.schema = testenv.Schema(t, pool)
+	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	e.store = s
+	conn, err := amqp091.Dial(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.conn, e.ch = conn, ch
+	// Declare as kombu does, so the Python producer and the worker agree.
+	if err := ch.ExchangeDeclare(e.queue, "direct", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(e.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.QueueBind(e.queue, e.queue, e.queue, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(e.queue, false, false, false)
+		_, _ = ch.QueueDelete(quarantineName(e.queue), false, false, false)
+		_ = ch.ExchangeDelete(e.queue, false, false)
+		_ = conn.Close()
+	})
+	return e
+}
+
+func (e *env) config() Config {
+	return Config{
+		Broker:   amqp.Config{URL: e.url, Name: testenv.Name("worker"), MinBackoff: 50 * time.Millisecond, MaxBackoff: time.Second},
+		Queues:   []amqp.QueueSpec{amqp.CeleryQueue(e.queue)},
+		Store:    e.store,
+		Lease:    5 * time.Second,
+		Grace:    10 * time.Second,
+		Hostname: testenv.Name("node"),
+		Logger:   zaptest.NewLogger(e.t),
+	}
+}
+
+// running is a worker started by a test.
+type running struct {
+	w      *Worker
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+	err    error
+}
+
+func (e *env) start(reg *Registry, cfg Config) *running {
+	e.t.Helper()
+	w, err := NewWorker(reg, cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{w: w, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- w.Run(ctx) }()
+	deadline := time.Now().Add(20 * time.Second)
+	for !w.Ready() {
+		if time.Now().After(deadline) {
+			r.stop(e.t)
+			e.t.Fatal("worker not ready after 20s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	e.t.Cleanup(func() { r.stop(e.t) })
+	return r
+}
+
+func (r *running) stop(t *testing.T) {
+	r.once.Do(func() {
+		r.cancel()
+		select {
+		case r.err = <-r.done:
+		case <-time.After(60 * time.Second):
+			t.Error("worker did not stop within 60s")
+		}
+	})
+	if r.err != nil {
+		t.Errorf("worker Run: %v", r.err)
+	}
+}
+
+// pyResult is one line of testdata/client.py output.
+type pyResult struct {
+	ID        string          `json:"id"`
+	OK        json.RawMessage `json:"ok"`
+	ExcType   string          `json:"exc_type"`
+	ExcModule string          `json:"exc_module"`
+	Message   string          `json:"message"`
+}
+
+type pyCall struct {
+	Task    string         `json:"task"`
+	Args    []any          `json:"args,omitempty"`
+	Kwargs  map[string]any `json:"kwargs,omitempty"`
+	Headers map[string]any `json:"headers,omitempty"`
+}
+
+// python sends calls with real Celery and returns what AsyncResult.get gave.
+func (e *env) python(protocol int, serializer string, calls ...pyCall) []pyResult {
+	e.t.Helper()
+	py := testenv.Python(e.t)
+	spec, _ := json.Marshal(map[string]any{"broker": e.url, "queue": e.queue, "protocol": protocol,
+		"serializer": serializer, "timeout": 30, "calls": calls})
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, py, filepath.Join("testdata", "client.py"), string(spec))
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr string
+		if ee, ok := err.(*exec.ExitError); ok {
+			stderr = string(ee.Stderr)
+		}
+		e.t.Fatalf("client.py: %v\n%s", err, stderr)
+	}
+	var res struct{ Results []pyResult }
+	if err := json.Unmarshal(out, &res); err != nil {
+		e.t.Fatalf("client.py output %q: %v", out, err)
+	}
+	if len(res.Results) != len(calls) {
+		e.t.Fatalf("client.py returned %d results for %d calls", len(res.Results), len(calls))
+	}
+	return res.Results
+}
+
+// publish sends a Celery protocol 2 message built in Go.
+func (e *env) publish(m *celeryproto.Message) {
+	e.t.Helper()
+	p, err := celeryproto.EncodeTask(m, celeryproto.EncodeOptions{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.publishRaw(p)
+}
+
+func (e *env) publishRaw(p *celeryproto.Publishing) {
+	e.t.Helper()
+	err := e.ch.PublishWithContext(context.Background(), "", e.queue, false, false, amqp091.Publishing{
+		ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: amqp091.Table(p.Headers),
+		Body: p.Body, CorrelationId: p.CorrelationID, ReplyTo: p.ReplyTo, DeliveryMode: 2,
+	})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// replyQueue declares an exclusive reply queue and returns its name and a
+// channel of results by task id.
+func (e *env) replyQueue() (string, <-chan map[string]any) {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	q, err := ch.QueueDeclare(testenv.Name("reply"), false, true, true, false, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	msgs, err := ch.Consume(q.Name, "", true, true, false, false, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	out := make(chan map[string]any, 10000)
+	go func() {
+		defer close(out)
+		for m := range msgs {
+			var r map[string]any
+			if err := json.Unmarshal(m.Body, &r); err != nil {
+				r = map[string]any{"undecodable": string(m.Body)}
+			}
+			if r["task_id"] != m.CorrelationId {
+				r["correlation_mismatch"] = m.CorrelationId
+			}
+			out <- r
+		}
+	}()
+	e.t.Cleanup(func() { _ = ch.Close() })
+	return q.Name, out
+}
+
+// queueDepth returns the number of ready messages in a queue.
+func (e *env) queueDepth(name string) int {
+	e.t.Helper()
+	q, err := e.ch.QueueDeclarePassive(name, true, false, false, false, nil)
+	if err != nil {
+		e.t.Fatalf("inspect queue %s: %v", name, err)
+	}
+	return q.Messages
+}
+
+// quarantined fetches every message from the quarantine queue.
+func (e *env) quarantined() []amqp091.Delivery {
+	e.t.Helper()
+	var out []amqp091.Delivery
+	for {
+		d, ok, err := e.ch.Get(quarantineName(e.queue), true)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if !ok {
+			return out
+		}
+		out = append(out, d)
+	}
+}
+
+func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+}
+
+func taskID(i int) string { return fmt.Sprintf("00000000-0000-4000-8000-%012d", i) }

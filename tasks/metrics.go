@@ -1,0 +1,70 @@
+package tasks
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the worker's Prometheus collectors; names are listed in doc.go.
+type metrics struct {
+	received    *prometheus.CounterVec // task
+	succeeded   *prometheus.CounterVec // task
+	failed      *prometheus.CounterVec // task
+	retried     *prometheus.CounterVec // task
+	revoked     *prometheus.CounterVec // task
+	duplicates  *prometheus.CounterVec // task
+	deferred    *prometheus.CounterVec // task
+	stale       *prometheus.CounterVec // task, policy
+	held        *prometheus.CounterVec // task
+	quarantined *prometheus.CounterVec // reason
+	inFlight    prometheus.Gauge
+	scheduled   prometheus.Gauge
+	taskSeconds *prometheus.HistogramVec // task
+	claimSecs   prometheus.Histogram
+	reconnects  prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	const ns = "onceler"
+	cv := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: name, Help: help}, labels)
+	}
+	m := &metrics{
+		received:    cv("tasks_received_total", "Task messages received, by task name.", "task"),
+		succeeded:   cv("tasks_succeeded_total", "Tasks that ran and succeeded.", "task"),
+		failed:      cv("tasks_failed_total", "Tasks that ran and failed.", "task"),
+		retried:     cv("tasks_retried_total", "Tasks that asked for a Celery retry.", "task"),
+		revoked:     cv("tasks_revoked_total", "Tasks revoked or expired before running.", "task"),
+		duplicates:  cv("duplicates_suppressed_total", "Deliveries of an operation already completed: answered from the record without running.", "task"),
+		deferred:    cv("deferred_total", "Deliveries deferred because the operation was in progress elsewhere.", "task"),
+		stale:       cv("stale_claims_total", "Stale claims handled, by the policy applied.", "task", "policy"),
+		held:        cv("held_total", "Operations held for a person to resolve.", "task"),
+		quarantined: cv("quarantined_total", "Messages moved to a quarantine queue, by reason.", "reason"),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_in_flight",
+			Help: "Tasks running now."}),
+		scheduled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_scheduled",
+			Help: "Deliveries held unacknowledged until their ETA."}),
+		taskSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "task_duration_seconds",
+			Help: "Time from start to end of a task run.", Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10)}, []string{"task"}),
+		claimSecs: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "claim_duration_seconds",
+			Help: "Latency of claiming an operation in the record.", Buckets: prometheus.ExponentialBuckets(0.0002, 3, 10)}),
+		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "broker_reconnects_total",
+			Help: "Times the worker's consumer started consuming again after losing its channel."}),
+	}
+	if reg == nil {
+		return m, nil
+	}
+	for _, c := range []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
+		m.deferred, m.stale, m.held, m.quarantined, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects} {
+		if err := reg.Register(c); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if errors.As(err, &are) {
+				return nil, fmt.Errorf("tasks: metrics already registered (one worker per registry): %w", err)
+			}
+			return nil, fmt.Errorf("tasks: register metrics: %w", err)
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,289 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+)
+
+// Quarantine reasons, the value of the x-onceler-reason header.
+const (
+	ReasonUndecodable  = "undecodable"
+	ReasonUnknownTask  = "unknown_task"
+	ReasonBadArguments = "bad_arguments"
+	ReasonMismatch     = "fingerprint_mismatch"
+	ReasonPoison       = "poison"
+)
+
+// process takes one delivery through the pipeline. Every path ends in exactly
+// one of: ack (after the outcome is recorded and answered), a deferral (the
+// delivery stays unacknowledged and is looked at again later), or no answer
+// at all (the delivery returns to the queue when its channel closes).
+func (w *Worker) process(ctx context.Context, j *job) {
+	if j.msg == nil && !w.prepare(ctx, j) {
+		return
+	}
+	msg := j.msg
+	if w.isRevoked(msg.ID) {
+		w.revokeDelivery(ctx, j, false)
+		return
+	}
+	if !msg.Expires.IsZero() && time.Now().After(msg.Expires) {
+		w.revokeDelivery(ctx, j, true)
+		return
+	}
+	if !msg.ETA.IsZero() {
+		if wait := time.Until(msg.ETA); wait > 0 {
+			w.schedule(j, wait)
+			return
+		}
+	}
+	if j.h.mode == ModePure || w.cfg.NoRecord {
+		w.runPure(ctx, j)
+		return
+	}
+	if j.h.mode == ModeSameDB {
+		w.runSameDB(ctx, j)
+		return
+	}
+	w.runOutside(ctx, j)
+}
+
+// prepare decodes the delivery, finds its task, binds its arguments and
+// derives its operation key. It answers (quarantine, ack) and returns false
+// when the delivery cannot run.
+func (w *Worker) prepare(ctx context.Context, j *job) bool {
+	d := j.d
+	msg, err := w.dec.Decode(&d.Delivery)
+	if err != nil {
+		w.quarantine(ctx, j, ReasonUndecodable, err)
+		return false
+	}
+	j.msg = msg
+	if d.DeliveryCount > w.cfg.MaxAttempts {
+		w.quarantine(ctx, j, ReasonPoison, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
+		return false
+	}
+	h, ok := w.reg.get(msg.Task)
+	if !ok {
+		w.m.received.WithLabelValues("unregistered").Inc()
+		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
+		w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
+		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: fmt.Sprintf("'%s'", msg.Task)}
+		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
+			return false
+		}
+		w.quarantine(ctx, j, ReasonUnknownTask, fmt.Errorf("task %q is not registered", msg.Task))
+		return false
+	}
+	j.h = h
+	w.m.received.WithLabelValues(h.name).Inc()
+	w.event(ctx, "task-received", j, w.receivedFields(j))
+	args, err := h.bind(msg.Args, msg.Kwargs)
+	if err == nil && h.key != nil && !w.cfg.NoRecord {
+		j.key, err = w.operationKey(j, args)
+	}
+	if err != nil {
+		var ae *ArgumentError
+		if errors.As(err, &ae) {
+			ae.Task = h.name
+		}
+		w.log.Warn("bad arguments", w.fields(j, zap.Error(err))...)
+		exc := exceptionFor(err)
+		if !w.replyFailure(ctx, j, exc, err) {
+			return false
+		}
+		w.quarantine(ctx, j, ReasonBadArguments, err)
+		return false
+	}
+	j.args = args
+	if h.mode != ModePure && !w.cfg.NoRecord && !h.allowMismatch {
+		fp, err := celeryproto.Fingerprint(msg.Args, msg.Kwargs)
+		if err != nil {
+			w.quarantine(ctx, j, ReasonBadArguments, fmt.Errorf("fingerprint: %w", err))
+			return false
+		}
+		j.fp = fp
+	}
+	return true
+}
+
+// operationKey is the idempotency_key header when the producer sent one,
+// else the task's Key function of the arguments.
+func (w *Worker) operationKey(j *job, args any) (string, error) {
+	if v, ok := j.msg.Headers["idempotency_key"]; ok && v != nil {
+		switch k := v.(type) {
+		case string:
+			if k != "" {
+				return k, nil
+			}
+		case []byte:
+			if len(k) > 0 {
+				return string(k), nil
+			}
+		}
+		return "", &ArgumentError{Arg: "idempotency_key", Reason: "header must be a non-empty string"}
+	}
+	key, err := j.h.key(args)
+	if err != nil {
+		return "", &ArgumentError{Reason: "operation key: " + err.Error()}
+	}
+	if key == "" {
+		return "", &ArgumentError{Reason: "operation key is empty"}
+	}
+	return key, nil
+}
+
+func (w *Worker) call(j *job, attempt int) *Call {
+	c := &Call{TaskID: j.msg.ID, Key: j.key, Retries: j.msg.Retries, Attempt: attempt, Message: j.msg,
+		Node: w.cfg.Hostname, retry: j.h.retry}
+	if j.key != "" {
+		c.Reference = reference(j.h.name, j.key)
+	}
+	return c
+}
+
+func (w *Worker) claimParams(j *job) idempotency.ClaimParams {
+	lease := j.h.lease
+	if lease <= 0 {
+		lease = w.cfg.Lease
+	}
+	return idempotency.ClaimParams{Task: j.h.name, Key: j.key, Fingerprint: j.fp, Owner: w.cfg.Hostname,
+		TaskID: j.msg.ID, Lease: lease, AllowMismatch: j.h.allowMismatch}
+}
+
+// runPure runs a task without a record.
+func (w *Worker) runPure(ctx context.Context, j *job) {
+	res, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
+		return j.h.run(ctx, c, j.args)
+	})
+	if w.shutdownCut(ctx, err) {
+		w.giveBack(j)
+		return
+	}
+	w.finish(ctx, j, res, err, nil)
+}
+
+// runSameDB claims, runs the effect and completes in one transaction.
+func (w *Worker) runSameDB(ctx context.Context, j *job) {
+	p := w.claimParams(j)
+	var taskErr error
+	ran := false
+	var res []byte
+	start := time.Now()
+	claim, err := w.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		w.m.claimSecs.Observe(time.Since(start).Seconds())
+		w.crash(CrashAfterClaim, j)
+		ran = true
+		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
+			return j.h.runTx(ctx, tx, c, j.args)
+		})
+		if err != nil {
+			taskErr = err
+			return nil, err
+		}
+		w.crash(CrashAfterEffect, j)
+		res = out
+		return out, nil
+	})
+	switch {
+	case ran && taskErr != nil:
+		if w.shutdownCut(ctx, taskErr) {
+			w.giveBack(j)
+			return
+		}
+		w.finish(ctx, j, nil, taskErr, nil)
+	case err != nil:
+		w.recordTrouble(ctx, j, "same-database transaction", err)
+	default:
+		w.answerClaim(ctx, j, claim, res)
+	}
+}
+
+// answerClaim acts on a claim outcome other than a run of our own.
+// ownResult is the result of the run in this delivery, when it ran.
+func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Claim, ownResult []byte) {
+	switch claim.Outcome {
+	case idempotency.OutcomeFirst:
+		// same-database: ran and committed here.
+		w.finish(ctx, j, ownResult, nil, nil)
+	case idempotency.OutcomeCompleted:
+		w.duplicate(ctx, j, claim.Result)
+	case idempotency.OutcomeInProgress, idempotency.OutcomeStale:
+		w.deferDelivery(j, claim.LeaseUntil)
+	case idempotency.OutcomeMismatch:
+		w.log.Warn("fingerprint mismatch: same operation key, different arguments", w.fields(j)...)
+		err := fmt.Errorf("operation %s of task %s was recorded with different arguments", j.key, j.h.name)
+		exc := &celeryproto.Exception{Type: "ValueError", Module: "builtins", Message: "idempotency: " + err.Error()}
+		if w.replyFailure(ctx, j, exc, err) {
+			w.quarantine(ctx, j, ReasonMismatch, err)
+		}
+	case idempotency.OutcomeHeld:
+		w.m.held.WithLabelValues(j.h.name).Inc()
+		w.log.Warn("operation is held for a person to resolve; delivery acknowledged, its message is kept in the record",
+			w.fields(j)...)
+		w.ack(j)
+	case idempotency.OutcomeSkipped:
+		w.log.Warn("operation was skipped by its stale-claim policy", w.fields(j)...)
+		exc := &celeryproto.Exception{Type: "OperationSkipped", Module: "onceler.exceptions",
+			Message: "operation skipped after a stale claim (policy skip)"}
+		if w.replyFailure(ctx, j, exc, errors.New(exc.Message)) {
+			w.ack(j)
+		}
+	default:
+		w.recordTrouble(ctx, j, "claim", fmt.Errorf("unexpected claim outcome %v", claim.Outcome))
+	}
+}
+
+// duplicate answers a delivery of an operation already completed: the stored
+// result to this delivery's caller, then ack.
+func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
+	w.m.duplicates.WithLabelValues(j.h.name).Inc()
+	w.log.Debug("duplicate suppressed", w.fields(j)...)
+	if !w.replySuccess(ctx, j, stored) {
+		return
+	}
+	w.ack(j)
+}
+
+// deferDelivery keeps the delivery unacknowledged and looks at it again
+// soon: first quickly (the owner is usually about to finish), then at most
+// every second, and right after the lease would lapse.
+func (w *Worker) deferDelivery(j *job, leaseUntil time.Time) {
+	if j.checks == 0 {
+		w.m.deferred.WithLabelValues(j.h.name).Inc()
+	}
+	delay := min(10*time.Millisecond<<min(j.checks, 7), time.Second)
+	if until := time.Until(leaseUntil) + 10*time.Millisecond; !leaseUntil.IsZero() && until > 0 && until < delay {
+		delay = until
+	}
+	j.checks++
+	j.waiting = true
+	w.later(j, delay)
+}
+
+// recordTrouble handles a record error: the outcome is unknown or the
+// database is away, so the delivery is not acknowledged; it is looked at
+// again after a pause.
+func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err error) {
+	if ctx.Err() != nil {
+		w.giveBack(j)
+		return
+	}
+	w.log.Warn("record unavailable; delivery kept and retried later", w.fields(j, zap.String("step", what), zap.Error(err))...)
+	j.checks++
+	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))
+}
+
+// shutdownCut reports whether err is the task's answer to the worker's
+// grace period running out: then nothing is recorded or acknowledged.
+func (w *Worker) shutdownCut(ctx context.Context, err error) bool {
+	return err != nil && errors.Is(context.Cause(ctx), ErrShutdown)
+}

@@ -1,0 +1,280 @@
+package tasks
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// Quarantine headers set on every quarantined message, beside the original
+// headers.
+const (
+	// HeaderReason is the short reason: undecodable, unknown_task,
+	// bad_arguments, fingerprint_mismatch or poison.
+	HeaderReason = "x-onceler-reason"
+	// HeaderDetail is the error text (never argument values).
+	HeaderDetail = "x-onceler-detail"
+	// HeaderQueue is the queue the message was consumed from.
+	HeaderQueue = "x-onceler-queue"
+	// HeaderDecodeReason is celeryproto.Reason of an undecodable message,
+	// e.g. "pickle" or "malformed".
+	HeaderDecodeReason = "x-onceler-decode-reason"
+	// HeaderTime is when it was quarantined (RFC 3339, UTC).
+	HeaderTime = "x-onceler-quarantined-at"
+)
+
+func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
+
+// publishResult sends a result to the caller's reply queue with a confirm,
+// retrying while the worker runs. It reports whether the delivery may now be
+// acknowledged (false: leave it unacknowledged).
+func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Result) bool {
+	replyTo := j.msg.ReplyTo
+	if replyTo == "" {
+		return true
+	}
+	pub, err := celeryproto.EncodeResult(r)
+	if err != nil {
+		// Cannot happen for values that came from JSON; answer with a failure
+		// the caller can read rather than nothing.
+		w.log.Error("encode result", w.fields(j, zap.Error(err))...)
+		r = &celeryproto.Result{TaskID: r.TaskID, Status: celeryproto.StateFailure,
+			Exception: &celeryproto.Exception{Type: "EncodeError", Module: "kombu.exceptions", Message: err.Error()}}
+		if pub, err = celeryproto.EncodeResult(r); err != nil {
+			return true
+		}
+	}
+	for attempt := 0; ; attempt++ {
+		err := w.pub.Publish(context.WithoutCancel(ctx), "", replyTo, pub, amqp.PublishOptions{})
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil || attempt >= 20 || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.Error(err))...)
+			w.giveBack(j)
+			return false
+		}
+	}
+}
+
+func (w *Worker) replySuccess(ctx context.Context, j *job, res []byte) bool {
+	if j.msg.IgnoreResult {
+		return true
+	}
+	v, err := jsonValue(res)
+	if err != nil {
+		w.log.Error("stored result is not JSON", w.fields(j, zap.Error(err))...)
+	}
+	return w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateSuccess, Value: v})
+}
+
+func (w *Worker) replyFailure(ctx context.Context, j *job, exc *celeryproto.Exception, err error) bool {
+	if j.msg.IgnoreResult {
+		return true
+	}
+	return w.replyAlways(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateFailure,
+		Exception: exc, Traceback: err.Error()})
+}
+
+// replyAlways publishes r even when the message asked to ignore results
+// (NotRegistered, as Celery does).
+func (w *Worker) replyAlways(ctx context.Context, j *job, r *celeryproto.Result) bool {
+	return w.publishResult(ctx, j, r)
+}
+
+// quarantine moves the delivery to its queue's quarantine queue (published
+// with a confirm and the reason in HeaderReason) and then acknowledges it.
+// If the move fails the delivery stays unacknowledged and is tried again.
+func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause error) {
+	d := j.d
+	w.m.quarantined.WithLabelValues(reason).Inc()
+	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", d.Queue), zap.Error(cause)}
+	if j.msg != nil {
+		fields = append(fields, zap.String("task", j.msg.Task), zap.String("task_id", j.msg.ID))
+	}
+	w.log.Warn("quarantining message", fields...)
+	headers := make(map[string]any, len(d.Headers)+4)
+	for k, v := range d.Headers {
+		headers[k] = v
+	}
+	headers[HeaderReason] = reason
+	headers[HeaderDetail] = cause.Error()
+	headers[HeaderQueue] = d.Queue
+	headers[HeaderTime] = time.Now().UTC().Format(time.RFC3339Nano)
+	if celeryproto.IsDecodeError(cause) {
+		headers[HeaderDecodeReason] = celeryproto.Reason(cause)
+	}
+	p := &celeryproto.Publishing{
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: headers, Body: d.Body,
+		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+	}
+	err := w.pub.Publish(context.WithoutCancel(ctx), "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
+	if err != nil {
+		if ctx.Err() != nil {
+			w.giveBack(j)
+			return
+		}
+		w.log.Error("quarantine publish failed; delivery kept and tried again", append(fields, zap.NamedError("publish_error", err))...)
+		w.later(j, time.Second)
+		return
+	}
+	w.ack(j)
+}
+
+// ack acknowledges the delivery; a stale delivery (its channel is gone)
+// comes back from the broker and is answered from the record then.
+func (w *Worker) ack(j *job) {
+	w.forget(j)
+	if err := j.d.Ack(); err != nil {
+		w.log.Info("ack failed; the broker redelivers the message", w.fields(j, zap.Error(err))...)
+	}
+}
+
+// retry republishes a task that asked for a Celery retry (same id,
+// retries+1, eta = now + countdown), tells the caller RETRY and acks.
+func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
+	maxRetries := j.h.retry.MaxRetries
+	if maxRetries == 0 {
+		maxRetries = 3
+	}
+	if j.msg.Retries >= maxRetries {
+		w.m.failed.WithLabelValues(j.h.name).Inc()
+		msg := fmt.Sprintf("Can't retry %s[%s] args:%s kwargs:%s", j.h.name, j.msg.ID, j.msg.ArgsRepr, j.msg.KwargsRepr)
+		exc := &celeryproto.Exception{Type: "MaxRetriesExceededError", Module: "celery.exceptions", Message: msg}
+		if rr.Cause != nil {
+			exc = exceptionFor(rr.Cause)
+		}
+		if w.replyFailure(ctx, j, exc, rr) {
+			w.ack(j)
+		}
+		return
+	}
+	next := *j.msg
+	next.Retries++
+	next.ETA = time.Now().Add(rr.Countdown)
+	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2})
+	if err != nil {
+		w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
+		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err), nil)
+		return
+	}
+	if err := w.pub.Publish(context.WithoutCancel(ctx), j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {
+		w.recordTrouble(ctx, j, "publish retry", err)
+		return
+	}
+	w.m.retried.WithLabelValues(j.h.name).Inc()
+	w.event(ctx, "task-retried", j, map[string]any{"exception": rr.Error()})
+	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
+	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
+		return
+	}
+	w.ack(j)
+}
+
+// revokeDelivery answers a revoked or expired delivery: REVOKED to the
+// caller, then ack.
+func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
+	w.m.revoked.WithLabelValues(j.h.name).Inc()
+	msg := "revoked"
+	if expired {
+		msg = "expired"
+	}
+	w.log.Info("task "+msg, w.fields(j)...)
+	w.event(ctx, "task-revoked", j, map[string]any{"terminated": false, "signum": nil, "expired": expired})
+	exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: msg}
+	if w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {
+		w.ack(j)
+	}
+}
+
+// schedule holds a delivery unacknowledged until its ETA, growing the
+// prefetch window so that held deliveries do not starve the others.
+func (w *Worker) schedule(j *job, wait time.Duration) {
+	w.mu.Lock()
+	w.scheduled++
+	n := w.scheduled
+	w.mu.Unlock()
+	w.m.scheduled.Inc()
+	if err := w.consumer.SetPrefetch(w.cfg.Prefetch + n); err != nil {
+		w.log.Warn("grow prefetch for an ETA task", zap.Error(err))
+	}
+	w.laterThen(j, wait, func() {
+		w.mu.Lock()
+		w.scheduled--
+		n := w.scheduled
+		w.mu.Unlock()
+		w.m.scheduled.Dec()
+		if err := w.consumer.SetPrefetch(w.cfg.Prefetch + n); err != nil {
+			w.log.Warn("shrink prefetch after an ETA task", zap.Error(err))
+		}
+	})
+}
+
+// fields are the log fields of a delivery: task name, id, operation key,
+// retries; the argument reprs only when Config.LogArguments is set.
+func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
+	f := make([]zap.Field, 0, 6+len(extra))
+	if j.msg != nil {
+		f = append(f, zap.String("task", j.msg.Task), zap.String("task_id", j.msg.ID))
+		if j.msg.Retries > 0 {
+			f = append(f, zap.Int("retries", j.msg.Retries))
+		}
+		if w.cfg.LogArguments {
+			f = append(f, zap.String("args", j.msg.ArgsRepr), zap.String("kwargs", j.msg.KwargsRepr))
+		}
+	}
+	if j.key != "" {
+		f = append(f, zap.String("key", j.key))
+	}
+	return append(f, extra...)
+}
+
+// heldMessage is the form of a delivery kept in a held record, so that it
+// can be republished as it came (DecodeHeld).
+type heldMessage struct {
+	Exchange    string                  `json:"exchange"`
+	RoutingKey  string                  `json:"routing_key"`
+	Queue       string                  `json:"queue"`
+	Publishing  *celeryproto.Publishing `json:"publishing"`
+	CapturedAt  time.Time               `json:"captured_at"`
+	Redelivered bool                    `json:"redelivered"`
+}
+
+func encodeHeld(d *amqp.Delivery) ([]byte, error) {
+	h := heldMessage{Exchange: d.Exchange, RoutingKey: d.RoutingKey, Queue: d.Queue, CapturedAt: time.Now().UTC(),
+		Redelivered: d.Redelivered, Publishing: &celeryproto.Publishing{
+			ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: d.Headers, Body: d.Body,
+			CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+		}}
+	b, err := json.Marshal(h)
+	if err != nil {
+		return nil, fmt.Errorf("encode held message: %w", err)
+	}
+	return b, nil
+}
+
+// DecodeHeld reads the message kept in a held record (idempotency
+// Record.Message, or what ResolveRetry returns) back into what to publish
+// to replay it: the exchange and routing key it came by, and the message.
+// Header values come back as JSON gives them (numbers as float64).
+func DecodeHeld(b []byte) (exchange, routingKey string, p *celeryproto.Publishing, err error) {
+	var h heldMessage
+	if err := json.Unmarshal(b, &h); err != nil {
+		return "", "", nil, fmt.Errorf("decode held message: %w", err)
+	}
+	if h.Publishing == nil {
+		return "", "", nil, fmt.Errorf("decode held message: no message")
+	}
+	rk := h.RoutingKey
+	if h.Exchange == "" && h.Queue != "" {
+		rk = h.Queue
+	}
+	return h.Exchange, rk, h.Publishing, nil
+}

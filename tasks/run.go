@@ -1,0 +1,313 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+)
+
+// runOutside claims the operation, applies the stale-claim policy if needed,
+// runs the task under a lease heartbeat and completes the record.
+func (w *Worker) runOutside(ctx context.Context, j *job) {
+	if j.waiting && !w.recheck(ctx, j) {
+		return
+	}
+	p := w.claimParams(j)
+	start := time.Now()
+	claim, err := w.store.Claim(ctx, p)
+	w.m.claimSecs.Observe(time.Since(start).Seconds())
+	if err != nil {
+		w.recordTrouble(ctx, j, "claim", err)
+		return
+	}
+	if claim.Outcome == idempotency.OutcomeStale {
+		claim, err = w.applyPolicy(ctx, j, p, claim)
+		if err != nil {
+			w.recordTrouble(ctx, j, "stale policy", err)
+			return
+		}
+	}
+	if claim.Outcome != idempotency.OutcomeFirst {
+		w.answerClaim(ctx, j, claim, nil)
+		return
+	}
+	if j.d.Redelivered && claim.Attempt > w.cfg.MaxAttempts {
+		// A redelivered message whose operation was claimed this often keeps
+		// killing its workers: stop the loop.
+		ref := p.Ref(claim.Token)
+		perr := fmt.Errorf("operation claimed %d times (limit %d)", claim.Attempt, w.cfg.MaxAttempts)
+		if err := w.store.Fail(context.WithoutCancel(ctx), ref, "quarantined as poison: "+perr.Error()); err != nil {
+			w.recordTrouble(ctx, j, "fail", err)
+			return
+		}
+		w.quarantine(ctx, j, ReasonPoison, perr)
+		return
+	}
+	w.crash(CrashAfterClaim, j)
+	ref := p.Ref(claim.Token)
+	kctx, stop := w.store.Keep(ctx, ref, p.Lease)
+	res, taskErr := w.execute(kctx, j, w.call(j, claim.Attempt), func(ctx context.Context, c *Call) (any, error) {
+		return j.h.run(ctx, c, j.args)
+	})
+	leaseLost := errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost)
+	stop()
+	w.crash(CrashAfterEffect, j)
+	final := context.WithoutCancel(ctx)
+	switch {
+	case leaseLost:
+		// Another delivery may own the operation now: do not complete; look
+		// again later, when the record says what happened.
+		w.log.Warn("lease lost while the task ran; not completing", w.fields(j, zap.Error(taskErr))...)
+		w.deferDelivery(j, time.Time{})
+	case taskErr == nil:
+		for {
+			err := w.store.Complete(final, ref, res)
+			if err == nil {
+				w.finish(ctx, j, res, nil, nil)
+				return
+			}
+			if errors.Is(err, idempotency.ErrFenced) {
+				w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
+				w.deferDelivery(j, time.Time{})
+				return
+			}
+			w.log.Warn("completing the record failed; retrying", w.fields(j, zap.Error(err))...)
+			if ctx.Err() != nil || !sleepCtx(ctx, 200*time.Millisecond) {
+				// Unknown to the record: the redelivery finds the claim.
+				w.giveBack(j)
+				return
+			}
+		}
+	case w.shutdownCut(ctx, taskErr):
+		if err := w.store.Release(final, ref); err != nil {
+			w.log.Warn("release after shutdown failed", w.fields(j, zap.Error(err))...)
+		}
+		w.giveBack(j)
+	case IsRetry(taskErr):
+		if err := w.store.Release(final, ref); err != nil {
+			w.recordTrouble(ctx, j, "release", err)
+			return
+		}
+		w.finish(ctx, j, nil, taskErr, nil)
+	default:
+		if err := w.store.Fail(final, ref, taskErr.Error()); err != nil && !errors.Is(err, idempotency.ErrFenced) {
+			w.recordTrouble(ctx, j, "fail", err)
+			return
+		}
+		w.finish(ctx, j, nil, taskErr, nil)
+	}
+}
+
+// recheck looks at the record of an operation found in progress earlier,
+// without claiming (a claim would count the delivery as a duplicate again).
+// It answers the delivery and returns false when the record says what to
+// do; true means claim again (the owner failed, released or went stale).
+func (w *Worker) recheck(ctx context.Context, j *job) bool {
+	rec, err := w.store.Get(ctx, j.h.name, j.key)
+	switch {
+	case errors.Is(err, idempotency.ErrNotFound):
+	case err != nil:
+		w.recordTrouble(ctx, j, "recheck", err)
+		return false
+	case rec.Status == idempotency.StatusCompleted:
+		w.duplicate(ctx, j, rec.Result)
+		return false
+	case rec.Status == idempotency.StatusClaimed && time.Now().Before(rec.LeaseUntil):
+		w.deferDelivery(j, rec.LeaseUntil)
+		return false
+	}
+	j.waiting = false
+	return true
+}
+
+// applyPolicy settles a stale claim by the task's policy.
+func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimParams, stale idempotency.Claim) (idempotency.Claim, error) {
+	h := j.h
+	w.log.Warn("stale claim: applying policy", w.fields(j, zap.String("policy", h.policy.String()),
+		zap.String("stale_owner", stale.Owner), zap.String("stale_task_id", stale.TaskID))...)
+	w.m.stale.WithLabelValues(h.name, h.policy.String()).Inc()
+	sp := idempotency.StalePolicy{Policy: idempotency.Policy(h.policy), Fallback: idempotency.Policy(h.fallback)}
+	if h.policy == PolicyHold || h.fallback == PolicyHold {
+		msg, err := encodeHeld(j.d)
+		if err != nil {
+			return idempotency.Claim{}, err
+		}
+		p.Message = msg
+	}
+	if h.lookup != nil {
+		sp.Lookup = func(ctx context.Context, key string) ([]byte, bool, error) {
+			c := w.call(j, stale.Attempt+1)
+			v, found, err := h.lookup(ctx, c, j.args)
+			if err != nil || !found {
+				return nil, found, err
+			}
+			b, err := encodeResult(v)
+			return b, err == nil, err
+		}
+	}
+	return w.store.ApplyPolicy(ctx, p, stale, sp)
+}
+
+// execute runs the task function with its time limits, revocation and panic
+// recovery, and encodes its result as JSON.
+func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error)) (res []byte, err error) {
+	tctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	if soft := w.softLimit(j); soft > 0 {
+		var stop context.CancelFunc
+		tctx, stop = context.WithTimeoutCause(tctx, soft, ErrSoftTimeLimit)
+		defer stop()
+	}
+	if hard := w.hardLimit(j); hard > 0 {
+		var stop context.CancelFunc
+		tctx, stop = context.WithTimeoutCause(tctx, hard, ErrTimeLimit)
+		defer stop()
+	}
+	rs := &runState{started: time.Now(), cancel: cancel}
+	w.mu.Lock()
+	delete(w.reserved, j)
+	w.active[j] = rs
+	w.mu.Unlock()
+	w.m.inFlight.Inc()
+	w.event(ctx, "task-started", j, nil)
+	defer func() {
+		w.mu.Lock()
+		delete(w.active, j)
+		w.totals[j.h.name]++
+		w.mu.Unlock()
+		w.m.inFlight.Dec()
+		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(time.Since(rs.started).Seconds())
+	}()
+	v, err := protect(tctx, c, fn)
+	if err != nil {
+		if cause := context.Cause(tctx); errors.Is(cause, ErrRevoked) || errors.Is(cause, ErrTimeLimit) || errors.Is(cause, ErrSoftTimeLimit) {
+			if !errors.Is(err, cause) {
+				err = fmt.Errorf("%w: %w", cause, err)
+			}
+		}
+		return nil, err
+	}
+	return encodeResult(v)
+}
+
+// protect calls fn, turning a panic into a PanicError.
+func protect(ctx context.Context, c *Call, fn func(context.Context, *Call) (any, error)) (v any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			v, err = nil, &PanicError{Value: r, Stack: debug.Stack()}
+		}
+	}()
+	return fn(ctx, c)
+}
+
+func (w *Worker) softLimit(j *job) time.Duration {
+	if j.h.softTimeLimit > 0 {
+		return j.h.softTimeLimit
+	}
+	return j.msg.TimeLimit.Soft
+}
+
+func (w *Worker) hardLimit(j *job) time.Duration {
+	if j.h.timeLimit > 0 {
+		return j.h.timeLimit
+	}
+	return j.msg.TimeLimit.Hard
+}
+
+// finish answers a delivery whose outcome is recorded (or that has no
+// record): the result to the caller, then the ack.
+func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error, _ any) {
+	msg := j.msg
+	if taskErr == nil {
+		w.m.succeeded.WithLabelValues(j.h.name).Inc()
+		w.log.Debug("task succeeded", w.fields(j)...)
+		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res)})
+		if !w.replySuccess(ctx, j, res) {
+			return
+		}
+		w.crash(CrashBeforeAck, j)
+		w.ack(j)
+		return
+	}
+	var rr *RetryRequest
+	if errors.As(taskErr, &rr) {
+		w.retry(ctx, j, rr)
+		return
+	}
+	w.m.failed.WithLabelValues(j.h.name).Inc()
+	var pe *PanicError
+	if errors.As(taskErr, &pe) {
+		w.log.Error("task panicked", w.fields(j, zap.Any("panic", pe.Value), zap.ByteString("stack", pe.Stack))...)
+	} else {
+		w.log.Info("task failed", w.fields(j, zap.Error(taskErr))...)
+	}
+	exc := exceptionFor(taskErr)
+	if errors.Is(taskErr, ErrTimeLimit) {
+		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: w.hardLimit(j).String()}
+	}
+	w.event(ctx, "task-failed", j, map[string]any{"exception": exc.Type + "(" + fmt.Sprintf("%q", exc.Message) + ")"})
+	_ = msg
+	if !w.replyFailure(ctx, j, exc, taskErr) {
+		return
+	}
+	w.crash(CrashBeforeAck, j)
+	w.ack(j)
+}
+
+// ErrTimeLimit is the cause of a task context cancelled by its hard time
+// limit; the caller gets FAILURE billiard.exceptions.TimeLimitExceeded.
+var ErrTimeLimit = errors.New("time limit exceeded")
+
+// jsonValue turns stored JSON into a value the result encoder writes back
+// unchanged (integers stay integers).
+func jsonValue(b []byte) (any, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	dec := json.NewDecoder(bytesReader(b))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, fmt.Errorf("decode stored result: %w", err)
+	}
+	return numbers(v), nil
+}
+
+func numbers(v any) any {
+	switch x := v.(type) {
+	case json.Number:
+		if i, err := x.Int64(); err == nil {
+			return i
+		}
+		f, _ := x.Float64()
+		return f
+	case []any:
+		for i := range x {
+			x[i] = numbers(x[i])
+		}
+	case map[string]any:
+		for k, e := range x {
+			x[k] = numbers(e)
+		}
+	}
+	return v
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -1,0 +1,309 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"reflect"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Mode says where a task's side effect lands, and so how the record guards it.
+type Mode int
+
+const (
+	// ModePure marks a task without side effects worth guarding: it runs
+	// without a record, every delivery runs it.
+	ModePure Mode = iota
+	// ModeSameDB marks a task whose effect is written to the record's own
+	// PostgreSQL database through the pgx.Tx handed to RunTx: claim, effect and
+	// completion commit in one transaction.
+	ModeSameDB
+	// ModeOutside marks a task whose effect lands in an outside system. The
+	// claim commits first; the task passes Call.Reference (the operation key)
+	// to the outside system so that it can recognise a repeat.
+	ModeOutside
+)
+
+// String returns the mode's name as used in logs and metrics.
+func (m Mode) String() string {
+	switch m {
+	case ModePure:
+		return "pure"
+	case ModeSameDB:
+		return "same_db"
+	case ModeOutside:
+		return "outside"
+	default:
+		return fmt.Sprintf("mode(%d)", int(m))
+	}
+}
+
+// Policy decides what happens to an outside-mode operation whose claim went
+// stale: its owner stopped renewing the lease (it died or hung) without
+// recording an outcome, so nobody knows whether the effect happened.
+type Policy int
+
+const (
+	// PolicyHold records the operation as held, keeps the message for
+	// replaying and waits for a person to resolve it. The default.
+	PolicyHold Policy = iota
+	// PolicyRetry takes the claim over and runs the task again: the effect may
+	// happen twice (the rare duplicate, counted as a stale takeover).
+	PolicyRetry
+	// PolicySkip records the operation as skipped and does not run it: the
+	// effect may never happen (the rare miss, counted).
+	PolicySkip
+	// PolicyLookup takes the claim over and asks the outside system through
+	// Task.Lookup whether the effect happened: found completes the operation
+	// with the found result, not found runs the task, an error applies
+	// Task.Fallback.
+	PolicyLookup
+)
+
+// String returns the policy's name as used in logs and metrics.
+func (p Policy) String() string {
+	switch p {
+	case PolicyHold:
+		return "hold"
+	case PolicyRetry:
+		return "retry"
+	case PolicySkip:
+		return "skip"
+	case PolicyLookup:
+		return "lookup"
+	default:
+		return fmt.Sprintf("policy(%d)", int(p))
+	}
+}
+
+// RetryPolicy bounds Celery-style retries requested with Call.Retry.
+type RetryPolicy struct {
+	// MaxRetries is the number of retries allowed before the task fails with
+	// MaxRetriesExceededError. 0 means Celery's default, 3; negative means no
+	// retries.
+	MaxRetries int
+	// Countdown is the delay used when Call.Retry is given 0. Default 180 s,
+	// as Celery.
+	Countdown time.Duration
+}
+
+// Task declares one Celery task implemented in Go. A is the argument type: a
+// struct whose exported fields bind the Celery args by position (declaration
+// order) and the kwargs by name (`celery:"name"` tag, else the json tag name,
+// else the field name in snake_case). A field is required unless it is a
+// pointer or its tag carries the option "optional" (or json's "omitempty").
+type Task[A any] struct {
+	// Name is the stable Celery task name, e.g. "billing.charge".
+	Name string
+	// Mode says where the effect lands. Default ModePure.
+	Mode Mode
+	// Key derives the operation key from the arguments. Required for
+	// ModeSameDB and ModeOutside. A producer's `idempotency_key` header wins
+	// when present.
+	Key func(A) (string, error)
+	// Policy applies when an outside-mode claim is found stale. Default PolicyHold.
+	Policy Policy
+	// Fallback applies when Policy is PolicyLookup and Lookup fails. It must
+	// not be PolicyLookup. Default PolicyHold.
+	Fallback Policy
+	// Lease is how long a claim stays valid without renewal; the worker
+	// renews it while the task runs. 0 means the worker's Config.Lease.
+	Lease time.Duration
+	// Run is the task body for ModePure and ModeOutside. Its result must be
+	// JSON-encodable; it is the Celery result.
+	Run func(ctx context.Context, c *Call, args A) (any, error)
+	// RunTx is the task body for ModeSameDB: write the effect through tx,
+	// which also holds the claim and the completion.
+	RunTx func(ctx context.Context, tx pgx.Tx, c *Call, args A) (any, error)
+	// Lookup asks the outside system whether the operation (Call.Reference)
+	// already happened. Required with PolicyLookup.
+	Lookup func(ctx context.Context, c *Call, args A) (result any, found bool, err error)
+	// Retry bounds Celery-style retries.
+	Retry RetryPolicy
+	// TimeLimit is the hard time limit; SoftTimeLimit cancels the task's
+	// context (cause ErrSoftTimeLimit). 0 means the message's timelimit, if any.
+	TimeLimit, SoftTimeLimit time.Duration
+	// AllowMismatch lets a delivery whose arguments differ from those recorded
+	// for the same operation key be treated as a repeat of that operation,
+	// rather than quarantined.
+	AllowMismatch bool
+}
+
+// handler is a registered task with its argument type erased.
+type handler struct {
+	name          string
+	mode          Mode
+	policy        Policy
+	fallback      Policy
+	lease         time.Duration
+	retry         RetryPolicy
+	timeLimit     time.Duration
+	softTimeLimit time.Duration
+	allowMismatch bool
+	hasLookup     bool
+
+	// bind turns Celery args and kwargs into the task's argument value.
+	bind func(args []any, kwargs map[string]any) (any, error)
+	// key derives the operation key from a bound argument value.
+	key func(a any) (string, error)
+	// run, runTx and lookup call the typed functions with a bound value.
+	run    func(ctx context.Context, c *Call, a any) (any, error)
+	runTx  func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error)
+	lookup func(ctx context.Context, c *Call, a any) (any, bool, error)
+}
+
+// Registry holds the tasks a worker serves, by Celery name. It is safe for
+// concurrent use.
+type Registry struct {
+	mu    sync.RWMutex
+	tasks map[string]*handler
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry {
+	return &Registry{tasks: make(map[string]*handler)}
+}
+
+// ErrInvalidTask is returned (wrapped) by Register for a task declaration
+// that cannot be served safely.
+var ErrInvalidTask = errors.New("invalid task")
+
+// ErrDuplicateTask is returned (wrapped) by Register when the name is taken.
+var ErrDuplicateTask = errors.New("task already registered")
+
+// Register adds a task to the registry. It refuses a task that touches the
+// outside world or the database without an operation key, a same-database
+// task without RunTx, a lookup policy without Lookup, an argument type that
+// is not a struct, and a name already registered.
+func Register[A any](r *Registry, t Task[A]) error {
+	h, err := newHandler(t)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.tasks[t.Name]; ok {
+		return fmt.Errorf("register %q: %w", t.Name, ErrDuplicateTask)
+	}
+	r.tasks[t.Name] = h
+	return nil
+}
+
+func invalid(name, format string, a ...any) error {
+	return fmt.Errorf("register %q: %w: %s", name, ErrInvalidTask, fmt.Sprintf(format, a...))
+}
+
+func newHandler[A any](t Task[A]) (*handler, error) {
+	if t.Name == "" {
+		return nil, invalid(t.Name, "empty task name")
+	}
+	b, err := newBinder(reflect.TypeFor[A]())
+	if err != nil {
+		return nil, invalid(t.Name, "%v", err)
+	}
+	switch t.Mode {
+	case ModePure:
+		if t.Run == nil {
+			return nil, invalid(t.Name, "pure task without Run")
+		}
+	case ModeOutside:
+		if t.Run == nil {
+			return nil, invalid(t.Name, "outside task without Run")
+		}
+		if t.Key == nil {
+			return nil, invalid(t.Name, "outside task without Key: an operation key is required, the task id is not one")
+		}
+	case ModeSameDB:
+		if t.RunTx == nil {
+			return nil, invalid(t.Name, "same-database task without RunTx")
+		}
+		if t.Key == nil {
+			return nil, invalid(t.Name, "same-database task without Key: an operation key is required, the task id is not one")
+		}
+	default:
+		return nil, invalid(t.Name, "unknown mode %d", int(t.Mode))
+	}
+	if t.Mode != ModeSameDB && t.RunTx != nil {
+		return nil, invalid(t.Name, "RunTx is only for ModeSameDB")
+	}
+	if t.Policy < PolicyHold || t.Policy > PolicyLookup {
+		return nil, invalid(t.Name, "unknown policy %d", int(t.Policy))
+	}
+	if t.Policy == PolicyLookup && t.Lookup == nil {
+		return nil, invalid(t.Name, "policy lookup without Lookup")
+	}
+	if t.Fallback == PolicyLookup || t.Fallback < PolicyHold || t.Fallback > PolicyLookup {
+		return nil, invalid(t.Name, "fallback policy must be hold, retry or skip")
+	}
+	if t.Lease < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 {
+		return nil, invalid(t.Name, "negative duration")
+	}
+	h := &handler{
+		name:          t.Name,
+		mode:          t.Mode,
+		policy:        t.Policy,
+		fallback:      t.Fallback,
+		lease:         t.Lease,
+		retry:         t.Retry,
+		timeLimit:     t.TimeLimit,
+		softTimeLimit: t.SoftTimeLimit,
+		allowMismatch: t.AllowMismatch,
+		hasLookup:     t.Lookup != nil,
+		bind: func(args []any, kwargs map[string]any) (any, error) {
+			var a A
+			if err := b.bind(reflect.ValueOf(&a).Elem(), args, kwargs); err != nil {
+				return nil, err
+			}
+			return a, nil
+		},
+	}
+	if t.Key != nil {
+		h.key = func(a any) (string, error) { return t.Key(a.(A)) }
+	}
+	if t.Run != nil {
+		h.run = func(ctx context.Context, c *Call, a any) (any, error) { return t.Run(ctx, c, a.(A)) }
+	}
+	if t.RunTx != nil {
+		h.runTx = func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error) { return t.RunTx(ctx, tx, c, a.(A)) }
+	}
+	if t.Lookup != nil {
+		h.lookup = func(ctx context.Context, c *Call, a any) (any, bool, error) { return t.Lookup(ctx, c, a.(A)) }
+	}
+	return h, nil
+}
+
+// lookup returns the handler registered under name.
+func (r *Registry) get(name string) (*handler, bool) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	h, ok := r.tasks[name]
+	return h, ok
+}
+
+// Names returns the registered task names, sorted.
+func (r *Registry) Names() []string {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	names := make([]string, 0, len(r.tasks))
+	for n := range r.tasks {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// encodeResult turns a task's return value into the JSON stored in the
+// record and sent to the caller.
+func encodeResult(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("encode task result as JSON: %w", err)
+	}
+	return b, nil
+}

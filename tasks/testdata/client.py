@@ -1,0 +1,53 @@
+"""Send Celery tasks to a onceler worker and print their results as JSON.
+
+Run with the system Python that has Celery 5.2 (/usr/bin/python3):
+
+    client.py '<spec json>'
+
+spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
+       "serializer": "json"|"msgpack"|"yaml",
+       "calls": [{"task": name, "args": [...], "kwargs": {...},
+                  "headers": {...}, "ignore_result": bool}]}
+
+Prints one JSON object: {"results": [...]} with, for each call in order,
+{"id": task id, "ok": result} or {"id", "exc_type", "exc_module", "message"}.
+"""
+import json
+import sys
+
+from celery import Celery
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    app = Celery("onceler_client", broker=spec["broker"], backend="rpc://")
+    app.conf.task_default_queue = spec["queue"]
+    app.conf.task_protocol = spec.get("protocol", 2)
+    ser = spec.get("serializer", "json")
+    app.conf.task_serializer = ser
+    app.conf.accept_content = ["json", "msgpack", "yaml"]
+    app.conf.result_accept_content = ["json"]
+    timeout = spec.get("timeout", 30)
+
+    sent = []
+    for c in spec["calls"]:
+        opts = {"queue": spec["queue"]}
+        if c.get("headers"):
+            opts["headers"] = c["headers"]
+        if c.get("ignore_result"):
+            opts["ignore_result"] = True
+        sent.append(app.send_task(c["task"], args=c.get("args", []),
+                                  kwargs=c.get("kwargs", {}), **opts))
+    out = []
+    for r in sent:
+        try:
+            out.append({"id": r.id, "ok": r.get(timeout=timeout)})
+        except Exception as e:  # report the class the client built
+            out.append({"id": r.id, "exc_type": type(e).__name__,
+                        "exc_module": type(e).__module__,
+                        "message": str(e.args[0]) if e.args else str(e)})
+    print(json.dumps({"results": out}))
+
+
+if __name__ == "__main__":
+    main()

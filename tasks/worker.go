@@ -1,0 +1,373 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+)
+
+// Worker consumes Celery task messages and runs the registered tasks, each
+// operation's effect once. Create it with NewWorker and start it with Run.
+type Worker struct {
+	reg      *Registry
+	cfg      Config
+	log      *zap.Logger
+	store    *idempotency.Store
+	ownStore bool
+	consumer *amqp.Consumer
+	pub      *amqp.Publisher
+	dec      *celeryproto.Decoder
+	m        *metrics
+	started  time.Time
+
+	// kill ends the process at a crash point (SIGKILL; replaced in tests).
+	kill    func()
+	crashed atomic.Bool
+
+	jobs chan *job     // deliveries waiting for a task goroutine
+	quit chan struct{} // closed when shutdown begins: take no new jobs
+
+	ran       atomic.Bool // Run was called
+	running   atomic.Bool // Run is running
+	draining  atomic.Bool
+	workCause context.CancelCauseFunc // cancels task contexts after the grace period
+
+	mu        sync.Mutex
+	stopping  bool                 // no more timers or queueing
+	timers    map[*job]*time.Timer // deferred and scheduled deliveries
+	scheduled int                  // deliveries held until their ETA
+	active    map[*job]*runState   // tasks running now
+	reserved  map[*job]struct{}    // received, not yet running
+	revoked   revokedSet
+	totals    map[string]int64 // tasks run, by name (Stats)
+}
+
+type runState struct {
+	started time.Time
+	cancel  context.CancelCauseFunc
+}
+
+// job is one delivery on its way through the pipeline.
+type job struct {
+	d        *amqp.Delivery
+	received time.Time
+	msg      *celeryproto.Message // nil until decoded
+	h        *handler
+	args     any
+	key      string
+	fp       []byte
+	checks   int  // deferrals so far
+	waiting  bool // deferred because the operation was in progress elsewhere
+}
+
+// NewWorker validates cfg and prepares a worker for the tasks of reg. It opens
+// no connection; Run does.
+func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
+	if reg == nil {
+		return nil, errors.New("tasks: nil registry")
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	w := &Worker{
+		reg:      reg,
+		cfg:      cfg,
+		log:      cfg.Logger.With(zap.String("node", cfg.Hostname)),
+		dec:      celeryproto.NewDecoder(celeryproto.Limits{}),
+		kill:     func() { _ = syscall.Kill(os.Getpid(), syscall.SIGKILL) },
+		timers:   make(map[*job]*time.Timer),
+		active:   make(map[*job]*runState),
+		reserved: make(map[*job]struct{}),
+		revoked:  newRevokedSet(50000),
+		totals:   make(map[string]int64),
+	}
+	needRecord := false
+	for _, n := range reg.Names() {
+		if h, _ := reg.get(n); h.mode != ModePure {
+			needRecord = true
+		}
+	}
+	if needRecord && !cfg.NoRecord {
+		w.store = cfg.Store
+		if w.store == nil {
+			if cfg.Pool == nil {
+				return nil, errors.New("tasks: tasks with a record need Config.Store or Config.Pool")
+			}
+			s, err := idempotency.New(cfg.Pool, idempotency.Config{Logger: cfg.Logger})
+			if err != nil {
+				return nil, fmt.Errorf("tasks: open record: %w", err)
+			}
+			w.store, w.ownStore = s, true
+		}
+	}
+	m, err := newMetrics(cfg.Metrics)
+	if err != nil {
+		w.closeStore()
+		return nil, err
+	}
+	w.m = m
+	tag := cfg.Hostname
+	w.consumer = amqp.NewConsumer(cfg.Broker, amqp.ConsumerConfig{Queues: cfg.Queues, Prefetch: cfg.Prefetch, Tag: tag,
+		DrainTimeout: cfg.Grace + 10*time.Second})
+	w.pub = amqp.NewPublisher(cfg.Broker)
+	return w, nil
+}
+
+func (w *Worker) closeStore() {
+	if w.ownStore && w.store != nil {
+		w.store.Close()
+	}
+}
+
+// Run consumes and runs tasks until ctx is cancelled, then shuts down
+// gracefully: it stops taking deliveries, lets running tasks finish within
+// Config.Grace, then cancels their contexts and waits for them. Deliveries
+// not finished stay unacknowledged and return to the queue. Run returns nil
+// after a shutdown caused by ctx, or the error that stopped consuming. A
+// Worker runs once.
+func (w *Worker) Run(ctx context.Context) error {
+	if !w.ran.CompareAndSwap(false, true) {
+		return errors.New("tasks: worker already ran")
+	}
+	w.running.Store(true)
+	defer w.running.Store(false)
+	defer w.closeStore()
+	defer func() { _ = w.pub.Close() }()
+	w.started = time.Now()
+
+	for _, q := range w.cfg.Queues {
+		spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
+		if err := w.pub.Declare(ctx, spec); err != nil {
+			return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
+		}
+	}
+
+	w.jobs = make(chan *job, 1<<16)
+	w.quit = make(chan struct{})
+	workCtx, workCancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer workCancel(nil)
+	w.workCause = workCancel
+
+	var pool sync.WaitGroup
+	for range w.cfg.Concurrency {
+		pool.Add(1)
+		go func() {
+			defer pool.Done()
+			w.loop(workCtx)
+		}()
+	}
+
+	consCtx, consCancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer consCancel()
+	consDone := make(chan error, 1)
+	go func() { consDone <- w.consumer.Run(consCtx, w.receive) }()
+
+	w.log.Info("worker started", zap.Int("concurrency", w.cfg.Concurrency), zap.Int("prefetch", w.cfg.Prefetch),
+		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.NoRecord))
+	if w.cfg.NoRecord {
+		w.log.Warn("running WITHOUT the idempotency record: duplicate deliveries repeat their effects")
+	}
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case err := <-consDone:
+		consDone <- err
+		runErr = fmt.Errorf("tasks: consumer stopped: %w", err)
+	}
+
+	// Graceful shutdown: the consumer cancels its subscriptions and keeps
+	// its channel open for the acks of running tasks; waiting deliveries go
+	// back to the queue; running tasks get the grace period.
+	w.draining.Store(true)
+	close(w.quit)
+	consCancel()
+	w.mu.Lock()
+	w.stopping = true
+	for j, t := range w.timers {
+		t.Stop()
+		delete(w.timers, j)
+		w.requeue(j)
+	}
+	w.mu.Unlock()
+	w.log.Info("worker stopping: waiting for running tasks", zap.Duration("grace", w.cfg.Grace))
+	poolDone := make(chan struct{})
+	go func() { pool.Wait(); close(poolDone) }()
+	grace := time.NewTimer(w.cfg.Grace)
+	select {
+	case <-poolDone:
+		grace.Stop()
+	case <-grace.C:
+		w.log.Warn("grace period over: cancelling running tasks")
+		workCancel(ErrShutdown)
+		<-poolDone
+	}
+	for {
+		select {
+		case j := <-w.jobs:
+			w.requeue(j)
+			continue
+		default:
+		}
+		break
+	}
+	if err := <-consDone; err != nil && runErr == nil {
+		runErr = fmt.Errorf("tasks: consumer: %w", err)
+	}
+	w.log.Info("worker stopped")
+	return runErr
+}
+
+// quarantineName is the quarantine queue of queue q.
+func quarantineName(q string) string { return q + ".quarantine" }
+
+// receive is the consumer's handler: it must not block.
+func (w *Worker) receive(d *amqp.Delivery) {
+	if w.draining.Load() {
+		_ = d.Nack(true)
+		return
+	}
+	j := &job{d: d, received: time.Now()}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.reserved[j] = struct{}{}
+	w.enqueue(j)
+}
+
+// enqueue hands j to the task goroutines without blocking. w.mu is held.
+func (w *Worker) enqueue(j *job) {
+	select {
+	case w.jobs <- j:
+	default:
+		// Cannot happen while the prefetch window is smaller than the buffer;
+		// requeue rather than block the consumer.
+		w.log.Error("job buffer full: requeueing delivery")
+		delete(w.reserved, j)
+		_ = j.d.Nack(true)
+	}
+}
+
+// later re-enqueues j after delay. When the worker is stopping the delivery
+// goes back to the broker instead; when its channel is gone, the broker
+// redelivers it anyway and j is dropped.
+func (w *Worker) later(j *job, delay time.Duration) { w.laterThen(j, delay, nil) }
+
+// laterThen is later, calling then (if not nil) when the delay is over.
+func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stopping || w.draining.Load() {
+		w.requeue(j)
+		return
+	}
+	if j.d.Stale() {
+		// Its channel is gone: the broker redelivers it.
+		delete(w.reserved, j)
+		return
+	}
+	w.timers[j] = time.AfterFunc(delay, func() {
+		w.mu.Lock()
+		_, ok := w.timers[j]
+		delete(w.timers, j)
+		w.mu.Unlock()
+		if !ok {
+			return
+		}
+		if then != nil {
+			then()
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.stopping {
+			w.requeue(j)
+			return
+		}
+		w.enqueue(j)
+	})
+}
+
+// loop is one task goroutine.
+func (w *Worker) loop(ctx context.Context) {
+	for {
+		select {
+		case <-w.quit:
+			return
+		case j := <-w.jobs:
+			select {
+			case <-w.quit:
+				w.mu.Lock()
+				w.requeue(j)
+				w.mu.Unlock()
+				return
+			default:
+			}
+			w.process(ctx, j)
+		}
+	}
+}
+
+// requeue gives the delivery back to the broker unanswered. w.mu is held.
+func (w *Worker) requeue(j *job) {
+	delete(w.reserved, j)
+	if err := j.d.Nack(true); err != nil {
+		w.log.Debug("requeue failed; the broker redelivers the message when the channel closes", zap.Error(err))
+	}
+}
+
+// giveBack is requeue for callers that do not hold w.mu.
+func (w *Worker) giveBack(j *job) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.requeue(j)
+}
+
+// forget removes j from the reserved set: it has been answered.
+func (w *Worker) forget(j *job) {
+	w.mu.Lock()
+	delete(w.reserved, j)
+	w.mu.Unlock()
+}
+
+// crash kills the process if the configured crash point is reached.
+func (w *Worker) crash(point string, j *job) {
+	c := w.cfg.Crash
+	if c.At != point || (c.Task != "" && c.Task != j.h.name) {
+		return
+	}
+	if w.crashed.CompareAndSwap(false, true) {
+		w.log.Warn("crash injection: killing the process", zap.String("at", point), zap.String("task", j.h.name),
+			zap.String("task_id", j.msg.ID))
+		_ = w.log.Sync()
+		w.kill()
+	}
+}
+
+// Ready reports whether the worker is consuming and its database answers.
+func (w *Worker) Ready() bool {
+	return w.ready(context.Background())
+}
+
+func (w *Worker) ready(ctx context.Context) bool {
+	if !w.running.Load() || w.draining.Load() || !w.consumer.Ready() {
+		return false
+	}
+	if w.cfg.Pool != nil && w.store != nil {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if err := w.cfg.Pool.Ping(ctx); err != nil {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,310 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+type addArgs struct {
+	X, Y int64
+}
+
+type payArgs struct {
+	OrderID string `celery:"order_id"`
+	Amount  int64  `celery:"amount"`
+}
+
+// effects counts the effects of outside-mode test tasks, per operation.
+type effects struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (e *effects) add(key string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.n == nil {
+		e.n = make(map[string]int)
+	}
+	e.n[key]++
+}
+
+func (e *effects) snapshot() map[string]int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make(map[string]int, len(e.n))
+	for k, v := range e.n {
+		out[k] = v
+	}
+	return out
+}
+
+func testRegistry(t *testing.T, fx *effects) *Registry {
+	t.Helper()
+	r := NewRegistry()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(Register(r, Task[addArgs]{Name: "t.add", Run: func(_ context.Context, _ *Call, a addArgs) (any, error) {
+		return a.X + a.Y, nil
+	}}))
+	must(Register(r, Task[addArgs]{Name: "t.fail_value", Run: func(context.Context, *Call, addArgs) (any, error) {
+		return nil, ValueError("x must be positive")
+	}}))
+	must(Register(r, Task[addArgs]{Name: "t.fail_key", Run: func(context.Context, *Call, addArgs) (any, error) {
+		return nil, KeyError("no such account")
+	}}))
+	must(Register(r, Task[addArgs]{Name: "t.fail_plain", Run: func(context.Context, *Call, addArgs) (any, error) {
+		return nil, errors.New("disk on fire")
+	}}))
+	must(Register(r, Task[addArgs]{Name: "t.panic", Run: func(context.Context, *Call, addArgs) (any, error) {
+		panic("kaboom")
+	}}))
+	must(Register(r, Task[payArgs]{
+		Name: "t.pay", Mode: ModeOutside, Policy: PolicyRetry,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		Run: func(_ context.Context, c *Call, a payArgs) (any, error) {
+			fx.add(c.Key)
+			return map[string]any{"order": a.OrderID, "charged": a.Amount, "ref": c.Reference}, nil
+		},
+	}))
+	return r
+}
+
+// TestPythonCeleryEndToEnd: real Celery 5.2.6 sends tasks and waits on
+// AsyncResult.get(); results and chosen exception classes come back, with
+// protocols 1 and 2 and the json and msgpack serializers.
+func TestPythonCeleryEndToEnd(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	e.start(testRegistry(t, fx), e.config())
+
+	for _, tc := range []struct {
+		protocol   int
+		serializer string
+	}{{2, "json"}, {1, "json"}, {2, "msgpack"}} {
+		t.Run(fmt.Sprintf("protocol%d_%s", tc.protocol, tc.serializer), func(t *testing.T) {
+			order := "o-" + tc.serializer + fmt.Sprint(tc.protocol)
+			res := e.python(tc.protocol, tc.serializer,
+				pyCall{Task: "t.add", Args: []any{2, 40}},
+				pyCall{Task: "t.add", Args: []any{1}, Kwargs: map[string]any{"y": 9}},
+				pyCall{Task: "t.fail_value", Args: []any{1, 2}},
+				pyCall{Task: "t.fail_key", Args: []any{1, 2}},
+				pyCall{Task: "t.fail_plain", Args: []any{1, 2}},
+				pyCall{Task: "t.panic", Args: []any{1, 2}},
+				pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": order, "amount": 700}},
+				pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": order, "amount": 700}},
+			)
+			wantOK := func(i int, want string) {
+				t.Helper()
+				if res[i].ExcType != "" || string(res[i].OK) != want {
+					t.Errorf("call %d: got %+v, want result %s", i, res[i], want)
+				}
+			}
+			wantExc := func(i int, typ, msg string) {
+				t.Helper()
+				if res[i].ExcType != typ || !strings.Contains(res[i].Message, msg) {
+					t.Errorf("call %d: got %+v, want %s(%q)", i, res[i], typ, msg)
+				}
+			}
+			wantOK(0, "42")
+			wantOK(1, "10")
+			wantExc(2, "ValueError", "x must be positive")
+			wantExc(3, "KeyError", "no such account")
+			wantExc(4, "Exception", "disk on fire")
+			wantExc(5, "Exception", "kaboom")
+			want := fmt.Sprintf(`{"charged": 700, "order": %q, "ref": "t.pay:%s"}`, order, order)
+			wantOK(6, want)
+			wantOK(7, want) // the duplicate gets the stored result
+			if n := fx.snapshot()[order]; n != 1 {
+				t.Errorf("operation %s ran %d times, want 1", order, n)
+			}
+		})
+	}
+	if d := e.queueDepth(e.queue); d != 0 {
+		t.Errorf("queue holds %d messages after the run", d)
+	}
+}
+
+// TestQuarantine: garbage, pickle, unknown task, bad arguments and a
+// fingerprint mismatch each end in the quarantine queue with their reason,
+// the unknown task's caller gets NotRegistered, and the worker keeps serving.
+func TestQuarantine(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	e.start(testRegistry(t, fx), e.config())
+
+	e.publishRaw(&celeryproto.Publishing{ContentType: "application/json", ContentEncoding: "utf-8",
+		Body: []byte("{not json"), Headers: map[string]any{"task": "t.add", "id": taskID(1), "lang": "py"}})
+	e.publishRaw(&celeryproto.Publishing{ContentType: "application/x-python-serialize", ContentEncoding: "binary",
+		Body: []byte("\x80\x04\x95garbage."), Headers: map[string]any{"task": "t.add", "id": taskID(2), "lang": "py"}})
+
+	res := e.python(2, "json",
+		pyCall{Task: "t.nope", Args: []any{1}},
+		pyCall{Task: "t.add", Args: []any{1, "two"}},
+		pyCall{Task: "t.add", Args: []any{1, 2, 3}},
+		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "m-1", "amount": 5}},
+		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "m-1", "amount": 6}},
+		pyCall{Task: "t.add", Args: []any{20, 22}},
+	)
+	if res[0].ExcType != "NotRegistered" || !strings.Contains(res[0].Message, "t.nope") {
+		t.Errorf("unknown task: got %+v, want NotRegistered", res[0])
+	}
+	if res[1].ExcType != "TypeError" || !strings.Contains(res[1].Message, "argument y: expected int64, got str") {
+		t.Errorf("bad argument type: got %+v", res[1])
+	}
+	if res[2].ExcType != "TypeError" || !strings.Contains(res[2].Message, "takes 2 positional arguments but 3 were given") {
+		t.Errorf("too many arguments: got %+v", res[2])
+	}
+	if res[3].ExcType != "" {
+		t.Errorf("first pay: %+v", res[3])
+	}
+	if res[4].ExcType != "ValueError" || !strings.Contains(res[4].Message, "different arguments") {
+		t.Errorf("mismatch: got %+v", res[4])
+	}
+	if string(res[5].OK) != "42" {
+		t.Errorf("worker stopped serving: %+v", res[5])
+	}
+
+	var got []amqp091Delivery
+	waitFor(t, "5 quarantined messages", 10*time.Second, func() bool {
+		for _, d := range e.quarantined() {
+			got = append(got, amqp091Delivery{reason: fmt.Sprint(d.Headers[HeaderReason]),
+				detail: fmt.Sprint(d.Headers[HeaderDetail]), queue: fmt.Sprint(d.Headers[HeaderQueue]),
+				body: string(d.Body), contentType: d.ContentType})
+		}
+		return len(got) >= 5
+	})
+	reasons := map[string]int{}
+	for _, d := range got {
+		reasons[d.reason]++
+		if d.queue != e.queue {
+			t.Errorf("quarantined message names queue %q", d.queue)
+		}
+		t.Logf("quarantined: reason=%s detail=%s", d.reason, d.detail)
+	}
+	want := map[string]int{ReasonUndecodable: 2, ReasonUnknownTask: 1, ReasonBadArguments: 2, ReasonMismatch: 1}
+	for r, n := range want {
+		if reasons[r] != n {
+			t.Errorf("quarantine reason %s: %d messages, want %d (all: %v)", r, reasons[r], n, reasons)
+		}
+	}
+	for _, d := range got {
+		if d.contentType == "application/x-python-serialize" && (d.body != "\x80\x04\x95garbage." || !strings.Contains(d.detail, "pickle")) {
+			t.Errorf("pickle message not kept as sent: %+v", d)
+		}
+	}
+	if n := fx.snapshot()["m-1"]; n != 1 {
+		t.Errorf("m-1 ran %d times", n)
+	}
+	if d := e.queueDepth(e.queue); d != 0 {
+		t.Errorf("queue holds %d messages", d)
+	}
+}
+
+type amqp091Delivery struct{ reason, detail, queue, body, contentType string }
+
+// results collects n results from a reply channel, by task id.
+func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
+	t.Helper()
+	out := make(map[string][]map[string]any)
+	deadline := time.After(timeout)
+	for got := 0; got < n; got++ {
+		select {
+		case r := <-replies:
+			id, _ := r["task_id"].(string)
+			out[id] = append(out[id], r)
+		case <-deadline:
+			t.Fatalf("got %d of %d results in %s", got, n, timeout)
+		}
+	}
+	return out
+}
+
+func payMessage(i int, order string, replyTo string) *celeryproto.Message {
+	return &celeryproto.Message{Protocol: 2, Task: "t.pay", ID: taskID(i), Kwargs: map[string]any{"order_id": order, "amount": int64(100)},
+		ReplyTo: replyTo, CorrelationID: taskID(i), RootID: taskID(i)}
+}
+
+func checkPay(t *testing.T, res map[string][]map[string]any, ids int, keyOf func(i int) string) {
+	t.Helper()
+	for i := range ids {
+		rs := res[taskID(i)]
+		if len(rs) == 0 {
+			t.Errorf("task %d: no result", i)
+			continue
+		}
+		r := rs[0]
+		if r["status"] != "SUCCESS" {
+			t.Errorf("task %d: %v", i, r)
+			continue
+		}
+		m, _ := r["result"].(map[string]any)
+		if m["order"] != keyOf(i) {
+			t.Errorf("task %d: result %v", i, r["result"])
+		}
+	}
+}
+
+// TestDuplicatesTwoWorkers: two workers on one queue, 2,000 messages over
+// 500 operation keys (each 4×, interleaved): exactly 500 effects, 2,000
+// results, and the record's repeats report counts 1,500 duplicates.
+func TestDuplicatesTwoWorkers(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	reg := testRegistry(t, fx)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 16, 64
+	since := time.Now().Add(-time.Second)
+	e.start(reg, cfg)
+	cfg2 := e.config()
+	cfg2.Concurrency, cfg2.Prefetch = 16, 64
+	e.start(reg, cfg2)
+
+	replyTo, replies := e.replyQueue()
+	const keys, repeats = 500, 4
+	key := func(i int) string { return fmt.Sprintf("order-%d", i%keys) }
+	start := time.Now()
+	for i := range keys * repeats {
+		e.publish(payMessage(i, key(i), replyTo))
+	}
+	res := results(t, replies, keys*repeats, 90*time.Second)
+	t.Logf("2,000 deliveries over 2 workers in %s", time.Since(start))
+	checkPay(t, res, keys*repeats, key)
+	fxs := fx.snapshot()
+	if len(fxs) != keys {
+		t.Errorf("%d operations had effects, want %d", len(fxs), keys)
+	}
+	for k, n := range fxs {
+		if n != 1 {
+			t.Errorf("operation %s: %d effects", k, n)
+		}
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	rep, err := e.store.Repeats(context.Background(), since)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dups int64
+	for _, r := range rep {
+		if r.Task == "t.pay" {
+			dups = r.Duplicates
+		}
+	}
+	if dups != keys*(repeats-1) {
+		t.Errorf("repeats report: %d duplicates, want %d (%+v)", dups, keys*(repeats-1), rep)
+	}
+}
+
+var _ = json.Marshal
