@@ -13,7 +13,7 @@ import (
 // (celery inspect active/reserved/scheduled).
 type TaskInfo struct {
 	ID, Name             string
-	ArgsRepr, KwargsRepr string // Celery's argsrepr/kwargsrepr (may hold secrets)
+	ArgsRepr, KwargsRepr string    // Celery's argsrepr/kwargsrepr (may hold secrets)
 	Started              time.Time // zero unless running
 	ETA                  time.Time // zero unless scheduled
 	Queue, Exchange      string

@@ -13,8 +13,8 @@ import (
 type chargeArgs struct {
 	OrderID  string `celery:"order_id"`
 	Amount   int64
-	Currency string  `json:"currency,omitempty"`
-	Note     *string // optional: pointer
+	Currency string   `json:"currency,omitempty"`
+	Note     *string  // optional: pointer
 	Tags     []string `celery:"tags,optional"`
 }
 
