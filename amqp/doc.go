@@ -2,4 +2,92 @@
 // it owns connecting with backoff, reconnecting, kombu-compatible topology,
 // QoS, late acknowledgement bound to the channel a delivery came on, and
 // publishing with confirms.
+//
+// # Two connections
+//
+// A Consumer and a Publisher each own a connection. RabbitMQ's memory and
+// disk alarms block connections that publish; keeping consumption on a
+// connection that never publishes means acknowledgements keep flowing while
+// publishing waits for the alarm to clear. Both name their connection
+// (Config.Name plus " consume" or " publish") so an operator can find them
+// in the management UI or with rabbitmqctl list_connections.
+//
+// # The reconnect model
+//
+// amqp091 does not reconnect (its experimental recovery is not used here);
+// this package does, in one place per role:
+//
+//   - Consumer.Run loops over sessions. A session dials (TCP, TLS, AMQP
+//     handshake, heartbeats negotiated, default 10s), opens one channel,
+//     declares every queue as kombu does, sets basic.qos to the remembered
+//     prefetch and starts one consumer per queue. It ends at the first sign
+//     of loss: the connection or channel closing, the delivery stream ending,
+//     or the broker cancelling a consumer (its queue was deleted). Run then
+//     waits a jittered exponential backoff (Config.MinBackoff to MaxBackoff,
+//     reset once a session consumed) and starts the next session. Errors no
+//     retry can cure, a declare refused with 406 PRECONDITION_FAILED (a
+//     *PreconditionError naming the property that differs), a passive
+//     declare of a missing queue, a refused access, are returned by Run.
+//   - Publisher connects on first use and again whenever its session died,
+//     one dial at a time, with the same backoff. A publish whose frame could
+//     not be written because the connection was down is sent again on the
+//     next connection; a publish that was written but not confirmed when the
+//     channel died reports ErrUnconfirmed, since only the caller knows
+//     whether sending it twice is harmless.
+//
+// Every Notify* channel registered with amqp091 is buffered and drained
+// until amqp091 closes it: a full notification channel would stall
+// amqp091's reader goroutine.
+//
+// # Why stale delivery tags are never acknowledged
+//
+// A delivery tag is a sequence number of one channel. After a reconnect the
+// new channel numbers its deliveries from 1 again, so tag 7 of the old
+// channel names some other message on the new one: acknowledging it there
+// would remove a message that was never processed, and a tag the new channel
+// has not issued closes the channel with 406. Meanwhile the broker has
+// already put every unacknowledged message of the dead channel back in its
+// queue (redelivered=true), so it will be delivered again anyway.
+//
+// Each Delivery therefore keeps a pointer to the state of the channel it
+// came on, never to "the current channel". Once that channel is gone (its
+// generation is marked closed before the channel is closed), Ack, Nack and
+// Reject send nothing and return ErrStaleDelivery; the message comes back
+// and the idempotency record decides what its second delivery does. A
+// Delivery also refuses a second Ack (ErrAlreadySettled) instead of letting
+// a double ack close the channel under every other delivery in flight.
+//
+// # Topology
+//
+// CeleryQueue(name) declares what kombu declares for a Celery queue: a
+// durable, non-auto-delete queue, a durable direct exchange of the same name
+// and a binding with the queue name as routing key. CeleryQuorumQueue adds
+// x-queue-type quorum; consuming a quorum queue uses per-consumer prefetch
+// (quorum queues refuse global QoS), and redeliveries carry
+// x-delivery-count (Delivery.DeliveryCount). QueueSpec.Passive only checks
+// that the queue exists, for queues managed by someone else.
+//
+// # Publishing
+//
+// Publish uses publisher confirms on one channel shared by all callers:
+// amqp091 holds the channel's lock only while it writes the frames, then
+// each caller waits for its own deferred confirm, so many publishes are in
+// flight at once. With PublishOptions.Mandatory, a message that no queue
+// takes is returned by the broker before it is confirmed; Publish matches
+// the return to the message by its message_id and fails with a
+// *ReturnedError (ErrReturned). A negative confirm is ErrNacked. While the
+// broker blocks the connection (resource alarm) Publish waits, bounded by
+// its context. Publishing to a named exchange checks once per connection,
+// on a side channel, that the exchange exists (ErrNotFound otherwise), since
+// a publish to a missing exchange would close the shared channel.
+//
+// Publisher.Inspect walks a queue with basic.get for operator tools: list,
+// move (republish, then Remove) or drop quarantined messages.
+//
+// # URLs and secrets
+//
+// Config.URL takes Celery's spellings: amqp://, pyamqp://, amqps://, and
+// "amqp://host:5672//" for vhost "/". The password never appears in logs or
+// errors: RedactURL masks it, and URL parse errors, which quote the URL, are
+// not passed on.
 package amqp

@@ -1,0 +1,277 @@
+package amqp
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+)
+
+// Defaults applied to a zero Config.
+const (
+	DefaultHeartbeat   = 10 * time.Second
+	DefaultMinBackoff  = 100 * time.Millisecond
+	DefaultMaxBackoff  = 30 * time.Second
+	defaultDialTimeout = 30 * time.Second
+)
+
+// Config says how to reach the broker. The zero value of every field but URL
+// has a working default.
+type Config struct {
+	// URL is the broker address: amqp:// or amqps://, and Celery's pyamqp://.
+	// The Celery spelling "amqp://host:5672//" names vhost "/", as do a
+	// trailing "/" and no path at all; "/%2f" works too.
+	URL string
+	// TLS gives the files for an amqps:// URL. Setting any of them for an
+	// amqp:// URL is an error: it would silently not be used.
+	TLS TLSConfig
+	// Heartbeat is the heartbeat interval asked of the broker; default 10s.
+	Heartbeat time.Duration
+	// Name is the connection name shown by the management UI and
+	// rabbitmqctl; default "onceler@<hostname>". The consumer's connection
+	// gets the suffix " consume" and the publisher's " publish".
+	Name string
+	// Logger receives connection events; nil logs nothing.
+	Logger *zap.Logger
+	// MinBackoff and MaxBackoff bound the jittered exponential wait between
+	// connection attempts; defaults 100ms and 30s.
+	MinBackoff, MaxBackoff time.Duration
+	// DialTimeout bounds the TCP connect plus the TLS and AMQP handshakes of
+	// one attempt; default 30s.
+	DialTimeout time.Duration
+}
+
+// TLSConfig names the PEM files used for amqps:// connections.
+type TLSConfig struct {
+	// CAFile is the CA bundle that verifies the broker; empty uses the
+	// system roots.
+	CAFile string
+	// CertFile and KeyFile are the client certificate and key for mutual
+	// TLS; both or neither.
+	CertFile, KeyFile string
+	// ServerName overrides the name verified in the broker's certificate;
+	// default the URL's host.
+	ServerName string
+}
+
+func (t TLSConfig) empty() bool {
+	return t == TLSConfig{}
+}
+
+// withDefaults returns a copy of c with its zero fields filled in.
+func (c Config) withDefaults() Config {
+	if c.Heartbeat <= 0 {
+		c.Heartbeat = DefaultHeartbeat
+	}
+	if c.MinBackoff <= 0 {
+		c.MinBackoff = DefaultMinBackoff
+	}
+	if c.MaxBackoff <= 0 {
+		c.MaxBackoff = DefaultMaxBackoff
+	}
+	if c.MaxBackoff < c.MinBackoff {
+		c.MaxBackoff = c.MinBackoff
+	}
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = defaultDialTimeout
+	}
+	if c.Name == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			host = "localhost"
+		}
+		c.Name = "onceler@" + host
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	return c
+}
+
+// RedactURL returns raw with its password replaced by "xxxxx", for logs and
+// error messages. A URL that cannot be parsed is replaced whole, since where
+// its password lies is unknown.
+func RedactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil || u.Scheme == "" {
+		return "<unparsable URL>"
+	}
+	if u.User != nil {
+		if _, has := u.User.Password(); has {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+	}
+	return u.String()
+}
+
+// normalizeURL maps Celery's spellings onto what amqp091 parses, and checks
+// the result. Its errors never contain the URL (a url.Error would quote the
+// password).
+func normalizeURL(raw string) (string, amqp091.URI, error) {
+	s := strings.TrimSpace(raw)
+	if s == "" {
+		return "", amqp091.URI{}, fmt.Errorf("%w: empty broker URL", ErrConfig)
+	}
+	switch {
+	case strings.HasPrefix(s, "pyamqp://"):
+		s = "amqp://" + strings.TrimPrefix(s, "pyamqp://")
+	case strings.HasPrefix(s, "pyamqps://"):
+		s = "amqps://" + strings.TrimPrefix(s, "pyamqps://")
+	}
+	uri, err := amqp091.ParseURI(s)
+	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: %v", ErrConfig, RedactURL(s), err)
+	}
+	return s, uri, nil
+}
+
+// tlsConfig builds the client TLS configuration for uri.
+func (c Config) tlsConfig(uri amqp091.URI) (*tls.Config, error) {
+	if uri.Scheme != "amqps" {
+		if !c.TLS.empty() {
+			return nil, fmt.Errorf("%w: TLS files given for a non-TLS URL (use amqps://)", ErrConfig)
+		}
+		return nil, nil
+	}
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.TLS.ServerName}
+	if tc.ServerName == "" {
+		tc.ServerName = uri.Host
+	}
+	if c.TLS.CAFile != "" {
+		pem, err := os.ReadFile(c.TLS.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: read TLS CA file: %w", ErrConfig, err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%w: TLS CA file %s holds no PEM certificate", ErrConfig, c.TLS.CAFile)
+		}
+		tc.RootCAs = pool
+	}
+	if (c.TLS.CertFile == "") != (c.TLS.KeyFile == "") {
+		return nil, fmt.Errorf("%w: TLS CertFile and KeyFile go together", ErrConfig)
+	}
+	if c.TLS.CertFile != "" {
+		cert, err := tls.LoadX509KeyPair(c.TLS.CertFile, c.TLS.KeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: load TLS client certificate: %w", ErrConfig, err)
+		}
+		tc.Certificates = []tls.Certificate{cert}
+	}
+	return tc, nil
+}
+
+// dial opens one connection, bounded by ctx and DialTimeout. role is
+// appended to the connection name.
+func (c Config) dial(ctx context.Context, role string) (*amqp091.Connection, error) {
+	raw, uri, err := normalizeURL(c.URL)
+	if err != nil {
+		return nil, err
+	}
+	tc, err := c.tlsConfig(uri)
+	if err != nil {
+		return nil, err
+	}
+	props := amqp091.NewConnectionProperties()
+	props.SetClientConnectionName(c.Name + " " + role)
+	deadline := time.Now().Add(c.DialTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	var (
+		mu      sync.Mutex
+		netConn net.Conn
+	)
+	cfg := amqp091.Config{
+		Heartbeat:       c.Heartbeat,
+		TLSClientConfig: tc,
+		Properties:      props,
+		Dial: func(network, addr string) (net.Conn, error) {
+			d := net.Dialer{Deadline: deadline}
+			conn, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// Handshake deadline; amqp091 clears it once the connection is open.
+			if err := conn.SetDeadline(deadline); err != nil {
+				_ = conn.Close()
+				return nil, err
+			}
+			mu.Lock()
+			netConn = conn
+			mu.Unlock()
+			return conn, nil
+		},
+	}
+	// Cancelling ctx during the TLS or AMQP handshake unblocks it.
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if netConn != nil {
+			_ = netConn.SetDeadline(time.Unix(1, 0))
+		}
+	})
+	conn, err := amqp091.DialConfig(raw, cfg)
+	if !stop() && err == nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("dial %s: %w", RedactURL(raw), ctx.Err())
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("dial %s: %w", RedactURL(raw), ctx.Err())
+		}
+		return nil, fmt.Errorf("dial %s: %w", RedactURL(raw), err)
+	}
+	return conn, nil
+}
+
+// backoff yields jittered exponential waits between attempts.
+type backoff struct {
+	min, max time.Duration
+	attempt  int
+}
+
+// next returns the wait before the next attempt: uniformly random in
+// [d/2, d) where d doubles from min up to max.
+func (b *backoff) next() time.Duration {
+	d := b.min
+	for i := 0; i < b.attempt && d < b.max; i++ {
+		d *= 2
+	}
+	d = min(d, b.max)
+	b.attempt++
+	half := d / 2
+	if half <= 0 {
+		return d
+	}
+	return half + rand.N(half)
+}
+
+func (b *backoff) reset() { b.attempt = 0 }
+
+// sleep waits d or until ctx is done; it reports whether the wait completed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

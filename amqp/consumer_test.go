@@ -1,0 +1,220 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func TestConsumeAndAck(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_ack")
+	cleanupQueue(t, q)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 10})
+	got := make(chan *Delivery, 100)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	const n = 20
+	for i := range n {
+		msg := textMessage(fmt.Sprintf(`{"i": %d}`, i))
+		msg.CorrelationID = fmt.Sprint(i)
+		msg.Headers = map[string]any{"task": "t.add", "retries": int64(i)}
+		// Through the exchange of the same name, as kombu routes.
+		must(t, p.Publish(ctx, q, q, msg, PublishOptions{Mandatory: true}), "publish %d", i)
+	}
+	for i := range n {
+		d := recv(t, got, 10*time.Second)
+		if d.Queue != q || d.Exchange != q || d.RoutingKey != q {
+			t.Fatalf("delivery routing = %q/%q/%q, want %q everywhere", d.Queue, d.Exchange, d.RoutingKey, q)
+		}
+		if d.CorrelationID != fmt.Sprint(i) || string(d.Body) != fmt.Sprintf(`{"i": %d}`, i) {
+			t.Fatalf("delivery %d: correlation %q body %q", i, d.CorrelationID, d.Body)
+		}
+		if d.Headers["task"] != "t.add" || d.Headers["retries"] != int64(i) || d.DeliveryMode != 2 || d.Redelivered {
+			t.Fatalf("delivery %d: headers %v mode %d redelivered %t", i, d.Headers, d.DeliveryMode, d.Redelivered)
+		}
+		must(t, d.Ack(), "ack %d", i)
+		if err := d.Ack(); !errors.Is(err, ErrAlreadySettled) {
+			t.Fatalf("second ack: %v, want ErrAlreadySettled", err)
+		}
+	}
+	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	// The channel survived the refused double acks: consuming goes on.
+	must(t, p.Publish(ctx, "", q, textMessage(`"last"`), PublishOptions{}), "publish last")
+	must(t, recv(t, got, 10*time.Second).Ack(), "ack last")
+}
+
+// An unacknowledged delivery goes back to the queue when its channel
+// closes, and comes again with redelivered set; its old tag is stale.
+func TestLateAckRedelivered(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_late")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage(`"late"`), PublishOptions{}), "publish")
+
+	got := make(chan *Delivery, 10)
+	c1 := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
+	stop1 := runConsumer(t, c1, func(d *Delivery) { got <- d })
+	first := recv(t, got, 10*time.Second)
+	if first.Redelivered {
+		t.Fatal("first delivery marked redelivered")
+	}
+	must(t, stop1(), "stop first consumer")
+	if c1.Ready() {
+		t.Fatal("Ready after Run returned")
+	}
+	if err := first.Ack(); !errors.Is(err, ErrStaleDelivery) {
+		t.Fatalf("ack after channel close = %v, want ErrStaleDelivery", err)
+	}
+	if !first.Stale() {
+		t.Fatal("Stale() false after channel close")
+	}
+
+	c2 := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
+	runConsumer(t, c2, func(d *Delivery) { got <- d })
+	again := recv(t, got, 10*time.Second)
+	if !again.Redelivered || string(again.Body) != `"late"` {
+		t.Fatalf("redelivery: redelivered=%t body=%q", again.Redelivered, again.Body)
+	}
+	must(t, again.Ack(), "ack redelivery")
+	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+}
+
+// The broker closes the consumer's connection: Run reconnects and resumes,
+// the old delivery is stale and comes back.
+func TestReconnectAfterBrokerClosesConnection(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_reconnect")
+	cleanupQueue(t, q)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 5})
+	got := make(chan *Delivery, 10)
+	stop := runConsumer(t, c, func(d *Delivery) { got <- d })
+	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	must(t, c.SetPrefetch(7), "set prefetch")
+
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Publish(ctx, "", q, textMessage(`"one"`), PublishOptions{Mandatory: true}), "publish")
+	old := recv(t, got, 10*time.Second)
+
+	if n := closeConnection(t, cfg.Name+" consume"); n != 1 {
+		t.Fatalf("closed %d consumer connections, want 1", n)
+	}
+	back := recv(t, got, 15*time.Second)
+	if !back.Redelivered || string(back.Body) != `"one"` {
+		t.Fatalf("after reconnect: redelivered=%t body=%q", back.Redelivered, back.Body)
+	}
+	if !c.Ready() {
+		t.Fatal("not Ready after resuming")
+	}
+	if err := old.Ack(); !errors.Is(err, ErrStaleDelivery) {
+		t.Fatalf("ack of the pre-reconnect delivery = %v, want ErrStaleDelivery", err)
+	}
+	if c.Prefetch() != 7 {
+		t.Fatalf("prefetch after reconnect = %d, want 7", c.Prefetch())
+	}
+	must(t, back.Ack(), "ack redelivery")
+	must(t, p.Publish(ctx, "", q, textMessage(`"two"`), PublishOptions{}), "publish after reconnect")
+	must(t, recv(t, got, 10*time.Second).Ack(), "ack two")
+	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	must(t, stop(), "stop")
+}
+
+func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_qos")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	for i := range 5 {
+		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
+	}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 2})
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	held := []*Delivery{recv(t, got, 10*time.Second), recv(t, got, 5*time.Second)}
+	noRecv(t, got, 300*time.Millisecond)
+	// Grow the window as the worker does for held ETA tasks.
+	must(t, c.SetPrefetch(4), "grow prefetch")
+	held = append(held, recv(t, got, 5*time.Second), recv(t, got, 5*time.Second))
+	noRecv(t, got, 300*time.Millisecond)
+	for _, d := range held {
+		must(t, d.Ack(), "ack")
+	}
+	must(t, recv(t, got, 5*time.Second).Ack(), "ack last")
+	if err := c.SetPrefetch(70000); !errors.Is(err, ErrConfig) {
+		t.Fatalf("SetPrefetch(70000) = %v, want ErrConfig", err)
+	}
+}
+
+// With DrainTimeout, deliveries handed out before shutdown can still be
+// acknowledged; what the broker sends after the cancel goes back.
+func TestDrainOnShutdown(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_drain")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage(`"a"`), PublishOptions{}), "publish")
+
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 1, DrainTimeout: 10 * time.Second})
+	got := make(chan *Delivery, 10)
+	runCtx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx, func(d *Delivery) { got <- d }) }()
+	d := recv(t, got, 10*time.Second)
+	must(t, p.Publish(ctx, "", q, textMessage(`"b"`), PublishOptions{}), "publish b")
+	cancel()
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned (%v) with a delivery unsettled", err)
+	default:
+	}
+	must(t, d.Ack(), "ack during drain")
+	select {
+	case err := <-done:
+		must(t, err, "Run")
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return after the last ack")
+	}
+	noRecv(t, got, 50*time.Millisecond)
+	if n := queueDepth(t, q); n != 1 {
+		t.Fatalf("queue depth after drain = %d, want 1 (message b back in the queue)", n)
+	}
+}
+
+func TestConsumeSeveralQueues(t *testing.T) {
+	cfg := testConfig(t)
+	q1, q2 := testenv.Name("onceler_amqp_multi"), testenv.Name("onceler_amqp_multi")
+	cleanupQueue(t, q1, q2)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q1), CeleryQueue(q2)}})
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	must(t, p.Publish(ctx, q1, q1, textMessage("1"), PublishOptions{Mandatory: true}), "publish q1")
+	must(t, p.Publish(ctx, q2, q2, textMessage("2"), PublishOptions{Mandatory: true}), "publish q2")
+	seen := map[string]string{}
+	for range 2 {
+		d := recv(t, got, 10*time.Second)
+		seen[d.Queue] = string(d.Body)
+		must(t, d.Ack(), "ack")
+	}
+	if seen[q1] != "1" || seen[q2] != "2" {
+		t.Fatalf("deliveries by queue = %v", seen)
+	}
+}

@@ -1,0 +1,132 @@
+package amqp
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// Delivery is one message handed over by the broker. Ack, Nack and Reject
+// answer on the channel the message came on; once that channel is gone they
+// return ErrStaleDelivery and send nothing, and the broker delivers the
+// message again. A Delivery must not be copied.
+type Delivery struct {
+	celeryproto.Delivery
+	// Queue is the queue the message was consumed or got from.
+	Queue string
+	// Exchange and RoutingKey are those it was published with.
+	Exchange, RoutingKey string
+	// DeliveryCount is the x-delivery-count header set by quorum queues on
+	// redeliveries, 0 if absent.
+	DeliveryCount int
+	// MessageID is the AMQP message_id property, empty if unset.
+	MessageID string
+
+	tag     uint64
+	ch      *channelState
+	settled atomic.Bool
+}
+
+// channelState is one AMQP channel's life: deliveries point at the state of
+// the channel they came on, never at whatever channel is current.
+type channelState struct {
+	ch     *amqp091.Channel
+	gen    uint64
+	closed atomic.Bool
+	// outstanding counts deliveries handed out and not yet settled.
+	outstanding atomic.Int64
+}
+
+func (s *channelState) dead() bool {
+	return s.closed.Load() || s.ch.IsClosed()
+}
+
+// Stale reports whether the channel this delivery came on is gone, so that
+// acknowledging it is no longer possible.
+func (d *Delivery) Stale() bool { return d.ch == nil || d.ch.dead() }
+
+// Ack acknowledges the delivery (multiple=false): the broker forgets it.
+func (d *Delivery) Ack() error {
+	return d.settle("ack", func(ch *amqp091.Channel) error { return ch.Ack(d.tag, false) })
+}
+
+// Nack rejects the delivery; with requeue the broker queues it again
+// (redelivered=true), without it the broker drops or dead-letters it.
+func (d *Delivery) Nack(requeue bool) error {
+	return d.settle("nack", func(ch *amqp091.Channel) error { return ch.Nack(d.tag, false, requeue) })
+}
+
+// Reject is basic.reject: like Nack, for one message.
+func (d *Delivery) Reject(requeue bool) error {
+	return d.settle("reject", func(ch *amqp091.Channel) error { return ch.Reject(d.tag, requeue) })
+}
+
+func (d *Delivery) settle(op string, send func(*amqp091.Channel) error) error {
+	if d.ch == nil {
+		return fmt.Errorf("%s: %w", op, ErrStaleDelivery)
+	}
+	if d.ch.dead() {
+		return fmt.Errorf("%s delivery %d of channel generation %d: %w", op, d.tag, d.ch.gen, ErrStaleDelivery)
+	}
+	if d.settled.Swap(true) {
+		return fmt.Errorf("%s delivery %d: %w", op, d.tag, ErrAlreadySettled)
+	}
+	if err := send(d.ch.ch); err != nil {
+		if errors.Is(err, amqp091.ErrClosed) || d.ch.dead() {
+			return fmt.Errorf("%s delivery %d of channel generation %d: %w", op, d.tag, d.ch.gen, ErrStaleDelivery)
+		}
+		d.settled.Store(false)
+		return fmt.Errorf("%s delivery %d: %w", op, d.tag, err)
+	}
+	d.ch.outstanding.Add(-1)
+	return nil
+}
+
+// newDelivery converts an amqp091 delivery. Its header table is converted
+// in place.
+func newDelivery(m *amqp091.Delivery, queue string, st *channelState) *Delivery {
+	d := &Delivery{
+		Delivery: celeryproto.Delivery{
+			ContentType:     m.ContentType,
+			ContentEncoding: m.ContentEncoding,
+			Headers:         fromTable(m.Headers),
+			Body:            m.Body,
+			CorrelationID:   m.CorrelationId,
+			ReplyTo:         m.ReplyTo,
+			Priority:        m.Priority,
+			DeliveryMode:    m.DeliveryMode,
+			Expiration:      m.Expiration,
+			Redelivered:     m.Redelivered,
+		},
+		Queue:      queue,
+		Exchange:   m.Exchange,
+		RoutingKey: m.RoutingKey,
+		MessageID:  m.MessageId,
+		tag:        m.DeliveryTag,
+		ch:         st,
+	}
+	if v, ok := d.Headers["x-delivery-count"]; ok {
+		d.DeliveryCount = intValue(v)
+	}
+	return d
+}
+
+func intValue(v any) int {
+	switch x := v.(type) {
+	case int64:
+		return int(x)
+	case int32:
+		return int(x)
+	case int16:
+		return int(x)
+	case int8:
+		return int(x)
+	case int:
+		return x
+	}
+	return 0
+}

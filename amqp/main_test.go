@@ -1,0 +1,194 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// testConfig returns a Config on the test broker with a unique connection
+// name and fast backoff.
+func testConfig(t *testing.T) Config {
+	t.Helper()
+	return Config{
+		URL:        testenv.AMQPURL(t),
+		Name:       testenv.Name("onceler_amqp_test"),
+		Logger:     zaptest.NewLogger(t),
+		MinBackoff: 20 * time.Millisecond,
+		MaxBackoff: 200 * time.Millisecond,
+	}
+}
+
+// cleanupQueue deletes queue (and the exchange of the same name) when the
+// test ends, on a connection of its own.
+func cleanupQueue(t *testing.T, names ...string) {
+	t.Helper()
+	url := testenv.AMQPURL(t)
+	t.Cleanup(func() {
+		conn, err := amqp091.Dial(url)
+		if err != nil {
+			t.Logf("cleanup dial: %v", err)
+			return
+		}
+		defer conn.Close()
+		for _, n := range names {
+			ch, err := conn.Channel()
+			if err != nil {
+				return
+			}
+			_, _ = ch.QueueDelete(n, false, false, false)
+			_ = ch.ExchangeDelete(n, false, false)
+			_ = ch.Close()
+		}
+	})
+}
+
+// queueDepth returns the ready message count of queue.
+func queueDepth(t *testing.T, queue string) int {
+	t.Helper()
+	conn, err := amqp091.Dial(testenv.AMQPURL(t))
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatalf("channel: %v", err)
+	}
+	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("inspect queue %s: %v", queue, err)
+	}
+	return q.Messages
+}
+
+// closeConnection closes, from the broker side, the connections whose name
+// starts with prefix: only connections this test opened.
+func closeConnection(t *testing.T, prefix string) int {
+	t.Helper()
+	if !strings.HasPrefix(prefix, "onceler_amqp_test_") {
+		t.Fatalf("refusing to close a connection not named by this test: %q", prefix)
+	}
+	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
+	if err != nil {
+		t.Skipf("rabbitmqctl unavailable: %v: %s", err, out)
+	}
+	n := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		pid, props, ok := strings.Cut(line, "\t")
+		// The connection name is a client property: {"connection_name","<name>"}.
+		if !ok || !strings.Contains(props, `{"connection_name","`+prefix) {
+			continue
+		}
+		if o, err := exec.Command("rabbitmqctl", "-q", "close_connection", strings.TrimSpace(pid), "test closes it").CombinedOutput(); err != nil {
+			t.Fatalf("close_connection %s: %v: %s", pid, err, o)
+		}
+		n++
+	}
+	return n
+}
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// runConsumer runs c in the background; the returned stop cancels it and
+// returns Run's error.
+func runConsumer(t *testing.T, c *Consumer, handle func(*Delivery)) (stop func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx, handle) }()
+	var once sync.Once
+	var err error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			select {
+			case err = <-done:
+			case <-time.After(30 * time.Second):
+				err = errors.New("consumer did not stop within 30s")
+			}
+		})
+		return err
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
+// newPublisher returns a Publisher closed when the test ends.
+func newPublisher(t *testing.T, cfg Config) *Publisher {
+	t.Helper()
+	p := NewPublisher(cfg)
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+func textMessage(body string) *celeryproto.Publishing {
+	return &celeryproto.Publishing{
+		ContentType:     "application/json",
+		ContentEncoding: "utf-8",
+		Body:            []byte(body),
+		DeliveryMode:    2,
+	}
+}
+
+func ctxTimeout(t *testing.T, d time.Duration) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// recv waits for one delivery on ch.
+func recv(t *testing.T, ch <-chan *Delivery, d time.Duration) *Delivery {
+	t.Helper()
+	select {
+	case m := <-ch:
+		return m
+	case <-time.After(d):
+		t.Fatalf("no delivery within %v", d)
+		return nil
+	}
+}
+
+// noRecv asserts no delivery arrives within d.
+func noRecv(t *testing.T, ch <-chan *Delivery, d time.Duration) {
+	t.Helper()
+	select {
+	case m := <-ch:
+		t.Fatalf("unexpected delivery %q", m.Body)
+	case <-time.After(d):
+	}
+}
+
+func must(t *testing.T, err error, what string, args ...any) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v", fmt.Sprintf(what, args...), err)
+	}
+}
