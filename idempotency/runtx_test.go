@@ -1,0 +1,152 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+// effects is the table a same-database task writes its effect to.
+func (e *env) effects(t *testing.T) string {
+	t.Helper()
+	tbl := e.schema + ".effects"
+	if _, err := e.pool.Exec(context.Background(),
+		`CREATE TABLE IF NOT EXISTS `+tbl+` (key text NOT NULL, amount int NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return tbl
+}
+
+func (e *env) count(t *testing.T, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := e.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestRunTxEffectOnce(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	tbl := e.effects(t)
+	ctx := context.Background()
+	p := params("credit", "op1")
+
+	run := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 10)`, "op1"); err != nil {
+			return nil, err
+		}
+		return []byte(`{"credited":10}`), nil
+	}
+	c, err := e.store.RunTx(ctx, p, run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Outcome != idempotency.OutcomeFirst || c.Status != idempotency.StatusCompleted {
+		t.Fatalf("first run %+v", c)
+	}
+	c, err = e.store.RunTx(ctx, p, run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Outcome != idempotency.OutcomeCompleted || string(c.Result) != `{"credited": 10}` {
+		t.Fatalf("second run %+v", c)
+	}
+	if n := e.count(t, `SELECT count(*) FROM `+tbl); n != 1 {
+		t.Fatalf("%d effects", n)
+	}
+	if r := e.get(t, "credit", "op1"); r.Duplicates != 1 {
+		t.Fatalf("duplicates %d", r.Duplicates)
+	}
+}
+
+func TestRunTxRollbackLeavesNothing(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	tbl := e.effects(t)
+	ctx := context.Background()
+	p := params("credit", "op")
+	boom := errors.New("boom")
+	_, err := e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('op', 1)`); err != nil {
+			return nil, err
+		}
+		return nil, boom
+	})
+	if !errors.Is(err, boom) {
+		t.Fatalf("err %v", err)
+	}
+	if _, err := e.store.Get(ctx, "credit", "op"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("record after rollback: %v", err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM `+tbl); n != 0 {
+		t.Fatalf("%d effects after rollback", n)
+	}
+	// The next delivery runs it.
+	c, err := e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('op', 1)`)
+		return nil, err
+	})
+	if err != nil || c.Outcome != idempotency.OutcomeFirst || c.Attempt != 1 {
+		t.Fatalf("rerun %+v %v", c, err)
+	}
+}
+
+func TestRunTxConcurrentDuplicateBlocksThenSeesCompleted(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	tbl := e.effects(t)
+	ctx := context.Background()
+	p := params("credit", "hot")
+	inside := make(chan struct{})
+	release := make(chan struct{})
+	var runs atomic.Int32
+	var wg sync.WaitGroup
+	var first idempotency.Claim
+	wg.Go(func() {
+		var err error
+		first, err = e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			runs.Add(1)
+			close(inside)
+			<-release
+			_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('hot', 5)`)
+			return []byte(`5`), err
+		})
+		if err != nil {
+			t.Error(err)
+		}
+	})
+	<-inside
+	var dup idempotency.Claim
+	dupDone := make(chan struct{})
+	wg.Go(func() {
+		defer close(dupDone)
+		var err error
+		dup, err = e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			runs.Add(1)
+			_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('hot', 5)`)
+			return nil, err
+		})
+		if err != nil {
+			t.Error(err)
+		}
+	})
+	select {
+	case <-dupDone:
+		t.Fatal("duplicate did not block on the open claim")
+	case <-time.After(300 * time.Millisecond):
+	}
+	close(release)
+	wg.Wait()
+	if first.Outcome != idempotency.OutcomeFirst || dup.Outcome != idempotency.OutcomeCompleted || string(dup.Result) != "5" {
+		t.Fatalf("first %+v dup %+v", first, dup)
+	}
+	if runs.Load() != 1 || e.count(t, `SELECT count(*) FROM `+tbl) != 1 {
+		t.Fatalf("runs %d", runs.Load())
+	}
+}
