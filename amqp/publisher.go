@@ -410,10 +410,11 @@ type watchers struct {
 func (s *pubSession) watch(w watchers, log *zap.Logger) {
 	died := false
 	closeDone := make(chan struct{})
-	die := func(err error) {
+	die := func(e *amqp091.Error, what string) {
 		if died {
 			return
 		}
+		err := fmt.Errorf("%s closed: %w", what, errOrClosed(e))
 		died = true
 		s.deadErr = err
 		close(s.dead)
@@ -424,7 +425,9 @@ func (s *pubSession) watch(w watchers, log *zap.Logger) {
 			_ = s.conn.Close()
 		}()
 		s.setBlocked(false)
-		log.Warn("publisher connection lost", zap.Error(err), zap.Uint64("generation", s.gen))
+		if e != nil { // nil: closed by us
+			log.Warn("publisher connection lost", zap.Error(err), zap.Uint64("generation", s.gen))
+		}
 	}
 	defer func() { <-closeDone }()
 	for w.connClosed != nil || w.chClosed != nil || w.blocked != nil || w.returns != nil || w.confirms != nil {
@@ -433,12 +436,12 @@ func (s *pubSession) watch(w watchers, log *zap.Logger) {
 			if !ok {
 				w.connClosed = nil
 			}
-			die(fmt.Errorf("connection closed: %w", errOrClosed(e)))
+			die(e, "connection")
 		case e, ok := <-w.chClosed:
 			if !ok {
 				w.chClosed = nil
 			}
-			die(fmt.Errorf("channel closed: %w", errOrClosed(e)))
+			die(e, "channel")
 		case b, ok := <-w.blocked:
 			if !ok {
 				w.blocked = nil
@@ -477,7 +480,7 @@ func (s *pubSession) watch(w watchers, log *zap.Logger) {
 			s.confirm(c.DeliveryTag)
 		}
 	}
-	die(amqp091.ErrClosed)
+	die(nil, "connection")
 	s.mu.Lock()
 	for tag, mw := range s.byTag {
 		delete(s.byTag, tag)

@@ -1,0 +1,167 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func assertNoSecret(t *testing.T, s, secret string) {
+	t.Helper()
+	if strings.Contains(s, secret) {
+		t.Fatalf("secret leaked: %s", s)
+	}
+}
+
+func TestRedactURL(t *testing.T) {
+	for in, want := range map[string]string{
+		"amqp://guest:guest@localhost:5672//":      "amqp://guest:xxxxx@localhost:5672//",
+		"amqps://u:p%40ss@broker/vh?heartbeat=5":   "amqps://u:xxxxx@broker/vh?heartbeat=5",
+		"pyamqp://user@host//":                     "pyamqp://user@host//",
+		"amqp://host":                              "amqp://host",
+		"amqp://u:pa ss@ho st:bad/":                "<unparsable URL>",
+		"not a url at all, password=hunter2:@x/%%": "<unparsable URL>",
+	} {
+		if got := RedactURL(in); got != want {
+			t.Errorf("RedactURL(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestNormalizeCeleryURLs(t *testing.T) {
+	for in, want := range map[string]struct{ scheme, host, vhost string }{
+		"amqp://guest:guest@localhost:5672//": {"amqp", "localhost", "/"},
+		"amqp://guest:guest@localhost:5672/":  {"amqp", "localhost", "/"},
+		"amqp://guest:guest@localhost:5672":   {"amqp", "localhost", "/"},
+		"pyamqp://guest@broker//":             {"amqp", "broker", "/"},
+		"amqp://h/%2f":                        {"amqp", "h", "/"},
+		"amqp://h/orders":                     {"amqp", "h", "orders"},
+		"amqps://h:5671//":                    {"amqps", "h", "/"},
+		"pyamqps://h//":                       {"amqps", "h", "/"},
+	} {
+		_, uri, err := normalizeURL(in)
+		if err != nil {
+			t.Errorf("normalizeURL(%q): %v", in, err)
+			continue
+		}
+		if uri.Scheme != want.scheme || uri.Host != want.host || uri.Vhost != want.vhost {
+			t.Errorf("normalizeURL(%q) = %s %s %q, want %+v", in, uri.Scheme, uri.Host, uri.Vhost, want)
+		}
+	}
+	for _, bad := range []string{"", "redis://h//", "amqp://u:pw%zz@h/"} {
+		_, _, err := normalizeURL(bad)
+		if !errors.Is(err, ErrConfig) {
+			t.Errorf("normalizeURL(%q) = %v, want ErrConfig", bad, err)
+		}
+		if err != nil {
+			assertNoSecret(t, err.Error(), "pw%zz")
+		}
+	}
+}
+
+func TestTLSConfigErrors(t *testing.T) {
+	dir := t.TempDir()
+	notPEM := filepath.Join(dir, "ca.pem")
+	must(t, os.WriteFile(notPEM, []byte("not a certificate"), 0o600), "write")
+	cases := []Config{
+		{URL: "amqp://h//", TLS: TLSConfig{CAFile: notPEM}},                      // TLS files on a plain URL
+		{URL: "amqps://h//", TLS: TLSConfig{CAFile: filepath.Join(dir, "none")}}, // unreadable
+		{URL: "amqps://h//", TLS: TLSConfig{CAFile: notPEM}},                     // no PEM in it
+		{URL: "amqps://h//", TLS: TLSConfig{CertFile: notPEM}},                   // cert without key
+		{URL: "amqps://h//", TLS: TLSConfig{CertFile: notPEM, KeyFile: notPEM}},  // bad pair
+	}
+	for i, c := range cases {
+		_, err := c.withDefaults().dial(context.Background(), "test")
+		if !errors.Is(err, ErrConfig) {
+			t.Errorf("case %d: dial = %v, want ErrConfig", i, err)
+		}
+	}
+	// A consumer with a bad Config stops at once instead of retrying forever.
+	c := NewConsumer(cases[0], ConsumerConfig{Queues: []QueueSpec{CeleryQueue("q")}})
+	if err := c.Run(ctxTimeout(t, 5*time.Second), func(*Delivery) {}); !errors.Is(err, ErrConfig) {
+		t.Fatalf("Run with TLS files on amqp:// = %v, want ErrConfig", err)
+	}
+}
+
+// Wrong credentials: the consumer keeps retrying with backoff, and neither
+// its logs nor errors show the password.
+func TestPasswordNeverLogged(t *testing.T) {
+	cfg := testConfig(t)
+	good := testenv.AMQPURL(t)
+	_, uri, err := normalizeURL(good)
+	must(t, err, "parse test URL")
+	const secret = "n0t-the-Pa55word"
+	cfg.URL = "amqp://" + uri.Username + ":" + secret + "@" + uri.Host + ":" + itoa(uri.Port) + "//"
+	core, logs := observer.New(zapcore.DebugLevel)
+	cfg.Logger = zap.New(core)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue("unused")}})
+	// RabbitMQ answers a bad password after about 3s.
+	ctx, cancel := context.WithTimeout(context.Background(), 3500*time.Millisecond)
+	defer cancel()
+	runErr := make(chan error, 1)
+	go func() { runErr <- c.Run(ctx, func(*Delivery) {}) }()
+	p := NewPublisher(cfg)
+	defer p.Close()
+	perr := p.Publish(ctx, "", "q", textMessage("x"), PublishOptions{})
+	if perr == nil || !strings.Contains(perr.Error(), "403") {
+		t.Fatalf("publish with a wrong password = %v, want the broker's 403", perr)
+	}
+	assertNoSecret(t, perr.Error(), secret)
+	must(t, <-runErr, "Run")
+	if c.Ready() {
+		t.Fatal("Ready with a wrong password")
+	}
+	refused := 0
+	for _, e := range logs.All() {
+		line := e.Message
+		for k, v := range e.ContextMap() {
+			line += " " + k + "=" + toString(v)
+		}
+		assertNoSecret(t, line, secret)
+		if strings.Contains(line, "403") {
+			refused++
+		}
+	}
+	if refused < 2 {
+		t.Fatalf("%d log lines report the refused login, want one from each role", refused)
+	}
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+func toString(v any) string {
+	if err, ok := v.(error); ok {
+		return err.Error()
+	}
+	if s, ok := v.(string); ok {
+		return s
+	}
+	return ""
+}
+
+func TestBackoffJitterBounds(t *testing.T) {
+	b := backoff{min: 100 * time.Millisecond, max: time.Second}
+	wants := []time.Duration{100, 200, 400, 800, 1000, 1000}
+	for i, w := range wants {
+		w *= time.Millisecond
+		d := b.next()
+		if d < w/2 || d >= w {
+			t.Fatalf("attempt %d: wait %v outside [%v, %v)", i, d, w/2, w)
+		}
+	}
+	b.reset()
+	if d := b.next(); d >= 100*time.Millisecond {
+		t.Fatalf("after reset: %v", d)
+	}
+}

@@ -1,0 +1,241 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// Everything handed to Publish arrives as sent, headers included.
+func TestPublishConfirmedRoundTrip(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_pub")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	when := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	msg := &celeryproto.Publishing{
+		ContentType: "application/json", ContentEncoding: "utf-8",
+		Body:          []byte(`[[2, 3], {}, {}]`),
+		CorrelationID: "id-1", ReplyTo: "reply-q", DeliveryMode: 2, Priority: 3, Expiration: "60000",
+		Headers: map[string]any{
+			"task": "t.add", "retries": 2, "eta": nil, "ignore_result": false,
+			"timelimit": []any{int64(30), nil},
+			"stamps":    map[string]any{"a": []string{"x", "y"}, "n": uint64(5)},
+			"when":      when, "raw": []byte{0, 1},
+		},
+	}
+	headersBefore := fmt.Sprint(msg.Headers)
+	must(t, p.Publish(ctx, "", q, msg, PublishOptions{Mandatory: true}), "publish")
+	if fmt.Sprint(msg.Headers) != headersBefore {
+		t.Fatal("Publish changed the caller's headers")
+	}
+	var got *Delivery
+	n, err := p.Inspect(ctx, q, 1, func(d *Delivery) (InspectAction, error) {
+		got = d
+		return Remove, nil
+	})
+	must(t, err, "inspect")
+	if n != 1 || got == nil {
+		t.Fatalf("inspect saw %d messages", n)
+	}
+	if got.CorrelationID != "id-1" || got.ReplyTo != "reply-q" || got.DeliveryMode != 2 || got.Priority != 3 ||
+		got.Expiration != "60000" || got.ContentType != "application/json" || got.ContentEncoding != "utf-8" ||
+		string(got.Body) != `[[2, 3], {}, {}]` {
+		t.Fatalf("properties differ: %+v", got.Delivery)
+	}
+	h := got.Headers
+	stamps, ok := h["stamps"].(map[string]any)
+	if !ok {
+		t.Fatalf("nested table arrived as %T, want map[string]any", h["stamps"])
+	}
+	tl, _ := h["timelimit"].([]any)
+	if h["task"] != "t.add" || intValue(h["retries"]) != 2 || h["eta"] != nil || h["ignore_result"] != false ||
+		len(tl) != 2 || tl[0] != int64(30) || tl[1] != nil ||
+		fmt.Sprint(stamps["a"]) != "[x y]" || intValue(stamps["n"]) != 5 ||
+		!h["when"].(time.Time).Equal(when) || string(h["raw"].([]byte)) != "\x00\x01" {
+		t.Fatalf("headers differ: %#v", h)
+	}
+	if d := queueDepth(t, q); d != 0 {
+		t.Fatalf("queue depth %d after Remove, want 0", d)
+	}
+}
+
+func TestPublishMandatoryUnroutableReturned(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_mand")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	missing := testenv.Name("onceler_amqp_nosuchqueue")
+
+	// Routed and unroutable publishes interleaved from many goroutines: each
+	// caller gets its own outcome.
+	var wg sync.WaitGroup
+	errs := make([]error, 200)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := q
+			if i%2 == 1 {
+				key = missing
+			}
+			errs[i] = p.Publish(ctx, "", key, textMessage(fmt.Sprint(i)), PublishOptions{Mandatory: true})
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if i%2 == 0 {
+			must(t, err, "routed publish %d", i)
+			continue
+		}
+		var re *ReturnedError
+		if !errors.Is(err, ErrReturned) || !errors.As(err, &re) || re.RoutingKey != missing || re.Code != 312 {
+			t.Fatalf("unroutable publish %d: %v, want *ReturnedError 312 NO_ROUTE", i, err)
+		}
+	}
+	if d := queueDepth(t, q); d != 100 {
+		t.Fatalf("queue depth %d, want 100 routed messages", d)
+	}
+	// Without mandatory the broker drops it and confirms: no error.
+	must(t, p.Publish(ctx, "", missing, textMessage("x"), PublishOptions{}), "non-mandatory unroutable")
+}
+
+// A queue that rejects publishes when full answers with a negative confirm.
+func TestPublishNacked(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_nack")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	spec := QueueSpec{Name: q, Exchange: DefaultExchange, Args: map[string]any{"x-max-length": 1, "x-overflow": "reject-publish"}}
+	must(t, p.Declare(ctx, spec), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage("1"), PublishOptions{}), "first publish")
+	if err := p.Publish(ctx, "", q, textMessage("2"), PublishOptions{}); !errors.Is(err, ErrNacked) {
+		t.Fatalf("publish to a full reject-publish queue = %v, want ErrNacked", err)
+	}
+	// The channel is still usable.
+	_, err := p.DeleteQueue(ctx, q)
+	must(t, err, "delete")
+}
+
+// Publishing to a missing exchange fails alone; the shared channel and the
+// other publishes are unharmed.
+func TestPublishMissingExchange(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_noex")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage("1"), PublishOptions{}), "publish before")
+	err := p.Publish(ctx, testenv.Name("onceler_amqp_noexchange"), "k", textMessage("x"), PublishOptions{})
+	if !errors.Is(err, ErrNotFound) {
+		t.Fatalf("publish to a missing exchange = %v, want ErrNotFound", err)
+	}
+	must(t, p.Publish(ctx, q, q, textMessage("2"), PublishOptions{Mandatory: true}), "publish after")
+	if d := queueDepth(t, q); d != 2 {
+		t.Fatalf("queue depth %d, want 2", d)
+	}
+}
+
+// The broker closes the publisher's connection; the next Publish reconnects.
+func TestPublisherReconnects(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_pubrecon")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage("1"), PublishOptions{}), "publish before")
+	if n := closeConnection(t, cfg.Name+" publish"); n != 1 {
+		t.Fatalf("closed %d publisher connections, want 1", n)
+	}
+	waitFor(t, "publisher notices the close", 10*time.Second, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.cur == nil || p.cur.isDead()
+	})
+	must(t, p.Publish(ctx, "", q, textMessage("2"), PublishOptions{Mandatory: true}), "publish after")
+	if d := queueDepth(t, q); d != 2 {
+		t.Fatalf("queue depth %d, want 2", d)
+	}
+	must(t, p.Close(), "close")
+	if err := p.Publish(ctx, "", q, textMessage("3"), PublishOptions{}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("publish after Close = %v, want ErrClosed", err)
+	}
+}
+
+func TestInspectKeepRemoveStop(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_inspect")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 20*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	for i := range 4 {
+		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
+	}
+	var bodies []string
+	n, err := p.Inspect(ctx, q, 0, func(d *Delivery) (InspectAction, error) {
+		bodies = append(bodies, string(d.Body))
+		if string(d.Body) == "1" {
+			return Remove, nil
+		}
+		return Keep, nil
+	})
+	must(t, err, "inspect")
+	if n != 4 || fmt.Sprint(bodies) != "[0 1 2 3]" {
+		t.Fatalf("inspect saw %d: %v", n, bodies)
+	}
+	waitFor(t, "3 messages left", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	bodies = nil
+	stopErr := errors.New("stop here")
+	n, err = p.Inspect(ctx, q, 0, func(d *Delivery) (InspectAction, error) {
+		bodies = append(bodies, string(d.Body))
+		if len(bodies) == 2 {
+			return Keep, stopErr
+		}
+		return Keep, nil
+	})
+	if !errors.Is(err, stopErr) || n != 2 || fmt.Sprint(bodies) != "[0 2]" {
+		t.Fatalf("inspect with error: n=%d err=%v bodies=%v", n, err, bodies)
+	}
+	n, err = p.Inspect(ctx, q, 0, func(d *Delivery) (InspectAction, error) { return Stop, nil })
+	must(t, err, "inspect stop")
+	if n != 1 {
+		t.Fatalf("Stop after %d messages, want 1", n)
+	}
+	waitFor(t, "3 messages kept", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	if _, err := p.Inspect(ctx, testenv.Name("onceler_amqp_missing"), 0, nil); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("inspect of a missing queue = %v, want ErrNotFound", err)
+	}
+}
+
+// Publish honours its context while the broker cannot be reached, and the
+// password never shows in errors or logs.
+func TestPublishUnreachableBrokerHonoursContext(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.URL = "amqp://guest:s3cr3t-pw@127.0.0.1:1//"
+	p := newPublisher(t, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := p.Publish(ctx, "", "q", textMessage("x"), PublishOptions{})
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("publish to an unreachable broker = %v, want a deadline error", err)
+	}
+	if time.Since(start) > 3*time.Second {
+		t.Fatalf("publish took %v despite a 300ms context", time.Since(start))
+	}
+	assertNoSecret(t, err.Error(), "s3cr3t-pw")
+}
