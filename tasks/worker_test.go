@@ -2,13 +2,15 @@ package tasks
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/onceler/onceler/celeryproto"
 )
@@ -71,14 +73,19 @@ func testRegistry(t *testing.T, fx *effects) *Registry {
 	must(Register(r, Task[addArgs]{Name: "t.panic", Run: func(context.Context, *Call, addArgs) (any, error) {
 		panic("kaboom")
 	}}))
-	must(Register(r, Task[payArgs]{
-		Name: "t.pay", Mode: ModeOutside, Policy: PolicyRetry,
-		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
-		Run: func(_ context.Context, c *Call, a payArgs) (any, error) {
-			fx.add(c.Key)
-			return map[string]any{"order": a.OrderID, "charged": a.Amount, "ref": c.Reference}, nil
-		},
-	}))
+	for name, d := range map[string]time.Duration{"t.pay": 0, "t.pay_slow": 10 * time.Millisecond} {
+		must(Register(r, Task[payArgs]{
+			Name: name, Mode: ModeOutside, Policy: PolicyRetry,
+			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+			Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
+				if !sleepCtx(ctx, d) {
+					return nil, context.Cause(ctx)
+				}
+				fx.add(c.Key)
+				return map[string]any{"order": a.OrderID, "charged": a.Amount, "ref": c.Reference}, nil
+			},
+		}))
+	}
 	return r
 }
 
@@ -232,8 +239,8 @@ func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Du
 	return out
 }
 
-func payMessage(i int, order string, replyTo string) *celeryproto.Message {
-	return &celeryproto.Message{Protocol: 2, Task: "t.pay", ID: taskID(i), Kwargs: map[string]any{"order_id": order, "amount": int64(100)},
+func payMessage(task string, i int, order string, replyTo string) *celeryproto.Message {
+	return &celeryproto.Message{Protocol: 2, Task: task, ID: taskID(i), Kwargs: map[string]any{"order_id": order, "amount": int64(100)},
 		ReplyTo: replyTo, CorrelationID: taskID(i), RootID: taskID(i)}
 }
 
@@ -267,20 +274,33 @@ func TestDuplicatesTwoWorkers(t *testing.T) {
 	cfg := e.config()
 	cfg.Concurrency, cfg.Prefetch = 16, 64
 	since := time.Now().Add(-time.Second)
-	e.start(reg, cfg)
+	w1 := e.start(reg, cfg)
 	cfg2 := e.config()
 	cfg2.Concurrency, cfg2.Prefetch = 16, 64
-	e.start(reg, cfg2)
+	w2 := e.start(reg, cfg2)
 
 	replyTo, replies := e.replyQueue()
 	const keys, repeats = 500, 4
-	key := func(i int) string { return fmt.Sprintf("order-%d", i%keys) }
+	// The first half sends each key's first two copies back to back, so
+	// that the two workers hold them at the same time; the second half
+	// spreads the other two copies 500 messages apart.
+	key := func(i int) string {
+		if i < keys*repeats/2 {
+			return fmt.Sprintf("order-%d", i/2)
+		}
+		return fmt.Sprintf("order-%d", i%keys)
+	}
 	start := time.Now()
 	for i := range keys * repeats {
-		e.publish(payMessage(i, key(i), replyTo))
+		e.publish(payMessage("t.pay_slow", i, key(i), replyTo))
 	}
 	res := results(t, replies, keys*repeats, 90*time.Second)
 	t.Logf("2,000 deliveries over 2 workers in %s", time.Since(start))
+	deferred := 0.0
+	for _, w := range []*running{w1, w2} {
+		deferred += counter(w.w.m.deferred.WithLabelValues("t.pay_slow"))
+	}
+	t.Logf("deliveries deferred because their operation was in progress: %v", deferred)
 	checkPay(t, res, keys*repeats, key)
 	fxs := fx.snapshot()
 	if len(fxs) != keys {
@@ -298,7 +318,7 @@ func TestDuplicatesTwoWorkers(t *testing.T) {
 	}
 	var dups int64
 	for _, r := range rep {
-		if r.Task == "t.pay" {
+		if r.Task == "t.pay_slow" {
 			dups = r.Duplicates
 		}
 	}
@@ -307,4 +327,10 @@ func TestDuplicatesTwoWorkers(t *testing.T) {
 	}
 }
 
-var _ = json.Marshal
+func counter(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
