@@ -107,7 +107,7 @@ func TestPasswordNeverLogged(t *testing.T) {
 	cfg.Logger = zap.New(core)
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue("unused")}})
 	// RabbitMQ answers a bad password after about 3s.
-	ctx, cancel := context.WithTimeout(context.Background(), 3500*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	runErr := make(chan error, 1)
 	go func() { runErr <- c.Run(ctx, func(*Delivery) {}) }()

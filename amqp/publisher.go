@@ -300,6 +300,7 @@ func (p *Publisher) session(ctx context.Context) (*pubSession, error) {
 // connect dials until it succeeds or ctx ends; the caller holds connecting.
 // It returns (nil, nil) when another caller connected meanwhile.
 func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
+	var lastErr error
 	for {
 		p.mu.Lock()
 		if p.closed {
@@ -324,9 +325,16 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 			p.mu.Unlock()
 			return s, nil
 		}
-		if ctx.Err() != nil || errors.Is(err, ErrConfig) {
+		if errors.Is(err, ErrConfig) {
 			return nil, err
 		}
+		if ctx.Err() != nil {
+			if lastErr != nil {
+				return nil, fmt.Errorf("%w (previous attempt: %w)", err, lastErr)
+			}
+			return nil, err
+		}
+		lastErr = err
 		wait := p.backoff.next()
 		p.log.Warn("publisher connect failed; retrying", zap.Error(err), zap.Duration("backoff", wait))
 		if !sleep(ctx, wait) {
