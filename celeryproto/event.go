@@ -186,6 +186,9 @@ func appendEventFloat(b []byte, f float64) ([]byte, error) {
 		b = strconv.AppendFloat(b, f, 'f', -1, 64)
 		return append(b, ".0"...), nil
 	}
+	if a := math.Abs(f); a >= 1e-6 && a < 1e21 {
+		return strconv.AppendFloat(b, f, 'f', -1, 64), nil
+	}
 	return strconv.AppendFloat(b, f, 'g', -1, 64), nil
 }
 

@@ -1,0 +1,183 @@
+package control
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Defaults of Config.
+const (
+	// DefaultHeartbeat is how often worker-heartbeat is sent, as Celery does.
+	DefaultHeartbeat = 2 * time.Second
+	// DefaultEventBuffer is how many task events may wait to be published.
+	DefaultEventBuffer = 8192
+	// DefaultNodeName is the node name pattern: unique per process.
+	DefaultNodeName = "onceler-%p@%h"
+	// DefaultRevokedMax and DefaultRevokedTTL bound the revoked-id set as
+	// Celery does (50 000 ids, 3 hours).
+	DefaultRevokedMax = 50000
+	DefaultRevokedTTL = 3 * time.Hour
+)
+
+// Config configures a Controller. Zero values take the documented defaults.
+type Config struct {
+	// URL is the broker, amqp:// or amqps:// (a Celery-style "//" vhost is
+	// accepted). Required.
+	URL string
+	// ConnectionName is shown in RabbitMQ's management UI. Default
+	// "onceler control <node>".
+	ConnectionName string
+	// NodeName is the worker's node name, "name@host". It may hold Celery's
+	// substitutions %h (host name), %n (its first label), %d (its domain)
+	// and %p or %i (process id). Default DefaultNodeName, unique per process.
+	// Give the tasks.Worker the same name (see NodeName).
+	NodeName string
+	// TaskEvents turns task events on at start (Celery's -E / --events);
+	// enable_events and disable_events switch them at run time. Worker
+	// events (online, heartbeat, offline) are always sent.
+	TaskEvents bool
+	// Heartbeat is the worker-heartbeat interval. Default DefaultHeartbeat.
+	Heartbeat time.Duration
+	// EventBuffer bounds the task events waiting to be published; when it is
+	// full new events are dropped and counted (Stats "events.dropped"),
+	// never blocking a task. Default DefaultEventBuffer.
+	EventBuffer int
+	// Queues are the task queues the worker consumes, for active_queues.
+	Queues []Queue
+	// Concurrency and Prefetch are reported by stats.
+	Concurrency, Prefetch int
+	// Shutdown is called when a shutdown command arrives (typically the
+	// cancel function of the worker's context). Nil: shutdown is refused.
+	Shutdown func()
+	// RevokedMax and RevokedTTL bound the set of revoked ids the controller
+	// remembers (inspect revoked, mingle hello). Defaults DefaultRevokedMax,
+	// DefaultRevokedTTL.
+	RevokedMax int
+	RevokedTTL time.Duration
+	// MinBackoff and MaxBackoff bound the reconnect delay. Defaults 100 ms
+	// and 10 s.
+	MinBackoff, MaxBackoff time.Duration
+	// Logger receives structured logs. Default: none.
+	Logger *zap.Logger
+}
+
+// Queue describes a task queue for active_queues, in kombu's terms.
+type Queue struct {
+	Name                   string
+	Exchange, ExchangeType string // default: Name, "direct"
+	RoutingKey             string // default: Name
+	Durable, AutoDelete    bool
+	Arguments              map[string]any
+}
+
+func (c *Config) setDefaults() error {
+	if c.URL == "" {
+		return errors.New("control: Config.URL is required")
+	}
+	name, err := NodeName(c.NodeName)
+	if err != nil {
+		return err
+	}
+	c.NodeName = name
+	if c.ConnectionName == "" {
+		c.ConnectionName = "onceler control " + c.NodeName
+	}
+	if c.Heartbeat <= 0 {
+		c.Heartbeat = DefaultHeartbeat
+	}
+	if c.EventBuffer <= 0 {
+		c.EventBuffer = DefaultEventBuffer
+	}
+	if c.RevokedMax <= 0 {
+		c.RevokedMax = DefaultRevokedMax
+	}
+	if c.RevokedTTL <= 0 {
+		c.RevokedTTL = DefaultRevokedTTL
+	}
+	if c.MinBackoff <= 0 {
+		c.MinBackoff = 100 * time.Millisecond
+	}
+	if c.MaxBackoff < c.MinBackoff {
+		c.MaxBackoff = max(10*time.Second, c.MinBackoff)
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	return nil
+}
+
+// NodeName expands a node name pattern as Celery's -n does: %h is the host
+// name, %n its first label, %d its domain, %p and %i the process id, %% a
+// percent sign. An empty pattern is DefaultNodeName ("onceler-<pid>@<host>",
+// unique per process); a pattern without "@" gets "@<host>" appended.
+func NodeName(pattern string) (string, error) {
+	if pattern == "" {
+		pattern = DefaultNodeName
+	}
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "localhost"
+	}
+	short, domain, _ := strings.Cut(host, ".")
+	pid := strconv.Itoa(os.Getpid())
+	var b strings.Builder
+	for i := 0; i < len(pattern); i++ {
+		c := pattern[i]
+		if c != '%' || i+1 == len(pattern) {
+			b.WriteByte(c)
+			continue
+		}
+		i++
+		switch pattern[i] {
+		case 'h':
+			b.WriteString(host)
+		case 'n':
+			b.WriteString(short)
+		case 'd':
+			b.WriteString(domain)
+		case 'p', 'i':
+			b.WriteString(pid)
+		case '%':
+			b.WriteByte('%')
+		default:
+			return "", fmt.Errorf("control: node name %q: unknown substitution %%%c", pattern, pattern[i])
+		}
+	}
+	name := b.String()
+	if !strings.Contains(name, "@") {
+		name += "@" + host
+	}
+	if strings.HasPrefix(name, "@") {
+		return "", fmt.Errorf("control: node name %q has no name before @", name)
+	}
+	return name, nil
+}
+
+// redactURL hides the password of a broker URL.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable url>"
+	}
+	if u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+	}
+	return u.String()
+}
+
+// dialURL adapts a Celery-style URL for amqp091: "host//" names vhost "/".
+func dialURL(raw string) string {
+	if strings.HasSuffix(raw, "//") {
+		return strings.TrimSuffix(raw, "//") + "/%2f"
+	}
+	return raw
+}

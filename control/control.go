@@ -1,0 +1,250 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+)
+
+// Exchanges and queue arguments of Celery's pidbox and events, declared with
+// the same flags as kombu (a mismatch closes the channel with 406).
+const (
+	PidboxExchange      = "celery.pidbox"       // fanout, not durable
+	ReplyExchange       = "reply.celery.pidbox" // direct, not durable
+	EventExchange       = "celeryev"            // topic, durable
+	pidboxQueueSuffix   = ".celery.pidbox"
+	pidboxQueueExpires  = int32(10000)  // ms: control_queue_expires 10 s
+	pidboxQueueTTL      = int32(300000) // ms: control_queue_ttl 300 s
+	offlineTimeout      = 2 * time.Second
+	maxEventsPerMessage = 24 // Celery's buffer_limit for task.multi
+)
+
+// Controller sends a worker's events on celeryev and answers remote control
+// on celery.pidbox. It implements tasks.Observer: give it to the worker as
+// Config.Observer.
+type Controller struct {
+	cfg     Config
+	worker  Worker
+	log     *zap.Logger
+	revoked *Revoked
+	started time.Time
+	pid     int
+
+	clock      atomic.Int64 // Lamport clock
+	taskEvents atomic.Bool
+	running    atomic.Bool
+
+	// events: task events, published in batches; sys: worker events.
+	events chan map[string]any
+	sys    chan map[string]any
+
+	evCh      atomic.Pointer[amqp091.Channel] // current event channel
+	sent      atomic.Int64
+	dropped   atomic.Int64
+	failed    atomic.Int64
+	commands  atomic.Int64
+	connected atomic.Bool
+
+	mu       sync.Mutex
+	declared map[string]bool // reply exchanges declared on the current session
+}
+
+// New returns a Controller for worker w. Run starts it.
+func New(w Worker, cfg Config) (*Controller, error) {
+	if w == nil {
+		return nil, errors.New("control: nil worker")
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	c := &Controller{
+		cfg:     cfg,
+		worker:  w,
+		log:     cfg.Logger.With(zap.String("node", cfg.NodeName)),
+		revoked: NewRevoked(cfg.RevokedMax, cfg.RevokedTTL),
+		pid:     os.Getpid(),
+		events:  make(chan map[string]any, cfg.EventBuffer),
+		sys:     make(chan map[string]any, 16),
+	}
+	c.taskEvents.Store(cfg.TaskEvents)
+	return c, nil
+}
+
+// NodeName returns the node name the controller answers to.
+func (c *Controller) NodeName() string { return c.cfg.NodeName }
+
+// TaskEvents reports whether task events are being sent.
+func (c *Controller) TaskEvents() bool { return c.taskEvents.Load() }
+
+// SetTaskEvents turns task events on or off, as the enable_events and
+// disable_events commands do. It reports whether the setting changed.
+func (c *Controller) SetTaskEvents(on bool) bool { return c.taskEvents.Swap(on) != on }
+
+// Revoked returns the set of ids revoked through this controller.
+func (c *Controller) Revoked() *Revoked { return c.revoked }
+
+// Counters returns the event counters: published messages' events, events
+// dropped because the buffer was full or the broker unreachable, and control
+// commands handled.
+func (c *Controller) Counters() (sent, dropped, commands int64) {
+	return c.sent.Load(), c.dropped.Load() + c.failed.Load(), c.commands.Load()
+}
+
+// Run connects to the broker, sends worker-online, heartbeats and events,
+// and answers control requests until ctx is done; then it sends
+// worker-offline and returns nil. It reconnects with backoff when the
+// connection is lost. Run may be called once.
+func (c *Controller) Run(ctx context.Context) error {
+	if !c.running.CompareAndSwap(false, true) {
+		return errors.New("control: Run called twice")
+	}
+	c.started = time.Now()
+	var wg sync.WaitGroup
+	pubCtx, stopPub := context.WithCancel(context.WithoutCancel(ctx))
+	wg.Add(1)
+	go func() { defer wg.Done(); c.publishLoop(pubCtx) }()
+	defer func() { stopPub(); wg.Wait() }()
+
+	online := false
+	backoff := c.cfg.MinBackoff
+	for {
+		conn, err := c.dial()
+		if err == nil {
+			backoff = c.cfg.MinBackoff
+			err = c.session(ctx, conn, &online)
+			_ = conn.Close()
+		}
+		c.connected.Store(false)
+		if ctx.Err() != nil {
+			return nil
+		}
+		c.log.Warn("control connection lost; reconnecting", zap.Error(err), zap.Duration("backoff", backoff))
+		t := time.NewTimer(backoff + rand.N(backoff/2+1))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		backoff = min(2*backoff, c.cfg.MaxBackoff)
+	}
+}
+
+func (c *Controller) dial() (*amqp091.Connection, error) {
+	props := amqp091.NewConnectionProperties()
+	props.SetClientConnectionName(c.cfg.ConnectionName)
+	conn, err := amqp091.DialConfig(dialURL(c.cfg.URL), amqp091.Config{Properties: props, Heartbeat: 10 * time.Second})
+	if err != nil {
+		return nil, fmt.Errorf("control: dial %s: %w", redactURL(c.cfg.URL), err)
+	}
+	return conn, nil
+}
+
+// session runs one connection: the pidbox consumer, the event channel and
+// the heartbeat, until ctx is done or the connection fails.
+func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, online *bool) error {
+	closed := conn.NotifyClose(make(chan *amqp091.Error, 1))
+	evCh, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("control: open event channel: %w", err)
+	}
+	if err := evCh.ExchangeDeclare(EventExchange, "topic", true, false, false, false, nil); err != nil {
+		return fmt.Errorf("control: declare exchange %s: %w", EventExchange, err)
+	}
+	ctlCh, deliveries, err := c.listen(conn)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.declared = map[string]bool{ReplyExchange: true}
+	c.mu.Unlock()
+	c.evCh.Store(evCh)
+	c.connected.Store(true)
+	defer c.evCh.Store(nil)
+	c.log.Info("control connected", zap.String("broker", redactURL(c.cfg.URL)), zap.String("queue", c.queueName()))
+
+	if !*online {
+		c.sendWorkerEvent("worker-online")
+		*online = true
+	} else {
+		c.sendWorkerEvent("worker-heartbeat")
+	}
+	tick := time.NewTicker(c.cfg.Heartbeat)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			c.goOffline(conn)
+			return nil
+		case err := <-closed:
+			if err == nil {
+				return errors.New("control: connection closed")
+			}
+			return fmt.Errorf("control: connection closed: %w", err)
+		case <-tick.C:
+			c.sendWorkerEvent("worker-heartbeat")
+		case d, ok := <-deliveries:
+			if !ok {
+				return errors.New("control: pidbox consumer cancelled")
+			}
+			c.handle(ctx, ctlCh, &d)
+		}
+	}
+}
+
+func (c *Controller) queueName() string { return c.cfg.NodeName + pidboxQueueSuffix }
+
+// listen declares the pidbox exchange and this node's queue as kombu does
+// and consumes it without acknowledgements.
+func (c *Controller) listen(conn *amqp091.Connection) (*amqp091.Channel, <-chan amqp091.Delivery, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, nil, fmt.Errorf("control: open pidbox channel: %w", err)
+	}
+	if err := ch.ExchangeDeclare(PidboxExchange, "fanout", false, false, false, false, nil); err != nil {
+		return nil, nil, fmt.Errorf("control: declare exchange %s: %w", PidboxExchange, err)
+	}
+	if err := ch.ExchangeDeclare(ReplyExchange, "direct", false, false, false, false, nil); err != nil {
+		return nil, nil, fmt.Errorf("control: declare exchange %s: %w", ReplyExchange, err)
+	}
+	q := c.queueName()
+	args := amqp091.Table{"x-expires": pidboxQueueExpires, "x-message-ttl": pidboxQueueTTL}
+	if _, err := ch.QueueDeclare(q, false, true, false, false, args); err != nil {
+		return nil, nil, fmt.Errorf("control: declare queue %s: %w", q, err)
+	}
+	if err := ch.QueueBind(q, "", PidboxExchange, false, nil); err != nil {
+		return nil, nil, fmt.Errorf("control: bind queue %s: %w", q, err)
+	}
+	deliveries, err := ch.Consume(q, "", true, false, false, false, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("control: consume %s: %w", q, err)
+	}
+	return ch, deliveries, nil
+}
+
+// goOffline flushes the queued events and sends worker-offline, waiting a
+// little for both, on a context that the caller's cancellation does not end.
+func (c *Controller) goOffline(conn *amqp091.Connection) {
+	deadline := time.Now().Add(offlineTimeout)
+	for len(c.events)+len(c.sys) > 0 && time.Now().Before(deadline) && !conn.IsClosed() {
+		time.Sleep(5 * time.Millisecond)
+	}
+	ch := c.evCh.Load()
+	if ch == nil {
+		return
+	}
+	ev := c.workerEvent("worker-offline")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Until(deadline)+offlineTimeout)
+	defer cancel()
+	if err := c.publishEvents(ctx, ch, []map[string]any{ev}); err != nil {
+		c.log.Warn("worker-offline not sent", zap.Error(err))
+	}
+}

@@ -1,0 +1,71 @@
+// Package control makes a onceler worker visible and controllable the way a
+// Celery worker is: it sends Celery events on the celeryev exchange (what
+// `celery events` and Flower read) and answers remote-control requests on
+// celery.pidbox (what `celery inspect` and `celery control` send).
+//
+// # Wiring
+//
+// A Controller wraps the task worker through the small Worker interface
+// (FromTasks adapts a *tasks.Worker) and is itself the worker's
+// tasks.Observer:
+//
+//	node, _ := control.NodeName(hostnameFlag)     // "onceler-<pid>@<host>" by default
+//	ctl, err := control.New(worker, control.Config{URL: brokerURL, NodeName: node, TaskEvents: eventsFlag})
+//	// tasks.Config{Hostname: node, Observer: ctl, ...}
+//	go ctl.Run(ctx)                                // until ctx is done
+//
+// # Events
+//
+// worker-online is sent when the controller first connects, worker-heartbeat
+// every Config.Heartbeat (2 s, as Celery) and worker-offline when Run's
+// context ends, whatever the task-event setting: a receiver's
+// celery.events.State counts the node alive while heartbeats arrive within
+// twice their frequency. Task events (task-received, task-started,
+// task-succeeded, task-failed, task-retried, task-revoked, task-rejected)
+// are sent only when Config.TaskEvents is set (Celery's -E) or after an
+// enable_events command, until disable_events.
+//
+// Every event carries Celery's common fields (type, hostname, pid, clock,
+// timestamp, utcoffset); the worker supplies the per-type fields. onceler
+// adds two fields that Celery's readers keep as plain attributes:
+// FieldDuplicate (the delivery was a duplicate answered from the record) and
+// FieldKeyHash (KeyHash of the operation key, never the key itself).
+//
+// Publishing never slows a task: Event stamps the event and puts it in a
+// bounded buffer (Config.EventBuffer); a single publisher goroutine sends
+// them, batching task events up to 24 per message on routing key
+// task.multi, the form Celery's own worker uses for buffered task events.
+// When the buffer is full, or the broker is unreachable, events are dropped
+// and counted (inspect stats: events.dropped). Events are transient in Celery
+// too.
+//
+// # Remote control
+//
+// The controller consumes its own queue "<node>.celery.pidbox" (auto-delete,
+// x-expires 10 s, x-message-ttl 300 s, no acknowledgements) bound to the
+// fanout exchange celery.pidbox, both declared with kombu's flags, and
+// replies on the request's reply exchange (reply.celery.pidbox, direct)
+// with the request's routing key and ticket. A request is handled when its
+// destination names the node, or its pattern matches (glob or pcre), or it
+// names no one. Commands: ping, stats, active, reserved, scheduled,
+// registered, active_queues, revoke (one id or a list; terminate cancels the
+// running task's context), terminate, revoked, enable_events,
+// disable_events, heartbeat, clock, hello (Celery's mingle: revoked ids are
+// exchanged) and shutdown (Config.Shutdown). Inspect active lists argsrepr
+// and kwargsrepr, what the producer already put on the wire, not argument
+// values.
+//
+// Revoked ids are kept in a bounded set with expiry (Revoked: 50 000 ids,
+// 3 hours, as Celery) and handed to the worker, which answers a revoked task
+// REVOKED (TaskRevokedError) on receipt and before it runs.
+//
+// # Connection
+//
+// The controller uses amqp091-go directly on one connection of its own,
+// separate from the worker's consuming and publishing connections: the
+// pidbox queue is consumed without acknowledgements and events are
+// published without confirms, which the amqp package's late-ack consumer and
+// confirming publisher are not made for. Run reconnects with jittered
+// exponential backoff (Config.MinBackoff..MaxBackoff); after a reconnect it
+// redeclares the queue and sends a heartbeat at once.
+package control

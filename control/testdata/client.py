@@ -1,0 +1,72 @@
+"""Drives a Go worker as a Python Celery client would, printing JSON.
+
+    client.py NODE revoke-before SECONDS   revoke an id, then send demo.sleep with it
+    client.py NODE terminate SECONDS MODE  send demo.sleep, wait until inspect
+                                           active shows it, then terminate it
+                                           (MODE cli: `celery control terminate`,
+                                           api: app.control.revoke(terminate=True))
+    client.py NODE call SECONDS            send demo.sleep and wait for it
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from celery.exceptions import TaskRevokedError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from app import app, sleep  # noqa: E402
+
+
+def cli(*args):
+    out = subprocess.run([sys.executable, '-m', 'celery', '-A', 'app'] + list(args),
+                         cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=60)
+    return {'rc': out.returncode, 'stdout': out.stdout, 'stderr': out.stderr[-2000:]}
+
+
+def outcome(res, timeout):
+    t0 = time.time()
+    try:
+        value = res.get(timeout=timeout)
+        return {'state': res.state, 'value': value, 'elapsed': time.time() - t0}
+    except TaskRevokedError as exc:
+        return {'state': res.state, 'exc': type(exc).__name__, 'msg': str(exc), 'elapsed': time.time() - t0}
+    except Exception as exc:  # noqa: BLE001 - reported to the Go test
+        return {'state': res.state, 'exc': type(exc).__name__, 'msg': str(exc), 'elapsed': time.time() - t0}
+
+
+def main():
+    node, mode, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    if seconds.is_integer():
+        seconds = int(seconds)
+    out = {}
+    if mode == 'revoke-before':
+        task_id = str(uuid.uuid4())
+        out['revoke'] = cli('control', 'revoke', task_id, '-d', node, '--json')
+        res = sleep.apply_async((seconds,), task_id=task_id)
+        out.update(outcome(res, 30))
+    elif mode == 'terminate':
+        res = sleep.apply_async((seconds,))
+        seen = False
+        deadline = time.time() + 20
+        while time.time() < deadline and not seen:
+            active = app.control.inspect([node], timeout=1).active() or {}
+            seen = any(t['id'] == res.id for t in active.get(node, []))
+            out['active'] = active.get(node)
+        out['seen_active'] = seen
+        if sys.argv[4] == 'cli':
+            out['terminate'] = cli('control', 'terminate', 'SIGTERM', res.id, '-d', node, '--json')
+        else:
+            out['terminate'] = app.control.revoke(res.id, terminate=True, destination=[node], reply=True)
+        out.update(outcome(res, 30))
+    elif mode == 'call':
+        res = sleep.apply_async((seconds,))
+        out.update(outcome(res, 30))
+    print(json.dumps(out))
+
+
+if __name__ == '__main__':
+    main()
