@@ -59,10 +59,12 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 		if !ok {
 			return nil, decodeErr(ErrBadHeader, nil, "header compression must be a string, got %s", typeName(c))
 		}
-		if body, err = decompress(cs, body, dec.limits.MaxBodyBytes); err != nil {
-			return nil, err
+		if cs != "" { // kombu: an empty compression header means none
+			if body, err = decompress(cs, body, dec.limits.MaxBodyBytes); err != nil {
+				return nil, err
+			}
+			m.Compression = cs
 		}
-		m.Compression = cs
 	}
 	payload, err := unmarshal(ser, body)
 	if err != nil {
@@ -71,10 +73,10 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 	if t, ok := d.Headers["task"]; ok && t != nil {
 		if bm, ok := payload.(map[string]any); ok {
 			if _, hybrid := bm["args"]; hybrid {
-				return m, dec.decodeV1(m, bm, d.Headers)
+				return result(m, dec.decodeV1(m, bm, d.Headers))
 			}
 		}
-		return m, dec.decodeV2(m, payload, d.Headers)
+		return result(m, dec.decodeV2(m, payload, d.Headers))
 	}
 	bm, ok := payload.(map[string]any)
 	if !ok {
@@ -83,7 +85,14 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 	if _, ok := bm["task"]; !ok {
 		return nil, decodeErr(ErrShape, nil, "no task header and no task in the protocol 1 body")
 	}
-	return m, dec.decodeV1(m, bm, d.Headers)
+	return result(m, dec.decodeV1(m, bm, d.Headers))
+}
+
+func result(m *Message, err error) (*Message, error) {
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
 }
 
 func (dec *Decoder) decodeV2(m *Message, payload any, h map[string]any) error {
