@@ -1,0 +1,174 @@
+package amqp
+
+import (
+	"errors"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// Celery declares its queue exactly as Celery's app.amqp does, then sends a
+// task there; quorum=True uses queue_arguments={"x-queue-type": "quorum"}.
+const celerySend = `
+import sys
+from celery import Celery
+from kombu import Exchange, Queue
+url, name = sys.argv[1], sys.argv[2]
+quorum = len(sys.argv) > 3
+app = Celery("probe", broker=url)
+args = {"x-queue-type": "quorum"} if quorum else None
+app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name, queue_arguments=args)]
+app.conf.task_default_queue = name
+with app.connection_for_write() as conn:
+    app.amqp.queues[name](conn.default_channel).declare()
+    r = app.send_task("probe.add", args=(2, 3), kwargs={"z": 1}, queue=name, connection=conn)
+print(r.id)
+`
+
+func celerySendTask(t *testing.T, queue string, quorum bool) string {
+	t.Helper()
+	py := testenv.Python(t)
+	args := []string{"-c", celerySend, testenv.AMQPURL(t), queue}
+	if quorum {
+		args = append(args, "quorum")
+	}
+	out, err := exec.Command(py, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("celery send_task: %v\n%s", err, out)
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	return lines[len(lines)-1]
+}
+
+// Our declaration of a Celery queue and Celery's own agree, in either order,
+// and a task Celery sends arrives with its protocol-2 headers intact.
+func TestCeleryQueueMatchesKombu(t *testing.T) {
+	cfg := testConfig(t)
+	ours, theirs := testenv.Name("onceler_amqp_kombu"), testenv.Name("onceler_amqp_kombu")
+	cleanupQueue(t, ours, theirs)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 60*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(ours)), "declare ours first")
+	id1 := celerySendTask(t, ours, false) // Celery re-declares: a 406 would fail the script
+	id2 := celerySendTask(t, theirs, false)
+
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(ours), CeleryQueue(theirs)}})
+	got := make(chan *Delivery, 4)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	ids := map[string]bool{}
+	for range 2 {
+		d := recv(t, got, 15*time.Second)
+		h := d.Headers
+		tl, _ := h["timelimit"].([]any)
+		if h["task"] != "probe.add" || h["id"] != d.CorrelationID || h["lang"] != "py" ||
+			intValue(h["retries"]) != 0 || h["eta"] != nil || len(tl) != 2 || tl[0] != nil || tl[1] != nil {
+			t.Fatalf("celery headers arrived as %#v", h)
+		}
+		if d.ContentType != "application/json" || d.ContentEncoding != "utf-8" || d.DeliveryMode != 2 || d.Exchange != "" {
+			t.Fatalf("celery properties: %q %q mode %d exchange %q", d.ContentType, d.ContentEncoding, d.DeliveryMode, d.Exchange)
+		}
+		ids[d.CorrelationID] = true
+		must(t, d.Ack(), "ack")
+	}
+	if !ids[id1] || !ids[id2] {
+		t.Fatalf("received task ids %v, want %s and %s", ids, id1, id2)
+	}
+}
+
+// A quorum queue declared by Celery is consumed with per-consumer prefetch,
+// and a requeued message comes back with x-delivery-count.
+func TestQuorumQueueDeliveryCount(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_quorum")
+	cleanupQueue(t, q)
+	celerySendTask(t, q, true)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQuorumQueue(q)}, Prefetch: 4})
+	got := make(chan *Delivery, 4)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	first := recv(t, got, 15*time.Second)
+	if first.DeliveryCount != 0 || first.Redelivered {
+		t.Fatalf("first delivery: count %d redelivered %t", first.DeliveryCount, first.Redelivered)
+	}
+	must(t, first.Nack(true), "requeue")
+	second := recv(t, got, 10*time.Second)
+	if second.DeliveryCount != 1 || !second.Redelivered {
+		t.Fatalf("requeued delivery: count %d redelivered %t, headers %v", second.DeliveryCount, second.Redelivered, second.Headers)
+	}
+	must(t, second.Reject(true), "requeue again")
+	third := recv(t, got, 10*time.Second)
+	if third.DeliveryCount != 2 {
+		t.Fatalf("third delivery count %d, want 2", third.DeliveryCount)
+	}
+	must(t, third.Ack(), "ack")
+	if c.Prefetch() != 4 {
+		t.Fatalf("prefetch %d", c.Prefetch())
+	}
+	must(t, c.SetPrefetch(8), "SetPrefetch on a quorum consumer") // per-consumer QoS, no 406
+}
+
+func TestPreconditionFailureSaysWhatDiffers(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_406")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	// Someone made it non-durable; Celery's spec says durable.
+	must(t, p.Declare(ctx, QueueSpec{Name: q, Exchange: DefaultExchange}), "declare transient")
+
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
+	err := c.Run(ctx, func(*Delivery) { t.Error("delivery despite a refused declare") })
+	var pe *PreconditionError
+	if !errors.As(err, &pe) || !errors.Is(err, ErrPrecondition) || !IsTopologyError(err) {
+		t.Fatalf("Run = %v, want a *PreconditionError", err)
+	}
+	if pe.Kind != "queue" || pe.Name != q || pe.Arg != "durable" || pe.Received != "'true'" || pe.Current != "'false'" {
+		t.Fatalf("precondition error fields: %+v", pe)
+	}
+	for _, want := range []string{q, "durable differs", "declared 'true'", "broker has 'false'", "PRECONDITION_FAILED", "Passive"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Fatalf("error %q lacks %q", err, want)
+		}
+	}
+
+	// Classic queue declared again as quorum: the argument is named.
+	err = p.Declare(ctx, QueueSpec{Name: q, Exchange: DefaultExchange, Quorum: true})
+	if !errors.As(err, &pe) || pe.Arg == "" {
+		t.Fatalf("quorum over a classic queue = %v", err)
+	}
+	t.Logf("quorum over classic: %v", err)
+
+	// The publisher's own channel survived the refused declares.
+	must(t, p.Publish(ctx, "", q, textMessage("still fine"), PublishOptions{Mandatory: true}), "publish after 406")
+
+	// Passive: checks only; a queue that exists with other flags is fine,
+	// a missing one is ErrNotFound.
+	passive := CeleryQueue(q)
+	passive.Exchange, passive.Passive = DefaultExchange, true
+	must(t, p.Declare(ctx, passive), "passive declare of an existing queue")
+	missing := QueueSpec{Name: testenv.Name("onceler_amqp_missing"), Exchange: DefaultExchange, Passive: true}
+	c2 := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{missing}})
+	if err := c2.Run(ctx, func(*Delivery) {}); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("passive consume of a missing queue = %v, want ErrNotFound", err)
+	}
+}
+
+func TestQueueSpecDefaults(t *testing.T) {
+	q := QueueSpec{Name: "celery"}.resolved()
+	if q.Exchange != "celery" || q.ExchangeType != "direct" || q.RoutingKey != "celery" {
+		t.Fatalf("kombu defaults not applied: %+v", q)
+	}
+	q = QueueSpec{Name: "x", Exchange: DefaultExchange, AutoDelete: true, Quorum: true}.resolved()
+	if q.Exchange != "" || !q.Durable || q.AutoDelete {
+		t.Fatalf("quorum/default exchange: %+v", q)
+	}
+	args, err := QueueSpec{Name: "x", Quorum: true, Args: map[string]any{"x-max-priority": 10}}.queueArgs()
+	if err != nil || args["x-queue-type"] != "quorum" || args["x-max-priority"] != 10 {
+		t.Fatalf("args %v %v", args, err)
+	}
+	if c := CeleryQueue("celery"); !c.Durable || c.AutoDelete || c.Exchange != "celery" || c.RoutingKey != "celery" {
+		t.Fatalf("CeleryQueue: %+v", c)
+	}
+}
