@@ -1,0 +1,275 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+	"time"
+)
+
+// usageError is a mistake in the command line or the environment: the
+// process exits with status 2 and names the command's --help.
+type usageError struct {
+	cmd string
+	msg string
+}
+
+func (e *usageError) Error() string {
+	if e.cmd == "" {
+		return e.msg + " (run 'onceler help')"
+	}
+	return e.cmd + ": " + e.msg + " (run 'onceler " + e.cmd + " --help')"
+}
+
+func usagef(cmd, format string, args ...any) error {
+	return &usageError{cmd: cmd, msg: fmt.Sprintf(format, args...)}
+}
+
+// app holds what a command needs from the process, so tests can run commands
+// in-process with their own environment and output.
+type app struct {
+	stdout, stderr io.Writer
+	getenv         func(string) string
+}
+
+// command is one subcommand: its flags are defined by setup, which returns the
+// function that runs it with the positional arguments.
+type command struct {
+	name    string
+	args    string // positional arguments, for the usage line
+	summary string // one line, for "onceler help"
+	long    string // paragraphs shown by --help
+	setup   func(a *app, fs *flagSet) func(ctx context.Context, args []string) error
+}
+
+// commands lists the subcommands in the order "onceler help" shows them.
+func commands() []*command {
+	return []*command{
+		workerCommand(),
+		migrateCommand(),
+		recordsCommand(),
+		resolveCommand(),
+		repeatsCommand(),
+		purgeCommand(),
+		quarantineCommand(),
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	a := &app{stdout: stdout, stderr: stderr, getenv: os.Getenv}
+	return a.run(ctx, args)
+}
+
+func (a *app) run(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		return usagef("", "no command given")
+	}
+	name := args[0]
+	switch name {
+	case "help", "-h", "-help", "--help":
+		if len(args) > 1 && name == "help" {
+			if c := lookupCommand(args[1]); c != nil {
+				return a.runCommand(ctx, c, []string{"--help"})
+			}
+			return usagef("", "unknown command %q", args[1])
+		}
+		a.mainUsage(a.stdout)
+		return nil
+	}
+	c := lookupCommand(name)
+	if c == nil {
+		return usagef("", "unknown command %q", name)
+	}
+	return a.runCommand(ctx, c, args[1:])
+}
+
+func lookupCommand(name string) *command {
+	for _, c := range commands() {
+		if c.name == name {
+			return c
+		}
+	}
+	return nil
+}
+
+func (a *app) mainUsage(w io.Writer) {
+	fmt.Fprint(w, mainHelp())
+}
+
+func mainHelp() string {
+	var b strings.Builder
+	b.WriteString("onceler runs Celery tasks written in Go from RabbitMQ, beside Python Celery\n")
+	b.WriteString("producers, and keeps a durable record in PostgreSQL so each effect happens once.\n\n")
+	b.WriteString("Usage: onceler COMMAND [flags] [args]\n\nCommands:\n")
+	for _, c := range commands() {
+		fmt.Fprintf(&b, "  %-11s %s\n", c.name, c.summary)
+	}
+	b.WriteString("\nRun 'onceler COMMAND --help' for the flags of a command. Every flag can be\n")
+	b.WriteString("set with an environment variable ONCELER_<FLAG> (upper case, '-' as '_');\n")
+	b.WriteString("a flag on the command line wins over the environment.\n")
+	return b.String()
+}
+
+func (a *app) runCommand(ctx context.Context, c *command, args []string) error {
+	fs := newFlagSet(c)
+	runFn := c.setup(a, fs)
+	if err := fs.applyEnv(a.getenv); err != nil {
+		return err
+	}
+	pos, err := fs.parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(a.stdout, fs.help())
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return runFn(ctx, pos)
+}
+
+// flagSet is a flag.FlagSet whose flags also read ONCELER_* variables and
+// whose help names them.
+type flagSet struct {
+	fs    *flag.FlagSet
+	cmd   *command
+	metas map[string]string // flag name -> value placeholder in help
+	order []string
+}
+
+func newFlagSet(c *command) *flagSet {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	return &flagSet{fs: fs, cmd: c, metas: map[string]string{}}
+}
+
+// envName is the environment variable of a flag: ONCELER_ and the flag name
+// in upper case with '-' as '_'.
+func envName(flagName string) string {
+	return "ONCELER_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+func (f *flagSet) add(name, meta string) {
+	f.metas[name] = meta
+	f.order = append(f.order, name)
+}
+
+func (f *flagSet) String(p *string, name, meta, def, usage string) {
+	f.fs.StringVar(p, name, def, usage)
+	f.add(name, meta)
+}
+
+func (f *flagSet) Int(p *int, name string, def int, usage string) {
+	f.fs.IntVar(p, name, def, usage)
+	f.add(name, "N")
+}
+
+func (f *flagSet) Bool(p *bool, name string, usage string) {
+	f.fs.BoolVar(p, name, false, usage)
+	f.add(name, "")
+}
+
+func (f *flagSet) Duration(p *time.Duration, name string, def time.Duration, usage string) {
+	f.fs.DurationVar(p, name, def, usage)
+	f.add(name, "DURATION")
+}
+
+// applyEnv sets each flag from its environment variable, when set, before the
+// command line is parsed, so the command line wins.
+func (f *flagSet) applyEnv(getenv func(string) string) error {
+	for _, name := range f.order {
+		env := envName(name)
+		v := getenv(env)
+		if v == "" {
+			continue
+		}
+		if err := f.fs.Set(name, v); err != nil {
+			return usagef(f.cmd.name, "invalid %s=%q: %v", env, v, cleanFlagErr(err))
+		}
+	}
+	return nil
+}
+
+// parse reads flags anywhere among the positional arguments (so that
+// "resolve TASK KEY --completed" works); "--" ends the flags.
+func (f *flagSet) parse(args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := f.fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, usagef(f.cmd.name, "%v", cleanFlagErr(err))
+		}
+		rest := f.fs.Args()
+		if len(rest) == 0 {
+			return pos, nil
+		}
+		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
+			return append(pos, rest...), nil
+		}
+		pos = append(pos, rest[0])
+		args = rest[1:]
+	}
+}
+
+func cleanFlagErr(err error) string {
+	s := err.Error()
+	s = strings.Replace(s, "flag provided but not defined: -", "unknown flag --", 1)
+	return s
+}
+
+// help renders the command's --help text.
+func (f *flagSet) help() string {
+	c := f.cmd
+	var b strings.Builder
+	fmt.Fprintf(&b, "Usage: onceler %s [flags]", c.name)
+	if c.args != "" {
+		b.WriteString(" " + c.args)
+	}
+	b.WriteString("\n\n" + strings.TrimSpace(c.long) + "\n\nFlags:\n")
+	names := append([]string(nil), f.order...)
+	sort.Strings(names)
+	for _, name := range names {
+		fl := f.fs.Lookup(name)
+		head := "  --" + name
+		if m := f.metas[name]; m != "" {
+			head += " " + m
+		}
+		b.WriteString(head + "\n")
+		for _, line := range wrap(fl.Usage, 70) {
+			b.WriteString("        " + line + "\n")
+		}
+		meta := "env " + envName(name)
+		if fl.DefValue != "" && fl.DefValue != "false" && fl.DefValue != "0" && fl.DefValue != "0s" {
+			meta += ", default " + fl.DefValue
+		}
+		b.WriteString("        (" + meta + ")\n")
+	}
+	b.WriteString("  --help\n        show this help\n")
+	return b.String()
+}
+
+func wrap(s string, width int) []string {
+	var lines []string
+	var cur string
+	for _, w := range strings.Fields(s) {
+		if cur != "" && len(cur)+1+len(w) > width {
+			lines = append(lines, cur)
+			cur = w
+			continue
+		}
+		if cur != "" {
+			cur += " "
+		}
+		cur += w
+	}
+	if cur != "" {
+		lines = append(lines, cur)
+	}
+	return lines
+}

@@ -1,0 +1,142 @@
+package main
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
+	cases := []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{nil, nil, "no command given"},
+		{[]string{"frobnicate"}, nil, `unknown command "frobnicate"`},
+		{[]string{"worker", "--bogus"}, nil, "worker: unknown flag --bogus (run 'onceler worker --help')"},
+		{[]string{"worker", "--concurrency", "many"}, nil, `invalid value "many" for flag -concurrency`},
+		{[]string{"worker", "--demo", "--log-level", "loud"}, nil, `invalid --log-level "loud"`},
+		{[]string{"worker", "--demo", "--log-format", "xml"}, nil, `invalid --log-format "xml"`},
+		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_LEASE": "soon"}, `invalid ONCELER_LEASE="soon"`},
+		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_CRASH_AT": "lunch"}, `invalid ONCELER_CRASH_AT="lunch"`},
+		{[]string{"worker"}, nil, "no tasks to serve"},
+		{[]string{"worker", "--demo", "--queues", " , "}, nil, "--queues names no queue"},
+		{[]string{"records", "--schema", "bad-name;"}, nil, `invalid --schema "bad-name;"`},
+		{[]string{"records", "--database-url", "postgres://a:b@host:notaport/x"}, nil, "invalid --database-url"},
+		{[]string{"repeats", "--since", "yesterday"}, nil, `invalid --since "yesterday"`},
+		{[]string{"quarantine"}, nil, "want an action"},
+		{[]string{"quarantine", "drop"}, nil, "drop needs task ids or --all"},
+		{[]string{"quarantine", "shred"}, nil, `unknown action "shred"`},
+	}
+	for _, c := range cases {
+		r := runBin(t, c.env, c.args...)
+		line := oneLineError(t, r, 2)
+		if !strings.HasPrefix(line, "onceler: ") || !strings.Contains(line, c.want) {
+			t.Errorf("%v: stderr %q, want it to contain %q", c.args, line, c.want)
+		}
+		if strings.Contains(line, "secret") {
+			t.Errorf("%v: stderr shows a password: %q", c.args, line)
+		}
+	}
+}
+
+func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
+	for _, args := range [][]string{{"help"}, {"--help"}, {"help", "purge"}, {"purge", "--help"}, {"worker", "-h"}} {
+		r := runBin(t, nil, args...)
+		if r.code != 0 || r.stderr != "" || !strings.Contains(r.stdout, "onceler") {
+			t.Fatalf("%v: exit %d, stderr %q, stdout %q", args, r.code, r.stderr, r.stdout)
+		}
+	}
+	r := runBin(t, nil, "purge", "--help")
+	for _, want := range []string{"Usage: onceler purge [flags]", "--older-than DURATION", "(env ONCELER_OLDER_THAN)", "--dry-run", "(env ONCELER_BATCH_SIZE, default 1000)"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Fatalf("purge --help misses %q:\n%s", want, r.stdout)
+		}
+	}
+}
+
+func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
+	for _, args := range [][]string{{"migrate"}, {"records"}, {"repeats"}, {"purge", "--older-than", "1d"}, {"resolve", "t", "k", "--completed"}, {"worker", "--demo"}} {
+		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": "postgres://app:secret@127.0.0.1:1/app"}, args...)
+		line := oneLineError(t, r, 1)
+		if !strings.Contains(line, "cannot reach PostgreSQL at postgres://app@127.0.0.1:1/app") ||
+			!strings.Contains(line, "check --database-url (ONCELER_DATABASE_URL)") || strings.Contains(line, "secret") {
+			t.Fatalf("%v: %q", args, line)
+		}
+	}
+}
+
+func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
+	pool := testenv.Pool(t)
+	schema := testenv.Schema(t, pool)
+	env := map[string]string{
+		"ONCELER_DATABASE_URL": testenv.DatabaseURL(t),
+		"ONCELER_SCHEMA":       schema,
+		"ONCELER_BROKER_URL":   "amqp://guest:secret@127.0.0.1:1//",
+		"ONCELER_QUEUES":       testenv.Name("q"),
+	}
+	for _, args := range [][]string{{"worker", "--demo"}, {"quarantine", "list"}} {
+		r := runBin(t, env, args...)
+		line := oneLineError(t, r, 1)
+		if !strings.Contains(line, "cannot reach RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1//") ||
+			!strings.Contains(line, "check --broker-url (ONCELER_BROKER_URL)") || strings.Contains(line, "secret") {
+			t.Fatalf("%v: %q", args, line)
+		}
+	}
+}
+
+func TestEnvironmentSetsDefaultsAndFlagsWin(t *testing.T) {
+	c := lookupCommand("repeats")
+	a := &app{getenv: func(k string) string {
+		return map[string]string{"ONCELER_SINCE": "2h", "ONCELER_SCHEMA": "from_env", "ONCELER_JSON": "true"}[k]
+	}}
+	fs := newFlagSet(c)
+	c.setup(a, fs)
+	if err := fs.applyEnv(a.getenv); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fs.parse([]string{"--schema", "from_flag"}); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, n := range []string{"since", "schema", "json"} {
+		got[n] = fs.fs.Lookup(n).Value.String()
+	}
+	if got["since"] != "2h" || got["schema"] != "from_flag" || got["json"] != "true" {
+		t.Fatalf("flag values %v", got)
+	}
+}
+
+func TestFlagsMayFollowPositionalArguments(t *testing.T) {
+	c := lookupCommand("resolve")
+	fs := newFlagSet(c)
+	c.setup(&app{getenv: func(string) string { return "" }}, fs)
+	pos, err := fs.parse([]string{"demo.email.send", "--completed", "msg-1", "--result", "1", "--", "--x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(pos, " ") != "demo.email.send msg-1 --x" || fs.fs.Lookup("completed").Value.String() != "true" {
+		t.Fatalf("positional %q", pos)
+	}
+	var u *usageError
+	if _, err := fs.parse([]string{"a", "--nope"}); !errors.As(err, &u) {
+		t.Fatalf("unknown flag after an argument: %v", err)
+	}
+}
+
+func TestParseSince(t *testing.T) {
+	for in, want := range map[string]string{"90m": "1h30m0s", "7d": "168h0m0s", "1d12h": "36h0m0s"} {
+		d, err := parseSince("x", "--since", in)
+		if err != nil || d.String() != want {
+			t.Errorf("%s: %v %v, want %s", in, d, err, want)
+		}
+	}
+	for _, in := range []string{"", "0s", "-5m", "d", "3x"} {
+		if _, err := parseSince("x", "--since", in); err == nil {
+			t.Errorf("%q: no error", in)
+		}
+	}
+}

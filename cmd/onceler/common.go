@@ -1,0 +1,192 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+// connectTimeout bounds the first contact with a service, so an unreachable
+// one gives a clear error rather than a hang.
+const connectTimeout = 10 * time.Second
+
+// dbFlags are the flags of every command that opens the record.
+type dbFlags struct {
+	url    string
+	schema string
+}
+
+func (d *dbFlags) define(fs *flagSet) {
+	fs.String(&d.url, "database-url", "URL", "",
+		"PostgreSQL connection string (URL or key=value); empty uses the libpq environment (PGHOST, PGUSER, PGDATABASE, ...) and defaults")
+	fs.String(&d.schema, "schema", "NAME", "onceler",
+		"PostgreSQL schema that holds the idempotency record")
+}
+
+// describeDB names the database a config points at, without its password.
+func describeDB(cfg *pgxpool.Config) string {
+	c := cfg.ConnConfig
+	u := url.URL{Scheme: "postgres", User: url.User(c.User), Path: "/" + c.Database}
+	host := c.Host
+	if strings.HasPrefix(host, "/") {
+		u.Host = ""
+		q := url.Values{"host": {host}}
+		u.RawQuery = q.Encode()
+	} else {
+		u.Host = net.JoinHostPort(host, strconv.Itoa(int(c.Port)))
+	}
+	return u.String()
+}
+
+var passwordKV = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|\S+)`)
+
+// redactDSN hides the password of a PostgreSQL URL or key=value string.
+func redactDSN(dsn string) string {
+	if u, err := url.Parse(dsn); err == nil && u.Scheme != "" {
+		return u.Redacted()
+	}
+	return passwordKV.ReplaceAllString(dsn, "${1}xxxxx")
+}
+
+// openPool opens a pool and checks that the database answers.
+func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(d.url)
+	if err != nil {
+		return nil, usagef(cmd, "invalid --database-url %q: %v", redactDSN(d.url), oneLine(err))
+	}
+	if cfg.ConnConfig.RuntimeParams == nil {
+		cfg.ConnConfig.RuntimeParams = map[string]string{}
+	}
+	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	}
+	where := describeDB(cfg)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("cannot use PostgreSQL at %s: %s", where, oneLine(err))
+	}
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("cannot reach PostgreSQL at %s: %s; check --database-url (ONCELER_DATABASE_URL) and that the server is running", where, oneLine(err))
+	}
+	return pool, nil
+}
+
+// openStore opens the pool and the record store on it.
+func openStore(ctx context.Context, cmd string, d dbFlags, logger *zap.Logger) (*pgxpool.Pool, *idempotency.Store, error) {
+	if err := checkIdent(cmd, "--schema", d.schema); err != nil {
+		return nil, nil, err
+	}
+	pool, err := openPool(ctx, cmd, d, "onceler "+cmd)
+	if err != nil {
+		return nil, nil, err
+	}
+	store, err := idempotency.New(pool, idempotency.Config{Schema: d.schema, Logger: logger})
+	if err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("open record: %w", err)
+	}
+	return pool, store, nil
+}
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+func checkIdent(cmd, flagName, v string) error {
+	if !identRE.MatchString(v) {
+		return usagef(cmd, "invalid %s %q: use letters, digits and '_' (a PostgreSQL identifier)", flagName, v)
+	}
+	return nil
+}
+
+// oneLine flattens an error message to one line.
+func oneLine(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Message + " (SQLSTATE " + pgErr.Code + ")"
+	}
+	var opErr *net.OpError
+	if errors.As(err, &opErr) {
+		return opErr.Error()
+	}
+	return strings.Join(strings.Fields(err.Error()), " ")
+}
+
+// noRows reports whether err says a row is missing.
+
+// newLogger builds the process logger from --log-level and --log-format,
+// writing to w.
+func newLogger(cmd, level, format string, w io.Writer) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, usagef(cmd, "invalid --log-level %q: use debug, info, warn or error", level)
+	}
+	var enc zapcore.Encoder
+	switch format {
+	case "json":
+		ec := zap.NewProductionEncoderConfig()
+		ec.EncodeTime = zapcore.ISO8601TimeEncoder
+		enc = zapcore.NewJSONEncoder(ec)
+	case "console":
+		ec := zap.NewDevelopmentEncoderConfig()
+		ec.EncodeTime = zapcore.TimeEncoderOfLayout("15:04:05.000")
+		ec.CallerKey = ""
+		ec.EncodeLevel = zapcore.CapitalLevelEncoder
+		if f, ok := w.(*os.File); ok && isTerminal(f) {
+			ec.EncodeLevel = zapcore.CapitalColorLevelEncoder
+		}
+		enc = zapcore.NewConsoleEncoder(ec)
+	default:
+		return nil, usagef(cmd, "invalid --log-format %q: use json or console", format)
+	}
+	core := zapcore.NewCore(enc, zapcore.Lock(zapcore.AddSync(w)), lvl)
+	return zap.New(core), nil
+}
+
+func isTerminal(f *os.File) bool {
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// parseSince reads a duration that also accepts days ("7d", "1d12h").
+func parseSince(cmd, flagName, v string) (time.Duration, error) {
+	orig := v
+	var days time.Duration
+	if i := strings.IndexByte(v, 'd'); i > 0 {
+		n, err := strconv.Atoi(v[:i])
+		if err != nil {
+			return 0, usagef(cmd, "invalid %s %q: use a duration such as 90m, 24h or 7d", flagName, orig)
+		}
+		days = time.Duration(n) * 24 * time.Hour
+		v = v[i+1:]
+	}
+	var rest time.Duration
+	if v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return 0, usagef(cmd, "invalid %s %q: use a duration such as 90m, 24h or 7d", flagName, orig)
+		}
+		rest = d
+	}
+	d := days + rest
+	if d <= 0 {
+		return 0, usagef(cmd, "invalid %s %q: must be positive", flagName, orig)
+	}
+	return d, nil
+}

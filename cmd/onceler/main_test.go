@@ -1,0 +1,111 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// binary is the onceler command built once for the tests that run it as a
+// process (with -race when the tests have it).
+var binary string
+
+func TestMain(m *testing.M) {
+	os.Exit(testMain(m))
+}
+
+func testMain(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "onceler-cmd-test")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	binary = filepath.Join(dir, "onceler")
+	args := []string{"build", "-o", binary}
+	if raceEnabled {
+		args = append(args, "-race")
+	}
+	if out, err := exec.Command("go", append(args, ".")...).CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "build onceler: %v\n%s", err, out)
+		return 1
+	}
+	code := m.Run()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+			return 1
+		}
+	}
+	return code
+}
+
+// result is what a command run produced.
+type result struct {
+	stdout, stderr string
+	err            error
+	code           int // exit status, for process runs
+}
+
+// runIn runs the command in-process with env as its whole environment.
+func runIn(t *testing.T, env map[string]string, args ...string) result {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	a := &app{stdout: &out, stderr: &errOut, getenv: func(k string) string { return env[k] }}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	err := a.run(ctx, args)
+	return result{stdout: out.String(), stderr: errOut.String(), err: err}
+}
+
+// runBin runs the built binary with env added to a clean environment.
+func runBin(t *testing.T, env map[string]string, args ...string) result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Env = processEnv(env)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	r := result{stdout: out.String(), stderr: errOut.String(), err: err}
+	if cmd.ProcessState != nil {
+		r.code = cmd.ProcessState.ExitCode()
+	}
+	return r
+}
+
+// processEnv is a minimal environment plus env: no ONCELER_* or PG* leaks in
+// from the test's own environment.
+func processEnv(env map[string]string) []string {
+	out := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	for k, v := range env {
+		out = append(out, k+"="+v)
+	}
+	return out
+}
+
+// oneLineError checks a failed process run: the given exit code and exactly
+// one line on stderr, without a Go stack trace.
+func oneLineError(t *testing.T, r result, code int) string {
+	t.Helper()
+	if r.code != code {
+		t.Fatalf("exit code %d, want %d; stderr:\n%s", r.code, code, r.stderr)
+	}
+	lines := strings.Split(strings.TrimRight(r.stderr, "\n"), "\n")
+	if len(lines) != 1 || lines[0] == "" {
+		t.Fatalf("stderr has %d lines, want one:\n%s", len(lines), r.stderr)
+	}
+	if strings.Contains(r.stderr, "goroutine ") || strings.Contains(r.stderr, "panic") {
+		t.Fatalf("stderr has a stack trace:\n%s", r.stderr)
+	}
+	return lines[0]
+}

@@ -1,0 +1,471 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+func migrateCommand() *command {
+	return &command{
+		name:    "migrate",
+		summary: "create or update the record schema in PostgreSQL",
+		long: `Applies the idempotency record's schema migrations that are not applied
+yet. Safe to run again and from several machines at once (an advisory lock
+serialises them). Run it before the first worker starts, and after each
+upgrade of the binary.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var d dbFlags
+			d.define(fs)
+			return func(ctx context.Context, args []string) error {
+				if len(args) > 0 {
+					return usagef("migrate", "unexpected argument %q", args[0])
+				}
+				pool, store, err := openStore(ctx, "migrate", d, zap.NewNop())
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				defer store.Close()
+				if err := store.Migrate(ctx); err != nil {
+					return fmt.Errorf("migrate schema %q: %s", d.schema, oneLine(err))
+				}
+				ms, err := idempotency.Migrations()
+				if err != nil {
+					return err
+				}
+				fmt.Fprintf(a.stdout, "schema %q is at version %d\n", d.schema, ms[len(ms)-1].Version)
+				return nil
+			}
+		},
+	}
+}
+
+var statuses = []idempotency.Status{
+	idempotency.StatusClaimed, idempotency.StatusCompleted, idempotency.StatusFailed,
+	idempotency.StatusHeld, idempotency.StatusSkipped,
+}
+
+func parseStatus(cmd, v string) (idempotency.Status, error) {
+	if v == "" {
+		return "", nil
+	}
+	names := make([]string, len(statuses))
+	for i, s := range statuses {
+		if string(s) == v {
+			return s, nil
+		}
+		names[i] = string(s)
+	}
+	return "", usagef(cmd, "invalid --status %q: use one of %s", v, strings.Join(names, ", "))
+}
+
+func recordsCommand() *command {
+	return &command{
+		name:    "records",
+		summary: "list and inspect idempotency records",
+		long: `Lists the records of the idempotency record, by task and key, filtered by
+task, key and status. With both --task and --key it shows the one record in
+full (result, error, reason). --json prints JSON instead of a table.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var (
+				d                 dbFlags
+				task, key, status string
+				limit             int
+				asJSON            bool
+			)
+			d.define(fs)
+			fs.String(&task, "task", "NAME", "", "only records of this task")
+			fs.String(&key, "key", "KEY", "", "only records with this operation key")
+			fs.String(&status, "status", "STATUS", "", "only records in this status: claimed, completed, failed, held or skipped")
+			fs.Int(&limit, "limit", 100, "list at most this many records")
+			fs.Bool(&asJSON, "json", "print JSON")
+			return func(ctx context.Context, args []string) error {
+				if len(args) > 0 {
+					return usagef("records", "unexpected argument %q", args[0])
+				}
+				st, err := parseStatus("records", status)
+				if err != nil {
+					return err
+				}
+				if limit <= 0 {
+					return usagef("records", "--limit must be positive")
+				}
+				pool, store, err := openStore(ctx, "records", d, zap.NewNop())
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				defer store.Close()
+				recs, err := store.List(ctx, idempotency.Filter{Task: task, Key: key, Status: st, Limit: limit})
+				if err != nil {
+					return fmt.Errorf("list records: %s", schemaHint(d.schema, err))
+				}
+				if asJSON {
+					return writeJSON(a.stdout, recordsJSON(recs))
+				}
+				if task != "" && key != "" && len(recs) == 1 {
+					printRecord(a.stdout, recs[0])
+					return nil
+				}
+				printRecords(a.stdout, recs)
+				return nil
+			}
+		},
+	}
+}
+
+// schemaHint explains an error caused by a schema that was never migrated.
+func schemaHint(schema string, err error) string {
+	if strings.Contains(err.Error(), "42P01") {
+		return fmt.Sprintf("the record schema %q does not exist: run 'onceler migrate' (or check --schema)", schema)
+	}
+	return oneLine(err)
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("write JSON: %w", err)
+	}
+	return nil
+}
+
+type recordJSON struct {
+	Task         string          `json:"task"`
+	Key          string          `json:"key"`
+	Status       string          `json:"status"`
+	Attempt      int             `json:"attempt"`
+	Owner        string          `json:"owner,omitempty"`
+	TaskID       string          `json:"task_id,omitempty"`
+	Duplicates   int             `json:"duplicates"`
+	ClaimedAt    *time.Time      `json:"claimed_at,omitempty"`
+	LeaseUntil   *time.Time      `json:"lease_until,omitempty"`
+	CompletedAt  *time.Time      `json:"completed_at,omitempty"`
+	UpdatedAt    *time.Time      `json:"updated_at,omitempty"`
+	Result       json.RawMessage `json:"result,omitempty"`
+	Error        string          `json:"error,omitempty"`
+	Reason       string          `json:"reason,omitempty"`
+	MessageBytes int             `json:"message_bytes,omitempty"`
+}
+
+func timePtr(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	u := t.UTC()
+	return &u
+}
+
+func recordsJSON(recs []idempotency.Record) []recordJSON {
+	out := make([]recordJSON, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, recordJSON{
+			Task: r.Task, Key: r.Key, Status: string(r.Status), Attempt: r.Attempt,
+			Owner: r.Owner, TaskID: r.TaskID, Duplicates: r.Duplicates,
+			ClaimedAt: timePtr(r.ClaimedAt), LeaseUntil: timePtr(r.LeaseUntil),
+			CompletedAt: timePtr(r.CompletedAt), UpdatedAt: timePtr(r.UpdatedAt),
+			Result: json.RawMessage(r.Result), Error: r.Error, Reason: r.Reason,
+			MessageBytes: len(r.Message),
+		})
+	}
+	return out
+}
+
+func fmtTime(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05")
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func printRecords(w io.Writer, recs []idempotency.Record) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "TASK\tKEY\tSTATUS\tATTEMPT\tDUPLICATES\tUPDATED (UTC)\tNOTE")
+	for _, r := range recs {
+		note := r.Reason
+		if note == "" {
+			note = r.Error
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.Task, r.Key, r.Status, r.Attempt, r.Duplicates,
+			fmtTime(r.UpdatedAt), dash(truncate(note, 60)))
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(w, "%d record(s)\n", len(recs))
+}
+
+func printRecord(w io.Writer, r idempotency.Record) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	row := func(k, v string) { fmt.Fprintf(tw, "%s:\t%s\n", k, v) }
+	row("task", r.Task)
+	row("key", r.Key)
+	row("status", string(r.Status))
+	row("attempt", strconv.Itoa(r.Attempt))
+	row("duplicates", strconv.Itoa(r.Duplicates))
+	row("owner", dash(r.Owner))
+	row("task id", dash(r.TaskID))
+	row("claimed at", fmtTime(r.ClaimedAt))
+	row("lease until", fmtTime(r.LeaseUntil))
+	row("completed at", fmtTime(r.CompletedAt))
+	row("updated at", fmtTime(r.UpdatedAt))
+	row("result", dash(string(r.Result)))
+	row("error", dash(r.Error))
+	row("reason", dash(r.Reason))
+	msg := "-"
+	if len(r.Message) > 0 {
+		msg = fmt.Sprintf("%d bytes kept for 'onceler resolve --retry'", len(r.Message))
+	}
+	row("message", msg)
+	_ = tw.Flush()
+}
+
+func truncate(s string, n int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-1] + "…"
+}
+
+func repeatsCommand() *command {
+	return &command{
+		name:    "repeats",
+		summary: "report the repeats the record caught (duplicates, takeovers, holds, ...)",
+		long: `Reports, per task, what the record caught since a time: duplicates answered
+with the stored result, stale claims taken over (policy retry or lookup), held
+and skipped operations, argument mismatches and failures.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var (
+				d      dbFlags
+				since  string
+				asJSON bool
+			)
+			d.define(fs)
+			fs.String(&since, "since", "DURATION", "24h", "report the repeats of this last period, e.g. 90m, 24h, 7d")
+			fs.Bool(&asJSON, "json", "print JSON")
+			return func(ctx context.Context, args []string) error {
+				if len(args) > 0 {
+					return usagef("repeats", "unexpected argument %q", args[0])
+				}
+				dur, err := parseSince("repeats", "--since", since)
+				if err != nil {
+					return err
+				}
+				pool, store, err := openStore(ctx, "repeats", d, zap.NewNop())
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				defer store.Close()
+				from := time.Now().Add(-dur)
+				stats, err := store.Repeats(ctx, from)
+				if err != nil {
+					return fmt.Errorf("repeats: %s", schemaHint(d.schema, err))
+				}
+				if asJSON {
+					return writeJSON(a.stdout, repeatsJSON(from, stats))
+				}
+				printRepeats(a.stdout, since, stats)
+				return nil
+			}
+		},
+	}
+}
+
+type repeatsReport struct {
+	Since time.Time         `json:"since"`
+	Tasks []repeatsTaskJSON `json:"tasks"`
+}
+
+type repeatsTaskJSON struct {
+	Task       string `json:"task"`
+	Duplicates int64  `json:"duplicates"`
+	Takeovers  int64  `json:"takeovers"`
+	Held       int64  `json:"held"`
+	Skipped    int64  `json:"skipped"`
+	Mismatches int64  `json:"mismatches"`
+	Failures   int64  `json:"failures"`
+}
+
+func repeatsJSON(from time.Time, stats []idempotency.RepeatStats) repeatsReport {
+	r := repeatsReport{Since: from.UTC().Truncate(time.Second), Tasks: []repeatsTaskJSON{}}
+	for _, s := range stats {
+		r.Tasks = append(r.Tasks, repeatsTaskJSON{
+			Task: s.Task, Duplicates: s.Duplicates, Takeovers: s.Takeovers, Held: s.Held,
+			Skipped: s.Skipped, Mismatches: s.Mismatches, Failures: s.Failures,
+		})
+	}
+	return r
+}
+
+func printRepeats(w io.Writer, since string, stats []idempotency.RepeatStats) {
+	if len(stats) == 0 {
+		fmt.Fprintf(w, "no repeats in the last %s\n", since)
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "TASK\tDUPLICATES\tTAKEOVERS\tHELD\tSKIPPED\tMISMATCHES\tFAILURES\t")
+	var tot repeatsTaskJSON
+	for _, s := range stats {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t\n", s.Task, s.Duplicates, s.Takeovers, s.Held, s.Skipped, s.Mismatches, s.Failures)
+		tot.Duplicates += s.Duplicates
+		tot.Takeovers += s.Takeovers
+		tot.Held += s.Held
+		tot.Skipped += s.Skipped
+		tot.Mismatches += s.Mismatches
+		tot.Failures += s.Failures
+	}
+	fmt.Fprintf(tw, "total\t%d\t%d\t%d\t%d\t%d\t%d\t\n", tot.Duplicates, tot.Takeovers, tot.Held, tot.Skipped, tot.Mismatches, tot.Failures)
+	_ = tw.Flush()
+}
+
+func purgeCommand() *command {
+	return &command{
+		name:    "purge",
+		summary: "delete finished records older than a duration (retention)",
+		long: `Deletes completed, failed and skipped records last updated longer ago than
+--older-than, and the repeat events (what 'onceler repeats' reports) older than
+that, in batches, printing progress. Claimed and held records are kept: they
+still decide what a redelivery does. A deleted record no longer
+catches a duplicate of its operation, so keep records longer than any producer
+may resend a message. --dry-run counts what would be deleted, per task and
+status, and deletes nothing.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var (
+				d         dbFlags
+				olderThan string
+				batch     int
+				dryRun    bool
+			)
+			d.define(fs)
+			fs.String(&olderThan, "older-than", "DURATION", "", "delete records last updated before now minus this, e.g. 720h or 30d (required)")
+			fs.Int(&batch, "batch-size", 1000, "records deleted per transaction")
+			fs.Bool(&dryRun, "dry-run", "only count what would be deleted")
+			return func(ctx context.Context, args []string) error {
+				if len(args) > 0 {
+					return usagef("purge", "unexpected argument %q", args[0])
+				}
+				if olderThan == "" {
+					return usagef("purge", "--older-than is required, e.g. --older-than 30d")
+				}
+				dur, err := parseSince("purge", "--older-than", olderThan)
+				if err != nil {
+					return err
+				}
+				if batch <= 0 {
+					return usagef("purge", "--batch-size must be positive")
+				}
+				pool, store, err := openStore(ctx, "purge", d, zap.NewNop())
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				defer store.Close()
+				return a.purge(ctx, pool, store, d.schema, time.Now().Add(-dur), batch, dryRun)
+			}
+		},
+	}
+}
+
+func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, schema string, before time.Time, batch int, dryRun bool) error {
+	cutoff := before.UTC().Format(time.RFC3339)
+	if dryRun {
+		counts, events, err := purgeCounts(ctx, pool, schema, before)
+		if err != nil {
+			return fmt.Errorf("purge: %s", schemaHint(schema, err))
+		}
+		var total int64
+		for _, c := range counts {
+			total += c.n
+		}
+		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events last updated before %s\n", total, events, cutoff)
+		if len(counts) > 0 {
+			tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "TASK\tSTATUS\tRECORDS")
+			for _, c := range counts {
+				fmt.Fprintf(tw, "%s\t%s\t%d\n", c.task, c.status, c.n)
+			}
+			_ = tw.Flush()
+		}
+		return nil
+	}
+	fmt.Fprintf(a.stdout, "deleting records and repeat events last updated before %s, %d per batch\n", cutoff, batch)
+	var total idempotency.PurgeResult
+	for {
+		res, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, BatchSize: batch, MaxBatches: 1})
+		total.Records += res.Records
+		total.Events += res.Events
+		total.Batches += res.Batches
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("purge interrupted after deleting %d records and %d repeat events", total.Records, total.Events)
+			}
+			return fmt.Errorf("purge (after deleting %d records): %s", total.Records, schemaHint(schema, err))
+		}
+		if res.Records == 0 && res.Events == 0 {
+			break
+		}
+		fmt.Fprintf(a.stdout, "  deleted %d records, %d repeat events so far\n", total.Records, total.Events)
+		if res.Records < int64(batch) && res.Events < int64(batch) {
+			break
+		}
+	}
+	fmt.Fprintf(a.stdout, "deleted %d records and %d repeat events\n", total.Records, total.Events)
+	return nil
+}
+
+type purgeCount struct {
+	task, status string
+	n            int64
+}
+
+// purgeCounts counts what Purge would delete: the records in a final state
+// (completed, failed, skipped) last updated before the cutoff, and the
+// repeat events before it. Claimed and held records are never purged.
+func purgeCounts(ctx context.Context, pool *pgxpool.Pool, schema string, before time.Time) ([]purgeCount, int64, error) {
+	records := pgx.Identifier{schema, "records"}.Sanitize()
+	events := pgx.Identifier{schema, "events"}.Sanitize()
+	rows, err := pool.Query(ctx, `SELECT task, status, count(*) FROM `+records+`
+		WHERE status IN ('completed', 'failed', 'skipped') AND updated_at < $1
+		GROUP BY task, status ORDER BY task, status`, before)
+	if err != nil {
+		return nil, 0, err
+	}
+	var out []purgeCount
+	for rows.Next() {
+		var c purgeCount
+		if err := rows.Scan(&c.task, &c.status, &c.n); err != nil {
+			rows.Close()
+			return nil, 0, err
+		}
+		out = append(out, c)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, 0, err
+	}
+	var n int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+events+` WHERE at < $1`, before).Scan(&n); err != nil {
+		return nil, 0, err
+	}
+	return out, n, nil
+}

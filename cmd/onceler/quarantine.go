@@ -1,0 +1,244 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/tasks"
+)
+
+func quarantineCommand() *command {
+	return &command{
+		name:    "quarantine",
+		args:    "list|requeue|drop [TASK_ID...]",
+		summary: "list, requeue or drop quarantined messages, with their reasons",
+		long: `A worker moves aside, to the queue <queue>.quarantine, each message it must
+not run and must not drop: undecodable (or pickle), unknown task, bad
+arguments, arguments that differ from the record's for the same operation key
+(fingerprint_mismatch), or delivered too often (poison). Each carries the
+headers x-onceler-reason, x-onceler-detail, x-onceler-queue and
+x-onceler-quarantined-at.
+
+  list                 show the quarantined messages (they stay queued)
+  requeue TASK_ID...   move those messages back to the queue they came from
+                       (after fixing the cause, e.g. deploying the task)
+  drop TASK_ID...      delete those messages for good
+
+requeue and drop take task ids, or --all; --reason narrows to one reason.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var (
+				b      brokerFlags
+				queue  string
+				reason string
+				all    bool
+				limit  int
+				asJSON bool
+			)
+			b.define(fs)
+			fs.String(&queue, "queue", "NAME", "celery", "the consumed queue whose quarantine (<queue>.quarantine) to use")
+			fs.String(&reason, "reason", "REASON", "", "only messages quarantined for this reason: undecodable, unknown_task, bad_arguments, fingerprint_mismatch or poison")
+			fs.Bool(&all, "all", "requeue or drop every message (that matches --reason)")
+			fs.Int(&limit, "limit", 0, "look at most at this many messages; 0: all")
+			fs.Bool(&asJSON, "json", "list: print JSON")
+			return func(ctx context.Context, args []string) error {
+				if len(args) == 0 {
+					return usagef("quarantine", "want an action: list, requeue or drop")
+				}
+				action, ids := args[0], args[1:]
+				switch action {
+				case "list":
+					if len(ids) > 0 {
+						return usagef("quarantine", "list takes no task ids")
+					}
+				case "requeue", "drop":
+					if len(ids) == 0 && !all {
+						return usagef("quarantine", "%s needs task ids or --all", action)
+					}
+					if len(ids) > 0 && all {
+						return usagef("quarantine", "give task ids or --all, not both")
+					}
+				default:
+					return usagef("quarantine", "unknown action %q: use list, requeue or drop", action)
+				}
+				if strings.TrimSpace(queue) == "" {
+					return usagef("quarantine", "--queue is empty")
+				}
+				if limit < 0 {
+					return usagef("quarantine", "--limit must not be negative")
+				}
+				q := &quarantine{a: a, b: b, queue: queue, qname: queue + ".quarantine", reason: reason,
+					ids: map[string]bool{}, all: all, limit: limit, asJSON: asJSON}
+				for _, id := range ids {
+					q.ids[id] = true
+				}
+				return q.run(ctx, action)
+			}
+		},
+	}
+}
+
+type quarantine struct {
+	a            *app
+	b            brokerFlags
+	queue, qname string
+	reason       string
+	ids          map[string]bool
+	all          bool
+	limit        int
+	asJSON       bool
+}
+
+// quarantined is one message as listed.
+type quarantined struct {
+	TaskID        string `json:"task_id"`
+	Task          string `json:"task"`
+	Reason        string `json:"reason"`
+	Detail        string `json:"detail"`
+	Queue         string `json:"queue"`
+	QuarantinedAt string `json:"quarantined_at"`
+	ContentType   string `json:"content_type"`
+	Bytes         int    `json:"bytes"`
+}
+
+func describe(d *amqp.Delivery, fallbackQueue string) quarantined {
+	s := func(k string) string {
+		if v, ok := d.Headers[k].(string); ok {
+			return v
+		}
+		return ""
+	}
+	m := quarantined{
+		TaskID: s("id"), Task: s("task"), Reason: s(tasks.HeaderReason), Detail: s(tasks.HeaderDetail),
+		Queue: s(tasks.HeaderQueue), QuarantinedAt: s(tasks.HeaderTime), ContentType: d.ContentType, Bytes: len(d.Body),
+	}
+	if m.TaskID == "" {
+		m.TaskID = d.CorrelationID
+	}
+	if m.Task == "" || m.TaskID == "" {
+		// Protocol 1 keeps both in the body.
+		if msg, err := celeryproto.Decode(&d.Delivery); err == nil {
+			m.Task, m.TaskID = msg.Task, msg.ID
+		}
+	}
+	if m.Queue == "" {
+		m.Queue = fallbackQueue
+	}
+	return m
+}
+
+func (q *quarantine) run(ctx context.Context, action string) error {
+	cfg := q.b.config("onceler quarantine")
+	pub := amqp.NewPublisher(cfg)
+	defer func() { _ = pub.Close() }()
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	err := pub.Declare(pctx, amqp.QueueSpec{Name: q.qname, Exchange: amqp.DefaultExchange, Passive: true})
+	cancel()
+	if errors.Is(err, amqp.ErrNotFound) {
+		fmt.Fprintf(q.a.stdout, "no queue %s: nothing was ever quarantined from %s\n", q.qname, q.queue)
+		return nil
+	}
+	if err != nil {
+		return brokerError("quarantine", cfg, err)
+	}
+	var listed []quarantined
+	moved := 0
+	seen, err := pub.Inspect(ctx, q.qname, q.limit, func(d *amqp.Delivery) (amqp.InspectAction, error) {
+		m := describe(d, q.queue)
+		if q.reason != "" && m.Reason != q.reason {
+			return amqp.Keep, nil
+		}
+		switch action {
+		case "list":
+			listed = append(listed, m)
+			return amqp.Keep, nil
+		case "requeue", "drop":
+			if !q.all && !q.ids[m.TaskID] {
+				return amqp.Keep, nil
+			}
+			if action == "requeue" {
+				if err := requeue(ctx, pub, d, m.Queue); err != nil {
+					return amqp.Keep, err
+				}
+			}
+			moved++
+			delete(q.ids, m.TaskID)
+			fmt.Fprintf(q.a.stdout, "%s %s (%s, %s)\n", pastTense(action), dash(m.TaskID), dash(m.Task), dash(m.Reason))
+			return amqp.Remove, nil
+		}
+		return amqp.Keep, nil
+	})
+	if err != nil {
+		if moved > 0 {
+			return fmt.Errorf("%s stopped after %d message(s): %s", action, moved, oneLine(err))
+		}
+		return brokerError("quarantine", cfg, err)
+	}
+	if action == "list" {
+		if q.asJSON {
+			if listed == nil {
+				listed = []quarantined{}
+			}
+			return writeJSON(q.a.stdout, listed)
+		}
+		printQuarantined(q.a.stdout, q.qname, listed, seen)
+		return nil
+	}
+	fmt.Fprintf(q.a.stdout, "%s %d of %d message(s) in %s\n", pastTense(action), moved, seen, q.qname)
+	if len(q.ids) > 0 {
+		missing := make([]string, 0, len(q.ids))
+		for id := range q.ids {
+			missing = append(missing, id)
+		}
+		return fmt.Errorf("not found in %s: %s", q.qname, strings.Join(missing, ", "))
+	}
+	return nil
+}
+
+func pastTense(action string) string {
+	if action == "requeue" {
+		return "requeued"
+	}
+	return "dropped"
+}
+
+// requeue publishes the message back to the queue it came from, without the
+// quarantine headers, and waits for the broker's confirm.
+func requeue(ctx context.Context, pub *amqp.Publisher, d *amqp.Delivery, queue string) error {
+	headers := make(map[string]any, len(d.Headers))
+	for k, v := range d.Headers {
+		if !strings.HasPrefix(k, "x-onceler-") {
+			headers[k] = v
+		}
+	}
+	p := &celeryproto.Publishing{
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: headers, Body: d.Body,
+		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	if err := pub.Publish(wctx, "", queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
+		return fmt.Errorf("republish to %s: %w", queue, err)
+	}
+	return nil
+}
+
+func printQuarantined(w io.Writer, qname string, ms []quarantined, seen int) {
+	if len(ms) == 0 {
+		fmt.Fprintf(w, "%s: no quarantined messages (of %d looked at)\n", qname, seen)
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "TASK ID\tTASK\tREASON\tQUARANTINED AT\tDETAIL")
+	for _, m := range ms {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", dash(m.TaskID), dash(m.Task), dash(m.Reason), dash(m.QuarantinedAt), dash(truncate(m.Detail, 70)))
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(w, "%d message(s) in %s\n", len(ms), qname)
+}

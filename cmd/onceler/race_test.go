@@ -1,0 +1,7 @@
+//go:build race
+
+package main
+
+// raceEnabled says whether the tests run with -race: the binary they start
+// is then built with -race too.
+const raceEnabled = true

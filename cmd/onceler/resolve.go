@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/tasks"
+)
+
+// brokerFlags are the flags of every command that talks to RabbitMQ.
+type brokerFlags struct {
+	url, caFile, certFile, keyFile string
+}
+
+func (b *brokerFlags) define(fs *flagSet) {
+	fs.String(&b.url, "broker-url", "URL", DefaultBrokerURL,
+		"RabbitMQ URL (amqp://, amqps://; Celery's amqp://host// and pyamqp:// spellings accepted)")
+	fs.String(&b.caFile, "broker-ca-file", "FILE", "", "CA bundle (PEM) that verifies an amqps:// broker; default the system roots")
+	fs.String(&b.certFile, "broker-cert-file", "FILE", "", "client certificate (PEM) for mutual TLS with the broker")
+	fs.String(&b.keyFile, "broker-key-file", "FILE", "", "client key (PEM) for mutual TLS with the broker")
+}
+
+func (b *brokerFlags) config(name string) amqp.Config {
+	return amqp.Config{
+		URL:        b.url,
+		TLS:        amqp.TLSConfig{CAFile: b.caFile, CertFile: b.certFile, KeyFile: b.keyFile},
+		Name:       name,
+		MaxBackoff: time.Second,
+	}
+}
+
+// brokerError turns a failure to reach or use the broker into one line.
+func brokerError(cmd string, cfg amqp.Config, err error) error {
+	switch {
+	case errors.Is(err, amqp.ErrConfig):
+		return usagef(cmd, "%s", oneLine(err))
+	case errors.Is(err, amqp.ErrPrecondition), errors.Is(err, amqp.ErrNotFound), errors.Is(err, amqp.ErrAccessRefused):
+		return fmt.Errorf("RabbitMQ at %s refused: %s", amqp.RedactURL(cfg.URL), oneLine(err))
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled):
+		return fmt.Errorf("cannot reach RabbitMQ at %s within %s; check --broker-url (ONCELER_BROKER_URL) and that the broker is running",
+			amqp.RedactURL(cfg.URL), connectTimeout)
+	default:
+		return fmt.Errorf("cannot reach RabbitMQ at %s: %s; check --broker-url (ONCELER_BROKER_URL) and that the broker is running",
+			amqp.RedactURL(cfg.URL), oneLine(err))
+	}
+}
+
+func resolveCommand() *command {
+	return &command{
+		name:    "resolve",
+		args:    "TASK KEY",
+		summary: "settle a held operation: mark it completed, or run it again",
+		long: `Settles a held record: an outside-system operation whose worker died
+without recording an outcome, under the stale-claim policy hold. Find out in
+the outside system whether the effect happened, then:
+
+  --completed [--result JSON]  it happened: record it completed; duplicates
+                               get the result (JSON; default null)
+  --retry                      it did not happen: release the record and
+                               republish the message kept with it, so a
+                               worker runs the task again
+
+'onceler records --status held' lists the held records.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			var (
+				d                dbFlags
+				b                brokerFlags
+				completed, retry bool
+				result           string
+			)
+			d.define(fs)
+			b.define(fs)
+			fs.Bool(&completed, "completed", "the operation happened: mark the record completed")
+			fs.String(&result, "result", "JSON", "", "with --completed: the result duplicates are answered with (JSON)")
+			fs.Bool(&retry, "retry", "the operation did not happen: release the record and republish its stored message")
+			return func(ctx context.Context, args []string) error {
+				if len(args) != 2 {
+					return usagef("resolve", "want TASK and KEY, got %d argument(s)", len(args))
+				}
+				if completed == retry {
+					return usagef("resolve", "give exactly one of --completed and --retry")
+				}
+				var res []byte
+				if result != "" {
+					if !completed {
+						return usagef("resolve", "--result goes with --completed")
+					}
+					if !json.Valid([]byte(result)) {
+						return usagef("resolve", "--result is not valid JSON (quote strings: --result '\"done\"')")
+					}
+					res = []byte(result)
+				}
+				pool, store, err := openStore(ctx, "resolve", d, zap.NewNop())
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				defer store.Close()
+				task, key := args[0], args[1]
+				if completed {
+					if err := store.ResolveCompleted(ctx, task, key, res); err != nil {
+						return resolveError(d.schema, task, key, err)
+					}
+					fmt.Fprintf(a.stdout, "%s %s: completed\n", task, key)
+					return nil
+				}
+				return a.resolveRetry(ctx, store, d.schema, b, task, key)
+			}
+		},
+	}
+}
+
+func resolveError(schema, task, key string, err error) error {
+	switch {
+	case errors.Is(err, idempotency.ErrNotFound):
+		return fmt.Errorf("no record for task %q key %q in schema %q", task, key, schema)
+	case errors.Is(err, idempotency.ErrNotHeld):
+		return fmt.Errorf("record %s %s is not held; only held records are resolved ('onceler records --task %s --key %s' shows it)", task, key, task, key)
+	default:
+		return fmt.Errorf("resolve %s %s: %s", task, key, schemaHint(schema, err))
+	}
+}
+
+// resolveRetry checks the broker first, then releases the record and
+// republishes its message. The record is released before the message is
+// published: a worker that got the message while the record was still held
+// would acknowledge it and keep the operation held.
+func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, task, key string) error {
+	rec, err := store.Get(ctx, task, key)
+	if err != nil {
+		return resolveError(schema, task, key, err)
+	}
+	if rec.Status != idempotency.StatusHeld {
+		return resolveError(schema, task, key, idempotency.ErrNotHeld)
+	}
+	if len(rec.Message) == 0 {
+		return fmt.Errorf("record %s %s keeps no message to republish: send the operation again from its producer, or resolve it --completed", task, key)
+	}
+	exchange, routingKey, pubMsg, err := tasks.DecodeHeld(rec.Message)
+	if err != nil {
+		return fmt.Errorf("record %s %s: %w", task, key, err)
+	}
+	cfg := b.config("onceler resolve")
+	pub := amqp.NewPublisher(cfg)
+	defer func() { _ = pub.Close() }()
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	if exchange == "" {
+		// The broker answers and the queue is there.
+		if err := pub.Declare(pctx, amqp.QueueSpec{Name: routingKey, Exchange: amqp.DefaultExchange, Passive: true}); err != nil {
+			return brokerError("resolve", cfg, err)
+		}
+	}
+	if _, err := store.ResolveRetry(ctx, task, key); err != nil {
+		return resolveError(schema, task, key, err)
+	}
+	// The record is released: the publish must not be cut short by ^C.
+	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer wcancel()
+	err = pub.Publish(wctx, exchange, routingKey, pubMsg, amqp.PublishOptions{Mandatory: true})
+	if err != nil {
+		return fmt.Errorf("record %s %s was released but its message could not be republished (%s): send the operation again from its producer",
+			task, key, oneLine(err))
+	}
+	fmt.Fprintf(a.stdout, "%s %s: released and republished to %s\n", task, key, describeRoute(exchange, routingKey))
+	return nil
+}
+
+func describeRoute(exchange, routingKey string) string {
+	if exchange == "" {
+		return "queue " + routingKey
+	}
+	return "exchange " + exchange + " with routing key " + routingKey
+}

@@ -1,0 +1,312 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/tasks"
+)
+
+// DefaultBrokerURL is the broker of a local RabbitMQ, in Celery's spelling.
+const DefaultBrokerURL = "amqp://guest:guest@localhost:5672//"
+
+type workerFlags struct {
+	db           dbFlags
+	broker       brokerFlags
+	queues       string
+	quorum       bool
+	concurrency  int
+	prefetch     int
+	lease        time.Duration
+	grace        time.Duration
+	hostname     string
+	httpAddr     string
+	logLevel     string
+	logFormat    string
+	logArguments bool
+	demo         bool
+	noRecord     bool
+	migrate      bool
+}
+
+func (f *workerFlags) defineLog(fs *flagSet) {
+	fs.String(&f.logLevel, "log-level", "LEVEL", "info", "log level: debug, info, warn or error")
+	fs.String(&f.logFormat, "log-format", "FORMAT", "console", "log format: json (one object a line) or console (for people)")
+}
+
+func workerCommand() *command {
+	return &command{
+		name:    "worker",
+		summary: "consume Celery tasks from RabbitMQ and run them once each",
+		long: `Runs a worker: consumes the queues, runs each task with the idempotency
+record (claim, run, complete, reply, then acknowledge), and answers duplicates
+with the stored result. SIGINT or SIGTERM stops it gracefully: no new tasks,
+running ones get --grace to finish, unfinished deliveries return to the queue.
+A second signal ends the process at once.
+
+This binary serves the demo tasks (--demo); build your own binary to serve
+your own tasks (see docs/example). ONCELER_CRASH_AT=after_claim|after_effect|
+before_ack with ONCELER_CRASH_TASK=<task> makes the process die abruptly (as
+kill -9) the first time that point is reached, for crash tests.`,
+		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
+			f := &workerFlags{}
+			f.db.define(fs)
+			f.broker.define(fs)
+			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume; each gets a quarantine queue <queue>.quarantine")
+			fs.Bool(&f.quorum, "quorum", "declare the queues as quorum queues (all producers must declare them the same way)")
+			fs.Int(&f.concurrency, "concurrency", 0, "tasks run at once; 0 means 4 × CPUs, at least 8")
+			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency")
+			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
+			fs.Duration(&f.grace, "grace", 30*time.Second, "on shutdown, how long running tasks may take to finish before they are cancelled")
+			fs.String(&f.hostname, "hostname", "NAME", "", "node name; default onceler@<host>")
+			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
+			f.defineLog(fs)
+			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
+			fs.Bool(&f.demo, "demo", "register the demo tasks and create their tables (schema onceler_demo); implies --migrate")
+			fs.Bool(&f.noRecord, "no-record", "run every task WITHOUT the idempotency record, to show what goes wrong: duplicates repeat their effects")
+			fs.Bool(&f.migrate, "migrate", "apply the record schema at start (as 'onceler migrate')")
+			return func(ctx context.Context, args []string) error {
+				if len(args) > 0 {
+					return usagef("worker", "unexpected argument %q", args[0])
+				}
+				return a.runWorker(ctx, f)
+			}
+		},
+	}
+}
+
+func (f *workerFlags) queueSpecs() ([]amqp.QueueSpec, error) {
+	var specs []amqp.QueueSpec
+	for _, name := range strings.Split(f.queues, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		q := amqp.CeleryQueue(name)
+		q.Quorum = f.quorum
+		specs = append(specs, q)
+	}
+	if len(specs) == 0 {
+		return nil, usagef("worker", "--queues names no queue")
+	}
+	return specs, nil
+}
+
+func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
+	logger, err := newLogger("worker", f.logLevel, f.logFormat, a.stderr)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = logger.Sync() }()
+	queues, err := f.queueSpecs()
+	if err != nil {
+		return err
+	}
+	switch {
+	case f.concurrency < 0:
+		return usagef("worker", "--concurrency must not be negative")
+	case f.prefetch < 0:
+		return usagef("worker", "--prefetch must not be negative")
+	case f.lease <= 0:
+		return usagef("worker", "--lease must be positive")
+	case f.grace <= 0:
+		return usagef("worker", "--grace must be positive")
+	}
+	if !f.demo {
+		return usagef("worker", "no tasks to serve: this binary only has the demo tasks (--demo); build your own binary for your tasks (docs/example)")
+	}
+	crash := tasks.CrashConfig{At: a.getenv("ONCELER_CRASH_AT"), Task: a.getenv("ONCELER_CRASH_TASK")}
+	switch crash.At {
+	case "", tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck:
+	default:
+		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s or %s", crash.At,
+			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck)
+	}
+	broker := f.broker.config(f.hostname)
+	broker.MaxBackoff = 0
+	broker.Logger = logger
+
+	pool, store, err := openStore(ctx, "worker", f.db, logger)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	defer store.Close()
+	if err := probeBroker(ctx, broker, queues[0]); err != nil {
+		return err
+	}
+	if f.migrate || f.demo {
+		if err := store.Migrate(ctx); err != nil {
+			return fmt.Errorf("migrate the record schema %q: %s", f.db.schema, oneLine(err))
+		}
+	} else if !f.noRecord {
+		if err := checkMigrated(ctx, pool, f.db.schema); err != nil {
+			return err
+		}
+	}
+
+	reg := tasks.NewRegistry()
+	if f.demo {
+		if err := demo.Migrate(ctx, pool); err != nil {
+			return fmt.Errorf("create the demo tables: %s", oneLine(err))
+		}
+		if err := demo.Register(reg, pool, demo.WithLogger(logger)); err != nil {
+			return err
+		}
+	}
+
+	if crash.At != "" {
+		task := crash.Task
+		if task == "" {
+			task = "(any task)"
+		}
+		logger.Warn("crash injection armed: the process will kill itself", zap.String("at", crash.At), zap.String("task", task))
+	}
+	if f.noRecord {
+		logger.Warn("!!! --no-record: running every task WITHOUT the idempotency record; duplicate and redelivered messages WILL repeat their effects. Never do this in production. !!!")
+	}
+
+	metrics := prometheus.NewRegistry()
+	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	w, err := tasks.NewWorker(reg, tasks.Config{
+		Broker:       broker,
+		Queues:       queues,
+		Pool:         pool,
+		Store:        store,
+		Concurrency:  f.concurrency,
+		Prefetch:     f.prefetch,
+		Lease:        f.lease,
+		Grace:        f.grace,
+		Hostname:     f.hostname,
+		Logger:       logger,
+		Metrics:      metrics,
+		NoRecord:     f.noRecord,
+		Crash:        crash,
+		LogArguments: f.logArguments,
+	})
+	if err != nil {
+		return fmt.Errorf("worker: %w", err)
+	}
+	logger.Info("starting worker", zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema),
+		zap.Strings("queues", strings.Split(f.queues, ",")))
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	httpCtx, stopHTTP := context.WithCancel(ctx)
+	defer stopHTTP()
+	if f.httpAddr != "" {
+		ln, err := net.Listen("tcp", f.httpAddr)
+		if err != nil {
+			return fmt.Errorf("listen on --http-addr %s: %s", f.httpAddr, oneLine(err))
+		}
+		logger.Info("serving /metrics, /healthz and /readyz", zap.String("addr", ln.Addr().String()))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			serveHTTP(httpCtx, ln, metrics, w.Ready, logger)
+		}()
+	}
+	err = w.Run(ctx)
+	stopHTTP()
+	if err != nil {
+		return fmt.Errorf("worker stopped: %w", err)
+	}
+	return nil
+}
+
+// serveHTTP serves metrics and health until ctx is done.
+func serveHTTP(ctx context.Context, ln net.Listener, metrics *prometheus.Registry, ready func() bool, logger *zap.Logger) {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !ready() {
+			http.Error(w, "not ready: not consuming", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("http server stopped", zap.Error(err))
+		}
+	}()
+	<-ctx.Done()
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
+	<-done
+}
+
+// probeBroker checks that the broker answers and that the first queue can be
+// declared as the worker will, so that a wrong URL fails at once with one
+// clear line instead of a reconnect loop.
+func probeBroker(ctx context.Context, cfg amqp.Config, q amqp.QueueSpec) error {
+	where := amqp.RedactURL(cfg.URL)
+	cfg.Logger = nil
+	cfg.MaxBackoff = time.Second
+	if cfg.Name != "" {
+		cfg.Name += ".probe"
+	}
+	p := amqp.NewPublisher(cfg)
+	defer func() { _ = p.Close() }()
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	err := p.Declare(pctx, q)
+	switch {
+	case err == nil:
+		return nil
+	case isPrecondition(err):
+		return fmt.Errorf("queue %s exists on %s with other settings than these flags give (check --quorum): %s", q.Name, where, oneLine(err))
+	default:
+		return brokerError("worker", cfg, err)
+	}
+}
+
+func isPrecondition(err error) bool {
+	var pe *amqp.PreconditionError
+	return errors.As(err, &pe)
+}
+
+// checkMigrated fails with advice when the record schema is missing or
+// behind this binary's migrations.
+func checkMigrated(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	ms, err := idempotency.Migrations()
+	if err != nil {
+		return err
+	}
+	want := ms[len(ms)-1].Version
+	var have int
+	err = pool.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+pgx.Identifier{schema, "migrations"}.Sanitize()).Scan(&have)
+	if err != nil {
+		if strings.Contains(err.Error(), "42P01") {
+			return fmt.Errorf("the record schema %q does not exist: run 'onceler migrate' first (or start the worker with --migrate)", schema)
+		}
+		return fmt.Errorf("read the record schema version: %s", oneLine(err))
+	}
+	if have < want {
+		return fmt.Errorf("the record schema %q is at version %d, this binary needs %d: run 'onceler migrate'", schema, have, want)
+	}
+	return nil
+}
