@@ -32,7 +32,7 @@ const (
 // Config.Observer.
 type Controller struct {
 	cfg     Config
-	worker  Worker
+	w       atomic.Pointer[workerBox]
 	log     *zap.Logger
 	revoked *Revoked
 	started time.Time
@@ -57,17 +57,16 @@ type Controller struct {
 	declared map[string]bool // reply exchanges declared on the current session
 }
 
-// New returns a Controller for worker w. Run starts it.
+// New returns a Controller for worker w. Run starts it. w may be nil when
+// the worker is made after the controller (the controller is the worker's
+// Observer): give it with SetWorker; until then inspect commands answer as
+// for a worker with no tasks.
 func New(w Worker, cfg Config) (*Controller, error) {
-	if w == nil {
-		return nil, errors.New("control: nil worker")
-	}
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
 	c := &Controller{
 		cfg:     cfg,
-		worker:  w,
 		log:     cfg.Logger.With(zap.String("node", cfg.NodeName)),
 		revoked: NewRevoked(cfg.RevokedMax, cfg.RevokedTTL),
 		pid:     os.Getpid(),
@@ -75,8 +74,41 @@ func New(w Worker, cfg Config) (*Controller, error) {
 		sys:     make(chan map[string]any, 16),
 	}
 	c.taskEvents.Store(cfg.TaskEvents)
+	if w != nil {
+		c.SetWorker(w)
+	}
 	return c, nil
 }
+
+type workerBox struct{ Worker }
+
+// SetWorker sets the worker the controller reports on and revokes in.
+func (c *Controller) SetWorker(w Worker) {
+	if w == nil {
+		w = noWorker{}
+	}
+	c.w.Store(&workerBox{w})
+	if ids := c.revoked.IDs(); len(ids) > 0 {
+		w.Revoke(ids, false)
+	}
+}
+
+func (c *Controller) worker() Worker {
+	if b := c.w.Load(); b != nil {
+		return b.Worker
+	}
+	return noWorker{}
+}
+
+// noWorker stands in until SetWorker.
+type noWorker struct{}
+
+func (noWorker) Registered() []string  { return nil }
+func (noWorker) Active() []TaskInfo    { return nil }
+func (noWorker) Reserved() []TaskInfo  { return nil }
+func (noWorker) Scheduled() []TaskInfo { return nil }
+func (noWorker) Revoke([]string, bool) {}
+func (noWorker) Stats() map[string]any { return nil }
 
 // NodeName returns the node name the controller answers to.
 func (c *Controller) NodeName() string { return c.cfg.NodeName }

@@ -27,6 +27,7 @@ type node struct {
 	ctl                  *Controller
 	worker               *testWorker
 	shutdown             chan struct{}
+	extraEnv             []string
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -99,7 +100,8 @@ func (n *node) stop() {
 }
 
 func (n *node) env() []string {
-	return append(os.Environ(), "ONCELER_BROKER="+n.url, "ONCELER_QUEUE="+n.queue, "PYTHONDONTWRITEBYTECODE=1")
+	env := append(os.Environ(), "ONCELER_BROKER="+n.url, "ONCELER_QUEUE="+n.queue, "PYTHONDONTWRITEBYTECODE=1")
+	return append(env, n.extraEnv...)
 }
 
 // celery runs the celery command line with the test app.

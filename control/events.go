@@ -85,11 +85,11 @@ func utcoffset() int {
 // workerEvent builds a worker-online / heartbeat / offline event as Celery's
 // Heart sends it.
 func (c *Controller) workerEvent(typ string) map[string]any {
-	active := len(c.worker.Active())
+	active := len(c.worker().Active())
 	ev := map[string]any{
 		"freq":      c.cfg.Heartbeat.Seconds(),
 		"active":    active,
-		"processed": processed(c.worker.Stats()),
+		"processed": processed(c.worker().Stats()),
 		"loadavg":   loadavg(),
 		"sw_ident":  "onceler",
 		"sw_ver":    Version,

@@ -91,18 +91,18 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 	case "ping":
 		return ok("pong"), nil
 	case "registered":
-		names := c.worker.Registered()
+		names := c.worker().Registered()
 		out := make([]any, 0, len(names))
 		for _, n := range slices.Sorted(slices.Values(names)) {
 			out = append(out, n)
 		}
 		return out, nil
 	case "active":
-		return requests(c.worker.Active(), node), nil
+		return requests(c.worker().Active(), node), nil
 	case "reserved":
-		return requests(c.worker.Reserved(), node), nil
+		return requests(c.worker().Reserved(), node), nil
 	case "scheduled":
-		ts := c.worker.Scheduled()
+		ts := c.worker().Scheduled()
 		out := make([]any, 0, len(ts))
 		for _, t := range ts {
 			out = append(out, t.scheduled(node))
@@ -151,7 +151,7 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 				ids = append(ids, id)
 			}
 			c.revoked.Add(ids...)
-			c.worker.Revoke(ids, false)
+			c.worker().Revoke(ids, false)
 		}
 		snap := c.revoked.Snapshot()
 		rv := make(map[string]any, len(snap))
@@ -188,14 +188,14 @@ func (c *Controller) revoke(arg any, terminate bool) map[string]any {
 	}
 	var running []string
 	if terminate {
-		for _, t := range c.worker.Active() {
+		for _, t := range c.worker().Active() {
 			if slices.Contains(ids, t.ID) {
 				running = append(running, t.ID)
 			}
 		}
 	}
 	c.revoked.Add(ids...)
-	c.worker.Revoke(ids, terminate)
+	c.worker().Revoke(ids, terminate)
 	c.log.Info("tasks revoked", zap.Strings("ids", ids), zap.Bool("terminate", terminate))
 	if terminate {
 		if len(running) == 0 {
@@ -295,7 +295,7 @@ func (c *Controller) stats() map[string]any {
 		"control":  map[string]any{"commands": commands, "revoked": c.revoked.Len()},
 		"sw_ident": "onceler", "sw_ver": Version,
 	}
-	for k, v := range c.worker.Stats() {
+	for k, v := range c.worker().Stats() {
 		out[k] = v
 	}
 	return out

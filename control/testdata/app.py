@@ -17,7 +17,7 @@ app.conf.result_accept_content = ['json']
 
 
 @app.task(name='demo.sleep')
-def sleep(seconds):
+def sleep(*args, **kwargs):
     raise RuntimeError('runs in the Go worker')
 
 

@@ -27,6 +27,14 @@ def cli(*args):
     return {'rc': out.returncode, 'stdout': out.stdout, 'stderr': out.stderr[-2000:]}
 
 
+def send_sleep(seconds, **options):
+    """demo.sleep as the test worker takes it (seconds) or as the demo
+    package does (kwargs op, seconds) when ONCELER_SLEEP_KWARGS is set."""
+    if os.environ.get('ONCELER_SLEEP_KWARGS'):
+        return sleep.apply_async(kwargs={'op': str(uuid.uuid4()), 'seconds': seconds}, **options)
+    return sleep.apply_async((seconds,), **options)
+
+
 def outcome(res, timeout):
     t0 = time.time()
     try:
@@ -46,10 +54,10 @@ def main():
     if mode == 'revoke-before':
         task_id = str(uuid.uuid4())
         out['revoke'] = cli('control', 'revoke', task_id, '-d', node, '--json')
-        res = sleep.apply_async((seconds,), task_id=task_id)
+        res = send_sleep(seconds, task_id=task_id)
         out.update(outcome(res, 30))
     elif mode == 'terminate':
-        res = sleep.apply_async((seconds,))
+        res = send_sleep(seconds)
         seen = False
         deadline = time.time() + 20
         while time.time() < deadline and not seen:
@@ -63,7 +71,7 @@ def main():
             out['terminate'] = app.control.revoke(res.id, terminate=True, destination=[node], reply=True)
         out.update(outcome(res, 30))
     elif mode == 'call':
-        res = sleep.apply_async((seconds,))
+        res = send_sleep(seconds)
         out.update(outcome(res, 30))
     print(json.dumps(out))
 
