@@ -5,18 +5,22 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 )
 
-// The batcher is a group commit: Claim and Complete calls queue up; a
+// The batcher is a group commit: Claim and Complete calls queue up, and a
 // flusher takes what is queued (at most MaxSize of each kind, one per key)
 // and writes it as one claim statement and one complete statement, sent as
 // one pipeline with a single Sync, so they commit together in one implicit
-// transaction. A flusher starts as soon as something is queued and it is
-// free; while it writes, new calls queue for the next flush.
+// transaction. There is no fixed wait: when fewer than Flushers flushes are
+// running, the caller itself leads at once (flushing its own call and
+// whatever else queued), so an idle store answers a lone call in one round
+// trip; while flushes run, new calls queue for the next one. A leader whose
+// own call is answered hands the rest of the queue to a background flusher.
 
 type opState int
 
@@ -41,7 +45,7 @@ type claimResult struct {
 type completeOp struct {
 	ref    Ref
 	result *string
-	state  opState
+	state  opState // guarded by batcher.mu
 	done   chan completeResult
 }
 
@@ -59,15 +63,18 @@ type batcher struct {
 	mu        sync.Mutex
 	claims    []*claimOp
 	completes []*completeOp
+	active    int // flushes running or handed off, at most cfg.Flushers
 	closed    bool
 
-	wake chan struct{}
-	quit chan struct{}
-	wg   sync.WaitGroup
+	flushes, rows atomic.Int64
+
+	handoff chan struct{} // capacity cfg.Flushers >= handoffs outstanding
+	quit    chan struct{}
+	wg      sync.WaitGroup
 }
 
 func newBatcher(s *Store, cfg BatchConfig) *batcher {
-	b := &batcher{s: s, cfg: cfg, wake: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
+	b := &batcher{s: s, cfg: cfg, handoff: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
 	for range cfg.Flushers {
 		b.wg.Go(b.run)
 	}
@@ -89,30 +96,41 @@ func (b *batcher) close() {
 	b.claims, b.completes = nil, nil
 	b.mu.Unlock()
 	for _, op := range claims {
-		op.done <- claimResult{err: ErrClosed}
+		if op.state == opQueued {
+			op.done <- claimResult{err: ErrClosed}
+		}
 	}
 	for _, op := range completes {
-		op.done <- completeResult{err: ErrClosed}
+		if op.state == opQueued {
+			op.done <- completeResult{err: ErrClosed}
+		}
 	}
 }
 
-func (b *batcher) signal() {
-	select {
-	case b.wake <- struct{}{}:
-	default:
+// enqueue adds an op under the lock and says whether the caller leads.
+func (b *batcher) enqueue(add func()) (lead bool, err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return false, ErrClosed
 	}
+	add()
+	if b.active < b.cfg.Flushers {
+		b.active++
+		return true, nil
+	}
+	return false, nil
 }
 
 func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	op := &claimOp{p: p, token: newToken(), done: make(chan claimResult, 1)}
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		return Claim{}, ErrClosed
+	lead, err := b.enqueue(func() { b.claims = append(b.claims, op) })
+	if err != nil {
+		return Claim{}, err
 	}
-	b.claims = append(b.claims, op)
-	b.mu.Unlock()
-	b.signal()
+	if lead {
+		b.lead(&op.state)
+	}
 	select {
 	case r := <-op.done:
 		return r.c, r.err
@@ -126,14 +144,13 @@ func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
 
 func (b *batcher) complete(ctx context.Context, ref Ref, res *string) (bool, error) {
 	op := &completeOp{ref: ref, result: res, done: make(chan completeResult, 1)}
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		return false, ErrClosed
+	lead, err := b.enqueue(func() { b.completes = append(b.completes, op) })
+	if err != nil {
+		return false, err
 	}
-	b.completes = append(b.completes, op)
-	b.mu.Unlock()
-	b.signal()
+	if lead {
+		b.lead(&op.state)
+	}
 	select {
 	case r := <-op.done:
 		return r.ok, r.err
@@ -156,20 +173,46 @@ func (b *batcher) cancel(st *opState) bool {
 	return false
 }
 
+// lead flushes in the caller's goroutine until the caller's own op is
+// answered, then hands what is left to a background flusher. A flush runs on
+// the batcher's own context (bounded by BatchConfig.Timeout), not the
+// caller's, since it carries other callers' writes.
+func (b *batcher) lead(mine *opState) {
+	for {
+		claims, completes := b.take()
+		if len(claims) == 0 && len(completes) == 0 {
+			return // take gave up the slot
+		}
+		b.flush(claims, completes)
+		b.mu.Lock()
+		if *mine == opQueued {
+			b.mu.Unlock()
+			continue
+		}
+		if len(b.claims) == 0 && len(b.completes) == 0 {
+			b.active--
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		b.handoff <- struct{}{}
+		return
+	}
+}
+
+// run is a background flusher: it takes over a leader's slot and flushes
+// until the queue is empty.
 func (b *batcher) run() {
 	for {
 		select {
 		case <-b.quit:
 			return
-		case <-b.wake:
+		case <-b.handoff:
 		}
 		for {
-			claims, completes, more := b.take()
+			claims, completes := b.take()
 			if len(claims) == 0 && len(completes) == 0 {
 				break
-			}
-			if more {
-				b.signal() // let another flusher start on the rest
 			}
 			b.flush(claims, completes)
 		}
@@ -178,8 +221,9 @@ func (b *batcher) run() {
 
 // take removes up to MaxSize claims and completions from the queue, at most
 // one per key of each kind (repeats wait for the next flush, which sees
-// this one's outcome), and reports whether more are left.
-func (b *batcher) take() ([]*claimOp, []*completeOp, bool) {
+// this one's outcome). When there is nothing to take, it gives up the
+// caller's flusher slot.
+func (b *batcher) take() ([]*claimOp, []*completeOp) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var claims []*claimOp
@@ -217,7 +261,13 @@ func (b *batcher) take() ([]*claimOp, []*completeOp, bool) {
 	}
 	clear(b.completes[len(crest):])
 	b.completes = crest
-	return claims, completes, len(b.claims) > 0 || len(b.completes) > 0
+	if len(claims) == 0 && len(completes) == 0 {
+		b.active--
+		return nil, nil
+	}
+	b.flushes.Add(1)
+	b.rows.Add(int64(len(claims) + len(completes)))
+	return claims, completes
 }
 
 func (b *batcher) fail(claims []*claimOp, completes []*completeOp, err error) {
@@ -261,6 +311,16 @@ func (b *batcher) flush(claims []*claimOp, completes []*completeOp) {
 func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow, map[opKey]bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.Timeout)
 	defer cancel()
+	// A lone call (an idle store) takes the plain single-statement path.
+	if len(claims) == 1 && len(completes) == 0 {
+		r, err := b.s.claimRow(ctx, b.s.pool, claims[0].p, claims[0].token, false)
+		return []claimRow{r}, nil, err
+	}
+	if len(claims) == 0 && len(completes) == 1 {
+		op := completes[0]
+		ok, err := b.s.completeRaw(ctx, b.s.pool, op.ref, op.result)
+		return nil, map[opKey]bool{{op.ref.Task, op.ref.Key}: ok}, err
+	}
 	batch := &pgx.Batch{}
 	if n := len(claims); n > 0 {
 		tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)

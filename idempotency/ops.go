@@ -48,20 +48,22 @@ func (s *Store) Complete(ctx context.Context, ref Ref, result []byte) error {
 }
 
 func (s *Store) completeOne(ctx context.Context, q querier, ref Ref, res *string) (bool, error) {
+	ok, err := s.completeRaw(ctx, q, ref, res)
+	return ok, writeError("complete", err)
+}
+
+func (s *Store) completeRaw(ctx context.Context, q querier, ref Ref, res *string) (bool, error) {
 	rows, err := q.Query(ctx, s.q.complete, []string{ref.Task}, []string{ref.Key},
 		[]string{string(ref.Token)}, []*string{res})
 	if err != nil {
-		return false, writeError("complete", err)
+		return false, err
 	}
 	n := 0
 	for rows.Next() {
 		n++
 	}
 	rows.Close()
-	if err := rows.Err(); err != nil {
-		return false, writeError("complete", err)
-	}
-	return n == 1, nil
+	return n == 1, rows.Err()
 }
 
 // checkFenced explains why a write on ref changed no row: nil when the

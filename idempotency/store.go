@@ -122,6 +122,22 @@ func (s *Store) Close() {
 	}
 }
 
+// BatchStats counts the work of the batcher since the Store was created.
+type BatchStats struct {
+	// Flushes is the number of batches written, each one transaction.
+	Flushes int64
+	// Ops is the number of claims and completions they carried.
+	Ops int64
+}
+
+// BatchStats returns the batcher's counters (zero when batching is off).
+func (s *Store) BatchStats() BatchStats {
+	if s.batch == nil {
+		return BatchStats{}
+	}
+	return BatchStats{Flushes: s.batch.flushes.Load(), Ops: s.batch.rows.Load()}
+}
+
 // Token identifies one claim. Completion, renewal, failure and release
 // require it, so an owner whose claim was taken over is fenced out.
 type Token string
