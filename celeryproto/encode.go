@@ -97,7 +97,7 @@ func EncodeTask(m *Message, o EncodeOptions) (*Publishing, error) {
 			"retries": int64(m.Retries), "eta": timeOrNil(m.ETA), "expires": timeOrNil(m.Expires),
 			"utc": true, "callbacks": sigList(m.Callbacks), "errbacks": sigList(m.Errbacks),
 			"timelimit": []any{limitValue(m.TimeLimit.Hard), limitValue(m.TimeLimit.Soft)},
-			"taskset": orNil(m.GroupID), "chord": sigPtr(m.Chord),
+			"taskset":   orNil(m.GroupID), "chord": sigPtr(m.Chord),
 		}
 	default:
 		return nil, fmt.Errorf("celeryproto: encode task: unsupported protocol %d", o.Protocol)

@@ -19,13 +19,26 @@ const maxDepth = 256
 // envelopes as typed values. It accepts Python's NaN, Infinity and -Infinity.
 type jsonDecoder struct {
 	data []byte
-	pos  int
+	// src is data as one string: unescaped strings and keys are substrings
+	// of it, so they cost no allocation (they keep the body alive).
+	src string
+	pos int
+	box boxer
+	// vals and kvs are stacks shared by nested arrays and objects: elements
+	// collect here, then move to a slice or map of the exact size.
+	vals []any
+	kvs  []kv
+}
+
+type kv struct {
+	k string
+	v any
 }
 
 var errSyntax = errors.New("invalid JSON")
 
 func decodeJSON(data []byte) (any, error) {
-	d := jsonDecoder{data: data}
+	d := jsonDecoder{data: data, src: string(data), vals: make([]any, 0, 32), kvs: make([]kv, 0, 32)}
 	v, err := d.value(0)
 	if err != nil {
 		return nil, err
@@ -66,7 +79,11 @@ func (d *jsonDecoder) value(depth int) (any, error) {
 	case c == '[':
 		return d.array(depth)
 	case c == '"':
-		return d.str()
+		s, err := d.str()
+		if err != nil {
+			return nil, err
+		}
+		return d.box.str(s), nil
 	case c == '-' || (c >= '0' && c <= '9'):
 		if d.literal("-Infinity") {
 			return math.Inf(-1), nil
@@ -97,18 +114,19 @@ func (d *jsonDecoder) literal(s string) bool {
 
 func (d *jsonDecoder) array(depth int) (any, error) {
 	d.pos++ // [
-	out := make([]any, 0, 4)
 	d.skipSpace()
 	if d.pos < len(d.data) && d.data[d.pos] == ']' {
 		d.pos++
-		return out, nil
+		return d.box.slice(nil), nil
 	}
+	base := len(d.vals)
+	defer func() { clear(d.vals[base:]); d.vals = d.vals[:base] }()
 	for {
 		v, err := d.value(depth + 1)
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, v)
+		d.vals = append(d.vals, v)
 		d.skipSpace()
 		if d.pos >= len(d.data) {
 			return nil, d.errorf("unexpected end of input in array")
@@ -118,7 +136,7 @@ func (d *jsonDecoder) array(depth int) (any, error) {
 			d.pos++
 		case ']':
 			d.pos++
-			return out, nil
+			return d.box.slice(d.vals[base:]), nil
 		default:
 			return nil, d.errorf("expected , or ] in array")
 		}
@@ -127,12 +145,13 @@ func (d *jsonDecoder) array(depth int) (any, error) {
 
 func (d *jsonDecoder) object(depth int) (any, error) {
 	d.pos++ // {
-	out := make(map[string]any)
 	d.skipSpace()
 	if d.pos < len(d.data) && d.data[d.pos] == '}' {
 		d.pos++
-		return out, nil
+		return map[string]any{}, nil
 	}
+	base := len(d.kvs)
+	defer func() { clear(d.kvs[base:]); d.kvs = d.kvs[:base] }()
 	for {
 		d.skipSpace()
 		if d.pos >= len(d.data) || d.data[d.pos] != '"' {
@@ -151,7 +170,7 @@ func (d *jsonDecoder) object(depth int) (any, error) {
 		if err != nil {
 			return nil, err
 		}
-		out[k] = v
+		d.kvs = append(d.kvs, kv{k, v})
 		d.skipSpace()
 		if d.pos >= len(d.data) {
 			return nil, d.errorf("unexpected end of input in object")
@@ -161,6 +180,11 @@ func (d *jsonDecoder) object(depth int) (any, error) {
 			d.pos++
 		case '}':
 			d.pos++
+			pairs := d.kvs[base:]
+			out := make(map[string]any, len(pairs))
+			for _, p := range pairs {
+				out[p.k] = p.v
+			}
 			if _, ok := out["__type__"]; ok && len(out) == 2 {
 				return unwrapType(out)
 			}
@@ -243,7 +267,7 @@ func (d *jsonDecoder) number() (any, error) {
 	raw := d.data[start:d.pos]
 	if !isFloat {
 		if n, ok := parseInt(raw); ok {
-			return n, nil
+			return d.box.int(n), nil
 		}
 	}
 	f, err := strconv.ParseFloat(string(raw), 64)
@@ -251,7 +275,7 @@ func (d *jsonDecoder) number() (any, error) {
 		d.pos = start
 		return nil, d.errorf("bad number")
 	}
-	return f, nil
+	return d.box.float(f), nil
 }
 
 // parseInt parses a decimal integer without allocating; ok is false on
@@ -287,7 +311,7 @@ func (d *jsonDecoder) str() (string, error) {
 	for d.pos < len(d.data) {
 		c := d.data[d.pos]
 		if c == '"' {
-			s := string(d.data[start:d.pos])
+			s := d.src[start:d.pos]
 			d.pos++
 			return s, nil
 		}
@@ -387,4 +411,3 @@ func (d *jsonDecoder) hex4() (rune, bool) {
 	d.pos += 4
 	return r, true
 }
-
