@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
@@ -81,7 +82,8 @@ func newEnv(t *testing.T) *env {
 
 func (e *env) config() Config {
 	return Config{
-		Broker:   amqp.Config{URL: e.url, Name: testenv.Name("worker"), MinBackoff: 50 * time.Millisecond, MaxBackoff: time.Second},
+		Broker: amqp.Config{URL: e.url, Name: testenv.Name("worker"), MinBackoff: 50 * time.Millisecond, MaxBackoff: time.Second,
+			Logger: zaptest.NewLogger(e.t)},
 		Queues:   []amqp.QueueSpec{amqp.CeleryQueue(e.queue)},
 		Store:    e.store,
 		Lease:    5 * time.Second,
@@ -271,3 +273,10 @@ func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool)
 }
 
 func taskID(i int) string { return fmt.Sprintf("00000000-0000-4000-8000-%012d", i) }
+
+func jsonString(v any) (string, error) {
+	b, err := json.Marshal(v)
+	return string(b), err
+}
+
+func testenvPool(t *testing.T) *pgxpool.Pool { return testenv.Pool(t) }

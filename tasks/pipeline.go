@@ -27,6 +27,11 @@ const (
 // delivery stays unacknowledged and is looked at again later), or no answer
 // at all (the delivery returns to the queue when its channel closes).
 func (w *Worker) process(ctx context.Context, j *job) {
+	if j.d.Stale() {
+		// Its channel is gone: the broker has it back and redelivers it.
+		w.forget(j)
+		return
+	}
 	if j.msg == nil && !w.prepare(ctx, j) {
 		return
 	}

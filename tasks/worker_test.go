@@ -73,7 +73,8 @@ func testRegistry(t *testing.T, fx *effects) *Registry {
 	must(Register(r, Task[addArgs]{Name: "t.panic", Run: func(context.Context, *Call, addArgs) (any, error) {
 		panic("kaboom")
 	}}))
-	for name, d := range map[string]time.Duration{"t.pay": 0, "t.pay_slow": 10 * time.Millisecond} {
+	for name, d := range map[string]time.Duration{"t.pay": 0, "t.pay_slow": 10 * time.Millisecond,
+		"t.pay_slower": 40 * time.Millisecond} {
 		must(Register(r, Task[payArgs]{
 			Name: name, Mode: ModeOutside, Policy: PolicyRetry,
 			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
