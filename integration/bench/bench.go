@@ -1,0 +1,333 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/onceler/onceler/amqp"
+)
+
+// scenario is one row of the table.
+type scenario struct {
+	ID, Title string
+	Kind      string // raw, worker, python
+	Task      string
+	Replies   bool
+	DupEvery  int
+	Latency   bool // measure latency at half load
+}
+
+var scenarios = []scenario{
+	{ID: "a", Title: "raw consume + ack (ceiling)", Kind: "raw", Task: taskOutside},
+	{ID: "b", Title: "onceler, outside no-op, ignore_result", Kind: "worker", Task: taskOutside, Latency: true},
+	{ID: "b'", Title: "onceler, same-database insert, ignore_result", Kind: "worker", Task: taskSameDB, Latency: true},
+	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
+	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
+	{ID: "e", Title: "Python Celery 5.2.6 prefork, same claim + completion", Kind: "python", Task: taskOutside},
+}
+
+// row is one measured scenario.
+type row struct {
+	sc         scenario
+	n          int
+	rate       float64 // tasks/s
+	p50, p99   time.Duration
+	latN       int
+	latRate    float64
+	rssKiB     int64
+	commits    float64 // per task
+	note       string
+	polls      int // the bench's own queries on the bench database during the run
+	drainError error
+}
+
+type bench struct {
+	o       options
+	runID   string
+	pub     *amqp.Publisher
+	broker  *broker
+	commits *commitCounter
+}
+
+func newBench(ctx context.Context, o options) (*bench, error) {
+	if err := ensureDatabase(ctx, o.dbURL); err != nil {
+		return nil, err
+	}
+	cc, err := newCommitCounter(ctx, o.dbURL)
+	if err != nil {
+		return nil, err
+	}
+	br, err := dialBroker(o.amqpURL)
+	if err != nil {
+		cc.close(ctx)
+		return nil, err
+	}
+	return &bench{
+		o:       o,
+		runID:   strconv.FormatInt(time.Now().Unix()%1000000, 36),
+		pub:     amqp.NewPublisher(amqp.Config{URL: o.amqpURL, Name: "onceler-bench-producer"}),
+		broker:  br,
+		commits: cc,
+	}, nil
+}
+
+func (b *bench) close() {
+	_ = b.pub.Close()
+	b.broker.close()
+	b.commits.close(context.Background())
+}
+
+func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
+	want := map[string]bool{}
+	for _, id := range ids {
+		want[strings.TrimSpace(id)] = true
+	}
+	var rows []row
+	var errs []error
+	for _, sc := range scenarios {
+		if !want[sc.ID] {
+			continue
+		}
+		fmt.Fprintf(os.Stderr, "(%s) %s: draining...\n", sc.ID, sc.Title)
+		r := b.drain(ctx, sc)
+		if r.drainError != nil {
+			errs = append(errs, fmt.Errorf("(%s): %w", sc.ID, r.drainError))
+			fmt.Fprintf(os.Stderr, "(%s) failed: %v\n", sc.ID, r.drainError)
+		} else {
+			fmt.Fprintf(os.Stderr, "(%s) %d tasks, %.0f tasks/s, %.3f commits/task, peak RSS %d KiB\n",
+				sc.ID, r.n, r.rate, r.commits, r.rssKiB)
+		}
+		rows = append(rows, r)
+		if ctx.Err() != nil {
+			return rows, ctx.Err()
+		}
+	}
+	if b.o.latencySecs > 0 {
+		for i := range rows {
+			r := &rows[i]
+			if !r.sc.Latency || r.drainError != nil || r.rate <= 0 {
+				continue
+			}
+			r.latRate = r.rate / 2
+			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s...\n", r.sc.ID, r.latRate, b.o.latencySecs)
+			if err := b.latency(ctx, r); err != nil {
+				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
+				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)
+				continue
+			}
+			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks\n", r.sc.ID, r.p50, r.p99, r.latN)
+		}
+	}
+	return rows, errors.Join(errs...)
+}
+
+// names returns the queue and schema of a scenario run.
+func (b *bench) names(sc scenario, suffix string) (queue, schema string) {
+	id := strings.ReplaceAll(sc.ID, "'", "2")
+	return "onceler-bench-" + b.runID + "-" + id + suffix, "bench_" + b.runID + "_" + id + strings.ReplaceAll(suffix, "-", "_")
+}
+
+func (b *bench) drain(ctx context.Context, sc scenario) row {
+	r := row{sc: sc, n: b.o.n}
+	if sc.Kind == "python" {
+		r.n = b.o.pyN
+		if r.n != b.o.n {
+			r.note = fmt.Sprintf("N = %d", r.n)
+		}
+	}
+	queue, schema := b.names(sc, "")
+	reply := ""
+	if sc.Replies {
+		reply = queue + ".reply"
+	}
+	defer func() {
+		b.broker.deleteQueues(queue, queue+".quarantine", reply)
+		_ = dropSchema(context.WithoutCancel(ctx), b.o.dbURL, schema)
+	}()
+	err := func() error {
+		if err := setupSchema(ctx, b.o.dbURL, schema); err != nil {
+			return err
+		}
+		if err := b.pub.Declare(ctx, amqp.CeleryQueue(queue)); err != nil {
+			return fmt.Errorf("declare %s: %w", queue, err)
+		}
+		if reply != "" {
+			if err := b.broker.declareReply(reply); err != nil {
+				return err
+			}
+		}
+		spec := msgSpec{Task: sc.Task, N: r.n, RunID: b.runID + sc.ID, ReplyTo: reply, Ignore: reply == "",
+			DupEvery: sc.DupEvery, DupGap: 4 * b.o.prefetch}
+		msgs, ops, err := spec.build()
+		if err != nil {
+			return err
+		}
+		t0 := time.Now()
+		if err := publishAll(ctx, b.pub, queue, msgs); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "(%s) pre-filled %d messages in %v\n", sc.ID, len(msgs), time.Since(t0).Round(time.Millisecond))
+		if d, err := b.broker.depth(queue); err != nil || d != len(msgs) {
+			return fmt.Errorf("queue holds %d messages, want %d (%v)", d, len(msgs), err)
+		}
+		c0, err := b.commits.read(ctx)
+		if err != nil {
+			return err
+		}
+		switch sc.Kind {
+		case "python":
+			if err := b.runPython(ctx, &r, queue, schema); err != nil {
+				return err
+			}
+		default:
+			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
+				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+				Timeout: b.o.timeout, Debug: b.o.debug}
+			if sc.ID == "b" {
+				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
+			}
+			res, err := spawn(ctx, job, nil)
+			if err != nil {
+				return err
+			}
+			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
+			r.rssKiB = res.PeakRSSKiB
+		}
+		c1, err := b.commits.read(ctx)
+		if err != nil {
+			return err
+		}
+		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
+		return b.verify(ctx, sc, queue, schema, reply, ops)
+	}()
+	r.drainError = err
+	return r
+}
+
+// verify checks that the run did what it claims: the queue is empty, every
+// operation is completed once, every effect happened once, every result
+// arrived.
+func (b *bench) verify(ctx context.Context, sc scenario, queue, schema, reply string, ops []string) error {
+	if d, err := b.broker.depth(queue); err != nil || d != 0 {
+		return fmt.Errorf("after the run the queue holds %d messages (%v)", d, err)
+	}
+	distinct := map[string]bool{}
+	for _, op := range ops {
+		distinct[op] = true
+	}
+	if reply != "" {
+		if d, err := b.broker.depth(reply); err != nil || d != len(ops) {
+			return fmt.Errorf("reply queue holds %d results, want %d (%v)", d, len(ops), err)
+		}
+	}
+	if sc.Kind == "raw" {
+		return nil
+	}
+	return withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
+		s := pgx.Identifier{schema}.Sanitize()
+		table, where := s+".records", "status = 'completed'"
+		if sc.Kind == "python" {
+			table = s + ".py_records"
+		}
+		var n int
+		if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+table+" WHERE "+where).Scan(&n); err != nil {
+			return fmt.Errorf("count completed records: %w", err)
+		}
+		if n != len(distinct) {
+			return fmt.Errorf("%d completed records, want %d", n, len(distinct))
+		}
+		if sc.Task == taskSameDB {
+			if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+s+".bench_effects").Scan(&n); err != nil {
+				return fmt.Errorf("count effects: %w", err)
+			}
+			if n != len(distinct) {
+				return fmt.Errorf("%d effect rows, want %d", n, len(distinct))
+			}
+		}
+		if sc.DupEvery > 0 {
+			var dups int
+			if err := pool.QueryRow(ctx, "SELECT coalesce(sum(duplicate_count), 0) FROM "+table).Scan(&dups); err != nil {
+				return fmt.Errorf("count duplicates: %w", err)
+			}
+			if dups != len(ops)-len(distinct) {
+				return fmt.Errorf("%d duplicates recorded, want %d", dups, len(ops)-len(distinct))
+			}
+		}
+		return nil
+	})
+}
+
+// spawn runs job in a child process; ready (when not nil) is closed once it
+// consumes.
+func spawn(ctx context.Context, job childJob, ready chan<- struct{}) (childResult, error) {
+	var res childResult
+	exe, err := os.Executable()
+	if err != nil {
+		return res, fmt.Errorf("find own executable: %w", err)
+	}
+	spec, err := json.Marshal(job)
+	if err != nil {
+		return res, err
+	}
+	cmd := exec.CommandContext(ctx, exe)
+	cmd.Env = append(os.Environ(), childEnv+"="+string(spec))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return res, err
+	}
+	if err := cmd.Start(); err != nil {
+		return res, fmt.Errorf("start child: %w", err)
+	}
+	got := false
+	sc := bufio.NewScanner(out)
+	sc.Buffer(make([]byte, 1<<16), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case line == "READY":
+			if ready != nil {
+				close(ready)
+				ready = nil
+			}
+		case strings.HasPrefix(line, "RESULT "):
+			if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "RESULT ")), &res); err == nil {
+				got = true
+			}
+		}
+	}
+	_, _ = io.Copy(io.Discard, out)
+	werr := cmd.Wait()
+	switch {
+	case !got:
+		return res, fmt.Errorf("child gave no result: %v", werr)
+	case res.Err != "":
+		return res, errors.New(res.Err)
+	case werr != nil:
+		return res, fmt.Errorf("child: %w", werr)
+	}
+	return res, nil
+}
+
+// percentile returns the p-th percentile of sorted durations.
+func percentile(d []time.Duration, p float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	i := int(float64(len(d)-1) * p)
+	return d[i]
+}
+
+func sortDurations(d []time.Duration) { slices.Sort(d) }

@@ -1,0 +1,318 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/tasks"
+)
+
+// The measured consumers run in a child process (this binary started again
+// with -child), so that the peak RSS read from /proc/self/status is theirs
+// alone. The parent hands the job over as JSON in the environment; the child
+// prints "READY" when it consumes and one "RESULT <json>" line at the end.
+
+const childEnv = "ONCELER_BENCH_CHILD"
+
+// childJob is what one child process does.
+type childJob struct {
+	Kind        string // "raw" or "worker"
+	AMQPURL     string
+	DatabaseURL string
+	Queue       string
+	Schema      string // record schema (worker)
+	Expect      int    // deliveries to finish before stopping
+	Prefetch    int
+	Concurrency int
+	PoolConns   int
+	Timeout     time.Duration
+	CPUProfile  string
+	MemProfile  string
+	Debug       bool
+}
+
+// childResult is what the child reports.
+type childResult struct {
+	Done       int           // deliveries finished (acked, or answered by the worker)
+	First      time.Time     // first finished
+	Last       time.Time     // Expect-th finished
+	Elapsed    time.Duration // Last - First
+	PeakRSSKiB int64         // VmHWM
+	Counts     map[string]float64
+	Err        string
+}
+
+func childMain() error {
+	var job childJob
+	if err := json.Unmarshal([]byte(os.Getenv(childEnv)), &job); err != nil {
+		return fmt.Errorf("child: read job: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), job.Timeout)
+	defer cancel()
+	var res childResult
+	var err error
+	switch job.Kind {
+	case "raw":
+		res, err = runRaw(ctx, job)
+	case "worker":
+		res, err = runWorkerChild(ctx, job)
+	default:
+		err = fmt.Errorf("child: unknown kind %q", job.Kind)
+	}
+	if err != nil {
+		res.Err = err.Error()
+	}
+	res.PeakRSSKiB = peakRSS()
+	b, _ := json.Marshal(res)
+	fmt.Printf("RESULT %s\n", b)
+	return nil
+}
+
+// runRaw is the ceiling: consume with the same prefetch and ack each
+// delivery, nothing else.
+func runRaw(ctx context.Context, job childJob) (childResult, error) {
+	var res childResult
+	conn, err := amqp091.Dial(job.AMQPURL)
+	if err != nil {
+		return res, fmt.Errorf("raw: dial: %w", err)
+	}
+	defer func() { _ = conn.Close() }()
+	ch, err := conn.Channel()
+	if err != nil {
+		return res, fmt.Errorf("raw: channel: %w", err)
+	}
+	if err := ch.Qos(job.Prefetch, 0, true); err != nil {
+		return res, fmt.Errorf("raw: qos: %w", err)
+	}
+	in, err := ch.ConsumeWithContext(ctx, job.Queue, "bench-raw", false, false, false, false, nil)
+	if err != nil {
+		return res, fmt.Errorf("raw: consume: %w", err)
+	}
+	fmt.Println("READY")
+	stop := startProfile(job)
+	defer stop()
+	for res.Done < job.Expect {
+		select {
+		case <-ctx.Done():
+			return res, fmt.Errorf("raw: %d of %d after the timeout", res.Done, job.Expect)
+		case d, ok := <-in:
+			if !ok {
+				return res, errors.New("raw: delivery channel closed")
+			}
+			if err := d.Ack(false); err != nil {
+				return res, fmt.Errorf("raw: ack: %w", err)
+			}
+			res.Done++
+			now := time.Now()
+			if res.Done == 1 {
+				res.First = now
+			}
+			res.Last = now
+		}
+	}
+	res.Elapsed = res.Last.Sub(res.First)
+	return res, nil
+}
+
+// outsideArgs are the arguments of the bench tasks: one operation id.
+type outsideArgs struct {
+	Op string `celery:"op"`
+}
+
+// benchRegistry registers the bench tasks: an outside-system no-op (claim,
+// then completion) and a same-database task inserting one row.
+func benchRegistry(schema string) (*tasks.Registry, error) {
+	reg := tasks.NewRegistry()
+	key := func(a outsideArgs) (string, error) { return a.Op, nil }
+	err := tasks.Register(reg, tasks.Task[outsideArgs]{
+		Name: taskOutside, Mode: tasks.ModeOutside, Key: key, Policy: tasks.PolicyRetry,
+		Run: func(ctx context.Context, c *tasks.Call, a outsideArgs) (any, error) { return nil, nil },
+	})
+	if err != nil {
+		return nil, err
+	}
+	insert := "INSERT INTO " + pgx.Identifier{schema, "bench_effects"}.Sanitize() + " (op) VALUES ($1)"
+	err = tasks.Register(reg, tasks.Task[outsideArgs]{
+		Name: taskSameDB, Mode: tasks.ModeSameDB, Key: key,
+		RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a outsideArgs) (any, error) {
+			_, err := tx.Exec(ctx, insert, a.Op)
+			return nil, err
+		},
+	})
+	return reg, err
+}
+
+// runWorkerChild runs the onceler worker in this process until it has
+// answered job.Expect deliveries, then shuts it down gracefully.
+func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
+	var res childResult
+	pcfg, err := pgxpool.ParseConfig(job.DatabaseURL)
+	if err != nil {
+		return res, fmt.Errorf("worker: database url: %w", err)
+	}
+	pcfg.MaxConns = int32(job.PoolConns)
+	pcfg.ConnConfig.RuntimeParams["application_name"] = "onceler-bench-worker"
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return res, fmt.Errorf("worker: pool: %w", err)
+	}
+	defer pool.Close()
+	log := zap.NewNop()
+	if job.Debug {
+		log, _ = zap.NewDevelopment()
+	}
+	store, err := idempotency.New(pool, idempotency.Config{Schema: job.Schema, Logger: log})
+	if err != nil {
+		return res, fmt.Errorf("worker: store: %w", err)
+	}
+	defer store.Close()
+	reg, err := benchRegistry(job.Schema)
+	if err != nil {
+		return res, fmt.Errorf("worker: registry: %w", err)
+	}
+	metrics := prometheus.NewRegistry()
+	w, err := tasks.NewWorker(reg, tasks.Config{
+		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
+		Queues:      []amqp.QueueSpec{amqp.CeleryQueue(job.Queue)},
+		Pool:        pool,
+		Store:       store,
+		Concurrency: job.Concurrency,
+		Prefetch:    job.Prefetch,
+		Hostname:    "onceler-bench@" + strconv.Itoa(os.Getpid()),
+		Logger:      log,
+		Metrics:     metrics,
+		Grace:       10 * time.Second,
+	})
+	if err != nil {
+		return res, fmt.Errorf("worker: %w", err)
+	}
+	wctx, stopWorker := context.WithCancel(ctx)
+	defer stopWorker()
+	runErr := make(chan error, 1)
+	go func() { runErr <- w.Run(wctx) }()
+
+	for !w.Ready() {
+		select {
+		case err := <-runErr:
+			return res, fmt.Errorf("worker stopped before consuming: %w", err)
+		case <-ctx.Done():
+			return res, errors.New("worker: not ready before the timeout")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	fmt.Println("READY")
+	stopProfile := startProfile(job)
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	var waitErr error
+	for res.Done < job.Expect && waitErr == nil {
+		select {
+		case err := <-runErr:
+			waitErr = fmt.Errorf("worker stopped: %v", err)
+			runErr <- err
+		case <-ctx.Done():
+			waitErr = fmt.Errorf("worker: %d of %d after the timeout", res.Done, job.Expect)
+		case now := <-tick.C:
+			n := finished(metrics)
+			if n > 0 && res.First.IsZero() {
+				res.First = now
+			}
+			if n > res.Done {
+				res.Done, res.Last = n, now
+			}
+		}
+	}
+	stopProfile()
+	res.Elapsed = res.Last.Sub(res.First)
+	res.Counts = counters(metrics)
+	stopWorker()
+	if err := <-runErr; err != nil && waitErr == nil {
+		waitErr = fmt.Errorf("worker: %w", err)
+	}
+	return res, waitErr
+}
+
+// finished counts the deliveries the worker answered: run to an end or
+// answered from the record.
+func finished(reg *prometheus.Registry) int {
+	c := counters(reg)
+	return int(c["onceler_tasks_succeeded_total"] + c["onceler_tasks_failed_total"] + c["onceler_duplicates_suppressed_total"])
+}
+
+// counters sums the worker's counters over their labels.
+func counters(reg *prometheus.Registry) map[string]float64 {
+	out := map[string]float64{}
+	mfs, err := reg.Gather()
+	if err != nil {
+		return out
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if c := m.GetCounter(); c != nil {
+				out[mf.GetName()] += c.GetValue()
+			}
+		}
+	}
+	return out
+}
+
+// startProfile starts the CPU profile (when asked) and returns what stops it
+// and writes the allocation profile.
+func startProfile(job childJob) func() {
+	var cpu *os.File
+	if job.CPUProfile != "" {
+		f, err := os.Create(job.CPUProfile)
+		if err == nil && pprof.StartCPUProfile(f) == nil {
+			cpu = f
+		}
+	}
+	return func() {
+		if cpu != nil {
+			pprof.StopCPUProfile()
+			_ = cpu.Close()
+			cpu = nil
+		}
+		if job.MemProfile != "" {
+			if f, err := os.Create(job.MemProfile); err == nil {
+				runtime.GC()
+				_ = pprof.Lookup("allocs").WriteTo(f, 0)
+				_ = f.Close()
+			}
+			job.MemProfile = ""
+		}
+	}
+}
+
+// peakRSS is this process's VmHWM in KiB.
+func peakRSS() int64 {
+	f, err := os.Open("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	defer func() { _ = f.Close() }()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return n
+		}
+	}
+	return 0
+}

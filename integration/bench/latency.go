@@ -1,0 +1,162 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// latency runs the worker of r's scenario on an empty queue, publishes at
+// r.latRate for the configured duration, and measures each task from the
+// moment it was handed to the publisher to its end: the result's arrival on
+// reply_to when results are published, else the record's completed_at (the
+// start of the statement that completed it; the commit and the ack follow
+// within the same flush).
+func (b *bench) latency(ctx context.Context, r *row) error {
+	sc := r.sc
+	n := max(200, int(r.latRate*b.o.latencySecs))
+	queue, schema := b.names(sc, "-lat")
+	reply := ""
+	if sc.Replies {
+		reply = queue + ".reply"
+	}
+	defer func() {
+		b.broker.deleteQueues(queue, queue+".quarantine", reply)
+		_ = dropSchema(context.WithoutCancel(ctx), b.o.dbURL, schema)
+	}()
+	if err := setupSchema(ctx, b.o.dbURL, schema); err != nil {
+		return err
+	}
+	if reply != "" {
+		if err := b.broker.declareReply(reply); err != nil {
+			return err
+		}
+	}
+	spec := msgSpec{Task: sc.Task, N: n, RunID: b.runID + sc.ID + "l", ReplyTo: reply, Ignore: reply == ""}
+	msgs, ops, err := spec.build()
+	if err != nil {
+		return err
+	}
+	index := make(map[string]int, n) // task id or op -> message
+	for i, m := range msgs {
+		if reply != "" {
+			index[m.CorrelationID] = i
+		} else {
+			index[ops[i]] = i
+		}
+	}
+
+	// Results arrive on the reply queue; read them as they come.
+	var arrived []time.Time
+	var replies sync.WaitGroup
+	replyCtx, stopReplies := context.WithTimeout(ctx, b.o.timeout)
+	defer stopReplies()
+	if reply != "" {
+		arrived = make([]time.Time, n)
+		ch, err := b.broker.conn.Channel()
+		if err != nil {
+			return fmt.Errorf("reply channel: %w", err)
+		}
+		defer func() { _ = ch.Close() }()
+		in, err := ch.ConsumeWithContext(replyCtx, reply, "bench-replies", true, false, false, false, nil)
+		if err != nil {
+			return fmt.Errorf("consume replies: %w", err)
+		}
+		replies.Go(func() { readReplies(replyCtx, in, index, arrived, n) })
+	}
+
+	job := childJob{Kind: "worker", AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
+		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+		Timeout: b.o.timeout, Debug: b.o.debug}
+	ready := make(chan struct{})
+	type outcome struct {
+		res childResult
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := spawn(ctx, job, ready)
+		done <- outcome{res, err}
+	}()
+	select {
+	case <-ready:
+	case o := <-done:
+		return fmt.Errorf("worker ended before consuming: %v", o.err)
+	}
+	sent, err := publishSteady(ctx, b.pub, queue, msgs, r.latRate)
+	if err != nil {
+		return err
+	}
+	o := <-done
+	if o.err != nil {
+		return o.err
+	}
+	if reply != "" {
+		replies.Wait()
+	}
+	stopReplies()
+
+	ends := arrived
+	if reply == "" {
+		ends = make([]time.Time, n)
+		err := withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
+			rows, err := pool.Query(ctx, "SELECT key, completed_at FROM "+pgx.Identifier{schema}.Sanitize()+".records")
+			if err != nil {
+				return err
+			}
+			defer rows.Close()
+			for rows.Next() {
+				var key string
+				var at *time.Time
+				if err := rows.Scan(&key, &at); err != nil {
+					return err
+				}
+				if i, ok := index[key]; ok && at != nil {
+					ends[i] = *at
+				}
+			}
+			return rows.Err()
+		})
+		if err != nil {
+			return fmt.Errorf("read completion times: %w", err)
+		}
+	}
+	lat := make([]time.Duration, 0, n)
+	for i := range ends {
+		if ends[i].IsZero() {
+			return fmt.Errorf("message %d has no end time", i)
+		}
+		lat = append(lat, max(0, ends[i].Sub(sent[i])))
+	}
+	sortDurations(lat)
+	r.latN, r.p50, r.p99 = n, percentile(lat, 0.50), percentile(lat, 0.99)
+	return nil
+}
+
+// readReplies records when each task's result arrived, until all n did.
+func readReplies(ctx context.Context, in <-chan amqp091.Delivery, index map[string]int, arrived []time.Time, n int) {
+	got := 0
+	for got < n {
+		select {
+		case <-ctx.Done():
+			return
+		case d, ok := <-in:
+			if !ok {
+				return
+			}
+			now := time.Now()
+			if i, ok := index[d.CorrelationId]; ok && arrived[i].IsZero() {
+				arrived[i] = now
+				got++
+			} else {
+				fmt.Fprintf(os.Stderr, "unexpected reply %q\n", d.CorrelationId)
+			}
+		}
+	}
+}

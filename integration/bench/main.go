@@ -1,0 +1,126 @@
+// Command bench measures onceler's drain throughput against the broker's
+// ceiling and a Python Celery worker doing the same record keeping, on the
+// same RabbitMQ and PostgreSQL, in one run:
+//
+//	go run ./integration/bench            # N = 50,000
+//	go run ./integration/bench -quick     # a small smoke run
+//
+// For each scenario it pre-fills a fresh queue with N protocol 2 JSON task
+// messages in the format Celery 5.2.6 producers send (publisher confirms),
+// starts the consumer in a child process and measures how fast it drains:
+//
+//	(a)  a raw consume-and-ack loop (the ceiling), same prefetch
+//	(b)  the onceler worker, outside-system no-op task: claim, then completion; ignore_result
+//	(b') the same with a same-database task that inserts one row
+//	(c)  (b) with results published to reply_to
+//	(d)  (b) with 20% duplicate deliveries
+//	(e)  a Python Celery 5.2.6 prefork worker (concurrency = cores, acks_late)
+//	     doing the same claim and completion with psycopg2
+//
+// Then it publishes at half of each worker scenario's measured rate and
+// reports the end-to-end latency. It prints a markdown table: tasks/s,
+// ratios to (a) and (e), p50/p99 latency, the worker's peak RSS (VmHWM of
+// the child process) and PostgreSQL commits per task (xact_commit of the
+// bench's own database).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type options struct {
+	n, pyN      int
+	prefetch    int
+	concurrency int
+	poolConns   int
+	amqpURL     string
+	dbURL       string
+	python      string
+	quick       bool
+	only        string
+	latencySecs float64
+	cpuProfile  string
+	memProfile  string
+	timeout     time.Duration
+	debug       bool
+}
+
+func main() {
+	if os.Getenv(childEnv) != "" {
+		if err := childMain(); err != nil {
+			fmt.Fprintln(os.Stderr, "bench child:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	var o options
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.IntVar(&o.n, "n", 50000, "messages per drain scenario")
+	fs.IntVar(&o.pyN, "python-n", 10000, "messages for the Python worker (e); 0 = same as -n")
+	fs.IntVar(&o.prefetch, "prefetch", 256, "prefetch of every consumer")
+	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
+	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
+	fs.StringVar(&o.amqpURL, "amqp", envOr("ONCELER_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
+	fs.StringVar(&o.dbURL, "db", envOr("ONCELER_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/onceler_bench?sslmode=disable"),
+		"PostgreSQL URL of a database used by the bench alone (created when missing)")
+	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
+	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e", "scenarios to run, comma-separated")
+	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in (b) to this file")
+	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in (b) to this file")
+	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit of one scenario")
+	fs.BoolVar(&o.debug, "debug", false, "log the worker's debug output to stderr")
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		return err
+	}
+	if o.quick {
+		o.n, o.pyN, o.latencySecs = 2000, 500, 1
+	}
+	if o.pyN <= 0 {
+		o.pyN = o.n
+	}
+	if o.n < 2 {
+		return fmt.Errorf("-n must be at least 2")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	b, err := newBench(ctx, o)
+	if err != nil {
+		return err
+	}
+	defer b.close()
+	rows, err := b.runAll(ctx, strings.Split(o.only, ","))
+	fmt.Println()
+	fmt.Print(report(o, rows))
+	return err
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// machine describes where the numbers come from.
+func machine() string {
+	return fmt.Sprintf("%d CPUs (GOMAXPROCS %d), %s/%s, %s", runtime.NumCPU(), runtime.GOMAXPROCS(0),
+		runtime.GOOS, runtime.GOARCH, runtime.Version())
+}

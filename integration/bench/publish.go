@@ -1,0 +1,165 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// Task names of the bench tasks, served by the Go worker and by the Python
+// script alike.
+const (
+	taskOutside = "bench.outside"
+	taskSameDB  = "bench.samedb"
+)
+
+// msgSpec says what messages to build.
+type msgSpec struct {
+	Task     string
+	N        int
+	RunID    string
+	ReplyTo  string // "" and IgnoreResult true: nobody waits for a result
+	Ignore   bool
+	DupEvery int // every DupEvery-th message repeats an earlier operation (0: none)
+	DupGap   int // how far back the repeated operation is
+}
+
+// ops returns the operation id of each message.
+func (s msgSpec) ops() []string {
+	ops := make([]string, s.N)
+	for i := range ops {
+		if s.DupEvery > 0 && i%s.DupEvery == s.DupEvery-1 && i >= s.DupGap {
+			ops[i] = ops[i-s.DupGap]
+			continue
+		}
+		ops[i] = s.RunID + "-" + strconv.Itoa(i)
+	}
+	return ops
+}
+
+// build encodes the messages as a Celery 5.2.6 producer sends them
+// (app.send_task(name, args=[op]): protocol 2, JSON, the headers and
+// properties of celeryproto/testdata/golden/p2_json_basic.json).
+func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
+	host, _ := os.Hostname()
+	origin := "gen" + strconv.Itoa(os.Getpid()) + "@" + host
+	ops := s.ops()
+	out := make([]*celeryproto.Publishing, len(ops))
+	for i, op := range ops {
+		id := uuid4()
+		m := &celeryproto.Message{
+			Protocol: 2, Task: s.Task, ID: id, Args: []any{op}, Kwargs: map[string]any{},
+			RootID: id, Origin: origin, ArgsRepr: "['" + op + "']", KwargsRepr: "{}",
+			ReplyTo: s.ReplyTo, IgnoreResult: s.Ignore,
+		}
+		p, err := celeryproto.EncodeTask(m, celeryproto.EncodeOptions{Protocol: 2})
+		if err != nil {
+			return nil, nil, fmt.Errorf("encode message %d: %w", i, err)
+		}
+		out[i] = p
+	}
+	return out, ops, nil
+}
+
+// uuid4 returns a random UUID string, as Celery's task ids.
+func uuid4() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+// publishAll publishes msgs to queue through the default exchange with
+// publisher confirms, from several goroutines.
+func publishAll(ctx context.Context, pub *amqp.Publisher, queue string, msgs []*celeryproto.Publishing) error {
+	const workers = 64
+	idx := make(chan int)
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := range idx {
+				if err := pub.Publish(ctx, "", queue, msgs[i], amqp.PublishOptions{}); err != nil {
+					errs <- fmt.Errorf("publish message %d: %w", i, err)
+					return
+				}
+			}
+		})
+	}
+	var err error
+feed:
+	for i := range msgs {
+		select {
+		case idx <- i:
+		case err = <-errs:
+			break feed
+		}
+	}
+	close(idx)
+	wg.Wait()
+	if err == nil {
+		select {
+		case err = <-errs:
+		default:
+		}
+	}
+	return err
+}
+
+// publishSteady publishes msgs at rate per second (with confirms, from a
+// pool of goroutines) and returns when each was handed to a publisher.
+func publishSteady(ctx context.Context, pub *amqp.Publisher, queue string, msgs []*celeryproto.Publishing, rate float64) ([]time.Time, error) {
+	const workers = 64
+	sent := make([]time.Time, len(msgs))
+	idx := make(chan int, 4096)
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := range idx {
+				if err := pub.Publish(ctx, "", queue, msgs[i], amqp.PublishOptions{}); err != nil {
+					errs <- fmt.Errorf("publish message %d: %w", i, err)
+					return
+				}
+			}
+		})
+	}
+	start := time.Now()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	next := 0
+	var err error
+loop:
+	for next < len(msgs) {
+		select {
+		case err = <-errs:
+			break loop
+		case <-ctx.Done():
+			err = ctx.Err()
+			break loop
+		case <-tick.C:
+		}
+		due := min(len(msgs), int(time.Since(start).Seconds()*rate))
+		for ; next < due; next++ {
+			sent[next] = time.Now()
+			idx <- next
+		}
+	}
+	close(idx)
+	wg.Wait()
+	if err == nil {
+		select {
+		case err = <-errs:
+		default:
+		}
+	}
+	return sent, err
+}

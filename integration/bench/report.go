@@ -1,0 +1,102 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"time"
+)
+
+// report renders the results as markdown: the command, the machine, the
+// table and the targets.
+func report(o options, rows []row) string {
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "Command: `go run ./integration/bench %s`  \n", strings.Join(os.Args[1:], " "))
+	fmt.Fprintf(&sb, "Machine: %s; %s UTC; N = %d, prefetch %d, worker concurrency %d, worker pool %d connections.\n\n",
+		machine(), time.Now().UTC().Format("2006-01-02 15:04"), o.n, o.prefetch, o.concurrency, o.poolConns)
+	var a, e float64
+	for _, r := range rows {
+		switch r.sc.ID {
+		case "a":
+			a = r.rate
+		case "e":
+			e = r.rate
+		}
+	}
+	sb.WriteString("| scenario | tasks | tasks/s | vs (a) | vs (e) | p50 ms | p99 ms | load for latency | peak RSS MiB | PG commits/task |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range rows {
+		if r.drainError != nil {
+			fmt.Fprintf(&sb, "| (%s) %s | %d | failed: %s | | | | | | | |\n", r.sc.ID, r.sc.Title, r.n,
+				strings.ReplaceAll(r.drainError.Error(), "|", "/"))
+			continue
+		}
+		ratio := func(base float64) string {
+			if base <= 0 {
+				return "–"
+			}
+			return fmt.Sprintf("%.2f×", r.rate/base)
+		}
+		lat := func(d time.Duration) string {
+			if r.latN == 0 {
+				return "–"
+			}
+			return fmt.Sprintf("%.1f", float64(d.Microseconds())/1000)
+		}
+		load, rss, commits := "–", "–", "–"
+		if r.latN > 0 {
+			load = fmt.Sprintf("%.0f/s", r.latRate)
+		}
+		if r.rssKiB > 0 {
+			rss = fmt.Sprintf("%.1f", float64(r.rssKiB)/1024)
+		}
+		if r.sc.Kind != "raw" {
+			commits = fmt.Sprintf("%.3f", r.commits)
+		}
+		title := r.sc.Title
+		if r.note != "" {
+			title += " (" + r.note + ")"
+		}
+		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
+			ratio(a), ratio(e), lat(r.p50), lat(r.p99), load, rss, commits)
+	}
+	sb.WriteString("\n")
+	sb.WriteString(targets(rows))
+	return sb.String()
+}
+
+// targets checks the measured numbers against the goals.
+func targets(rows []row) string {
+	by := map[string]row{}
+	for _, r := range rows {
+		if r.drainError == nil {
+			by[r.sc.ID] = r
+		}
+	}
+	var sb strings.Builder
+	check := func(name string, ok, known bool, got string) {
+		status := "met"
+		switch {
+		case !known:
+			status = "not measured"
+		case !ok:
+			status = "MISSED"
+		}
+		fmt.Fprintf(&sb, "- %s: %s (%s)\n", name, status, got)
+	}
+	a, okA := by["a"]
+	b, okB := by["b"]
+	b2, okB2 := by["b'"]
+	c, okC := by["c"]
+	e, okE := by["e"]
+	frac := func(x, y row) float64 { return x.rate / y.rate }
+	check("(b) ≥ 50% of (a)", okA && okB && frac(b, a) >= 0.5, okA && okB, fmt.Sprintf("%.0f%%", 100*frac(b, a)))
+	check("(b) ≥ 8× (e)", okB && okE && frac(b, e) >= 8, okB && okE, fmt.Sprintf("%.1f×", frac(b, e)))
+	check("(b') ≥ 35% of (a)", okA && okB2 && frac(b2, a) >= 0.35, okA && okB2, fmt.Sprintf("%.0f%%", 100*frac(b2, a)))
+	check("(c) ≥ 35% of (a)", okA && okC && frac(c, a) >= 0.35, okA && okC, fmt.Sprintf("%.0f%%", 100*frac(c, a)))
+	check("(b) p99 at half load ≤ 20 ms", okB && b.latN > 0 && b.p99 <= 20*time.Millisecond, okB && b.latN > 0,
+		fmt.Sprintf("%.1f ms", float64(b.p99.Microseconds())/1000))
+	check("(b) worker peak RSS ≤ 100 MiB", okB && b.rssKiB <= 100*1024, okB && b.rssKiB > 0, fmt.Sprintf("%.1f MiB", float64(b.rssKiB)/1024))
+	check("(b) PostgreSQL commits per task ≤ 0.25", okB && b.commits <= 0.25, okB, fmt.Sprintf("%.3f", b.commits))
+	return sb.String()
+}
