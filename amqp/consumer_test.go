@@ -218,3 +218,36 @@ func TestConsumeSeveralQueues(t *testing.T) {
 		t.Fatalf("deliveries by queue = %v", seen)
 	}
 }
+
+// The queue is deleted under the consumer: the broker cancels it, Run
+// declares the queue again and consumes from the new one.
+func TestQueueDeletedRedeclared(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_deleted")
+	cleanupQueue(t, q)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	_, err := p.DeleteQueue(ctx, q)
+	must(t, err, "delete queue")
+	// Until Run re-declares, a mandatory publish has no queue to go to.
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		err := p.Publish(ctx, q, q, textMessage(`"after"`), PublishOptions{Mandatory: true})
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, ErrReturned) || time.Now().After(deadline) {
+			t.Fatalf("publish after delete: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	d := recv(t, got, 10*time.Second)
+	if string(d.Body) != `"after"` {
+		t.Fatalf("body %q", d.Body)
+	}
+	must(t, d.Ack(), "ack")
+}

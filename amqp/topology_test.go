@@ -3,6 +3,7 @@ package amqp
 import (
 	"errors"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -171,4 +172,36 @@ func TestQueueSpecDefaults(t *testing.T) {
 	if c := CeleryQueue("celery"); !c.Durable || c.AutoDelete || c.Exchange != "celery" || c.RoutingKey != "celery" {
 		t.Fatalf("CeleryQueue: %+v", c)
 	}
+}
+
+// Per-consumer prefetch is not retroactive in RabbitMQ: SetPrefetch on a
+// quorum consumer restarts its consumers, and deliveries of the replaced
+// consumer stay valid.
+func TestQuorumSetPrefetchTakesEffect(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_qprefetch")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQuorumQueue(q)), "declare")
+	for i := range 6 {
+		must(t, p.Publish(ctx, "", q, textMessage(strconv.Itoa(i)), PublishOptions{}), "publish")
+	}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQuorumQueue(q)}, Prefetch: 1})
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	held := []*Delivery{recv(t, got, 10*time.Second)}
+	noRecv(t, got, 300*time.Millisecond)
+	must(t, c.SetPrefetch(3), "grow")
+	for range 3 {
+		held = append(held, recv(t, got, 5*time.Second))
+	}
+	noRecv(t, got, 300*time.Millisecond)
+	for _, d := range held {
+		must(t, d.Ack(), "ack %s", d.Body)
+	}
+	for range 2 {
+		must(t, recv(t, got, 5*time.Second).Ack(), "ack rest")
+	}
+	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
 }

@@ -1,0 +1,241 @@
+package amqp
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+)
+
+// tagged is a delivery with the queue its consumer reads.
+type tagged struct {
+	m     amqp091.Delivery
+	queue string
+}
+
+// consumeSession is one connection's consumers, owned by Run's goroutine.
+type consumeSession struct {
+	c      *Consumer
+	conn   *amqp091.Connection
+	st     *channelState
+	global bool
+	// applied is the prefetch the current consumers were started under.
+	applied int
+	seq     int
+	tags    map[string]string // live consumer tag -> queue
+	merged  chan tagged
+	stop    chan struct{}
+	wg      sync.WaitGroup
+}
+
+// session is one connection's life. established reports whether consuming
+// started, which resets the backoff.
+func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (established bool, err error) {
+	conn, err := c.cfg.dial(ctx, "consume")
+	if err != nil {
+		return false, err
+	}
+	s := &consumeSession{
+		c: c, conn: conn, st: &channelState{gen: c.gen.Add(1)},
+		tags: map[string]string{}, merged: make(chan tagged), stop: make(chan struct{}),
+	}
+	defer s.close()
+	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
+	ch, err := conn.Channel()
+	if err != nil {
+		return false, fmt.Errorf("open channel: %w", err)
+	}
+	s.st.ch = ch
+	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	// Each consumer is cancelled by the broker at most once; restarts for a
+	// prefetch change add consumers, so leave room.
+	cancels := ch.NotifyCancel(make(chan string, 4*len(c.cc.Queues)+4))
+
+	s.global = true
+	for _, q := range c.cc.Queues {
+		if q.Quorum {
+			s.global = false // quorum queues refuse global QoS
+		}
+		if err := declare(ch, q); err != nil {
+			return false, err
+		}
+	}
+	c.mu.Lock()
+	err = s.startConsumers()
+	if err == nil {
+		c.cur, c.global = s.st, s.global
+	}
+	c.mu.Unlock()
+	if err != nil {
+		return false, err
+	}
+	c.ready.Store(true)
+	c.log.Info("consuming", zap.Strings("queues", queueNames(c.cc.Queues)),
+		zap.Int("prefetch", s.applied), zap.Bool("global_qos", s.global), zap.Uint64("channel_generation", s.st.gen))
+
+	for {
+		select {
+		case <-ctx.Done():
+			s.drain(chClosed, connClosed)
+			return true, nil
+		case t := <-s.merged:
+			s.st.outstanding.Add(1)
+			handle(newDelivery(&t.m, t.queue, s.st))
+		case <-c.qosChanged:
+			if err := s.restartConsumers(); err != nil {
+				return true, err
+			}
+		case e := <-chClosed:
+			return true, fmt.Errorf("channel closed: %w", errOrClosed(e))
+		case e := <-connClosed:
+			return true, fmt.Errorf("connection closed: %w", errOrClosed(e))
+		case tag := <-cancels:
+			if _, live := s.tags[tag]; live {
+				return true, fmt.Errorf("%w: consumer %s of queue %q", ErrCancelled, tag, s.tags[tag])
+			}
+		}
+	}
+}
+
+// close marks the channel dead before closing it, so that an Ack racing
+// with the close reports ErrStaleDelivery, then waits for the forwarders.
+func (s *consumeSession) close() {
+	s.st.closed.Store(true)
+	s.c.ready.Store(false)
+	s.c.mu.Lock()
+	if s.c.cur == s.st {
+		s.c.cur = nil
+	}
+	s.c.mu.Unlock()
+	close(s.stop)
+	_ = s.conn.Close()
+	s.wg.Wait()
+}
+
+// startConsumers sets basic.qos and starts one consumer per queue. The
+// caller holds c.mu (no other RPC runs on the channel meanwhile).
+func (s *consumeSession) startConsumers() error {
+	n := s.c.prefetch
+	if err := s.st.ch.Qos(n, 0, s.global); err != nil {
+		return fmt.Errorf("set prefetch %d: %w", n, err)
+	}
+	s.applied = n
+	for _, q := range s.c.cc.Queues {
+		s.seq++
+		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
+		dch, err := s.st.ch.Consume(q.Name, tag, false, false, false, false, nil)
+		if err != nil {
+			return fmt.Errorf("consume %q: %w", q.Name, err)
+		}
+		s.tags[tag] = q.Name
+		s.forward(dch, q.Name)
+	}
+	return nil
+}
+
+// restartConsumers applies a new per-consumer prefetch: new consumers start
+// under it, then the old ones are cancelled. Deliveries the old consumers
+// already received stay valid (tags belong to the channel) and are still
+// handed out, since amqp091 flushes a cancelled consumer's buffer.
+func (s *consumeSession) restartConsumers() error {
+	s.c.mu.Lock()
+	defer s.c.mu.Unlock()
+	if s.c.prefetch == s.applied {
+		return nil
+	}
+	old := s.tags
+	s.tags = map[string]string{}
+	if err := s.startConsumers(); err != nil {
+		return err
+	}
+	for tag := range old {
+		if err := s.st.ch.Cancel(tag, false); err != nil {
+			return fmt.Errorf("cancel consumer %s: %w", tag, err)
+		}
+	}
+	s.c.log.Debug("consumers restarted under a new prefetch", zap.Int("prefetch", s.applied))
+	return nil
+}
+
+// forward copies one consumer's deliveries into merged until the consumer
+// ends (cancel or channel close) or the session stops.
+func (s *consumeSession) forward(dch <-chan amqp091.Delivery, queue string) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		for m := range dch {
+			select {
+			case s.merged <- tagged{m: m, queue: queue}:
+			case <-s.stop:
+				return
+			}
+		}
+	}()
+}
+
+// drain stops consuming and waits, up to DrainTimeout, for the deliveries
+// handed out to be settled. What arrives meanwhile goes back to the queue.
+func (s *consumeSession) drain(chClosed, connClosed <-chan *amqp091.Error) {
+	c := s.c
+	c.ready.Store(false)
+	c.mu.Lock()
+	c.cur = nil // no RPC from SetPrefetch while the cancels run
+	c.mu.Unlock()
+	if c.cc.DrainTimeout <= 0 {
+		return
+	}
+	cancelled := make(chan struct{})
+	go func() {
+		defer close(cancelled)
+		for tag := range s.tags {
+			if err := s.st.ch.Cancel(tag, false); err != nil {
+				c.log.Debug("cancel consumer", zap.String("tag", tag), zap.Error(err))
+			}
+		}
+	}()
+	defer func() { <-cancelled }()
+	timer := time.NewTimer(c.cc.DrainTimeout)
+	defer timer.Stop()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	c.log.Info("draining: consumers cancelled, waiting for handed-out deliveries",
+		zap.Int64("outstanding", s.st.outstanding.Load()), zap.Duration("timeout", c.cc.DrainTimeout))
+	for {
+		select {
+		case t := <-s.merged:
+			if err := t.m.Nack(false, true); err != nil {
+				c.log.Debug("requeue after cancel", zap.Error(err))
+			}
+		case <-tick.C:
+			if s.st.outstanding.Load() <= 0 {
+				return
+			}
+		case <-timer.C:
+			c.log.Warn("drain timeout: closing with deliveries unsettled; the broker redelivers them",
+				zap.Int64("outstanding", s.st.outstanding.Load()))
+			return
+		case <-chClosed:
+			return
+		case <-connClosed:
+			return
+		}
+	}
+}
+
+func errOrClosed(e *amqp091.Error) error {
+	if e == nil {
+		return amqp091.ErrClosed
+	}
+	return e
+}
+
+func queueNames(qs []QueueSpec) []string {
+	out := make([]string, len(qs))
+	for i, q := range qs {
+		out[i] = q.Name
+	}
+	return out
+}
