@@ -68,7 +68,7 @@ func newBinder(t reflect.Type) (*binder, error) {
 		if !sf.IsExported() {
 			continue
 		}
-		name, opts := sf.Name, ""
+		var name, opts string
 		if tag, ok := sf.Tag.Lookup("celery"); ok {
 			name, opts, _ = strings.Cut(tag, ",")
 		} else if tag, ok := sf.Tag.Lookup("json"); ok {

@@ -92,7 +92,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	w.m.received.WithLabelValues(h.name).Inc()
 	w.event(ctx, "task-received", j, w.receivedFields(j))
 	args, err := h.bind(msg.Args, msg.Kwargs)
-	if err == nil && h.key != nil && !w.cfg.NoRecord {
+	if err == nil && h.key != nil {
 		j.key, err = w.operationKey(j, args)
 	}
 	if err != nil {
@@ -173,7 +173,7 @@ func (w *Worker) runPure(ctx context.Context, j *job) {
 		w.giveBack(j)
 		return
 	}
-	w.finish(ctx, j, res, err, nil)
+	w.finish(ctx, j, res, err)
 }
 
 // runSameDB claims, runs the effect and completes in one transaction.
@@ -204,7 +204,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			w.giveBack(j)
 			return
 		}
-		w.finish(ctx, j, nil, taskErr, nil)
+		w.finish(ctx, j, nil, taskErr)
 	case err != nil:
 		w.recordTrouble(ctx, j, "same-database transaction", err)
 	default:
@@ -218,7 +218,7 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 	switch claim.Outcome {
 	case idempotency.OutcomeFirst:
 		// same-database: ran and committed here.
-		w.finish(ctx, j, ownResult, nil, nil)
+		w.finish(ctx, j, ownResult, nil)
 	case idempotency.OutcomeCompleted:
 		w.duplicate(ctx, j, claim.Result)
 	case idempotency.OutcomeInProgress, idempotency.OutcomeStale:

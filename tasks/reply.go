@@ -162,7 +162,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2})
 	if err != nil {
 		w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
-		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err), nil)
+		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err))
 		return
 	}
 	if err := w.pub.Publish(context.WithoutCancel(ctx), j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {

@@ -71,7 +71,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		for {
 			err := w.store.Complete(final, ref, res)
 			if err == nil {
-				w.finish(ctx, j, res, nil, nil)
+				w.finish(ctx, j, res, nil)
 				return
 			}
 			if errors.Is(err, idempotency.ErrFenced) {
@@ -96,13 +96,13 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 			w.recordTrouble(ctx, j, "release", err)
 			return
 		}
-		w.finish(ctx, j, nil, taskErr, nil)
+		w.finish(ctx, j, nil, taskErr)
 	default:
 		if err := w.store.Fail(final, ref, taskErr.Error()); err != nil && !errors.Is(err, idempotency.ErrFenced) {
 			w.recordTrouble(ctx, j, "fail", err)
 			return
 		}
-		w.finish(ctx, j, nil, taskErr, nil)
+		w.finish(ctx, j, nil, taskErr)
 	}
 }
 
@@ -224,7 +224,7 @@ func (w *Worker) hardLimit(j *job) time.Duration {
 
 // finish answers a delivery whose outcome is recorded (or that has no
 // record): the result to the caller, then the ack.
-func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error, _ any) {
+func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
 	msg := j.msg
 	if taskErr == nil {
 		w.m.succeeded.WithLabelValues(j.h.name).Inc()
@@ -242,6 +242,16 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error, 
 		w.retry(ctx, j, rr)
 		return
 	}
+	if errors.Is(taskErr, ErrRevoked) {
+		w.m.revoked.WithLabelValues(j.h.name).Inc()
+		w.log.Info("running task terminated by revoke", w.fields(j)...)
+		w.event(ctx, "task-revoked", j, map[string]any{"terminated": true, "signum": 15, "expired": false})
+		exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: "terminated"}
+		if w.publishResult(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {
+			w.ack(j)
+		}
+		return
+	}
 	w.m.failed.WithLabelValues(j.h.name).Inc()
 	var pe *PanicError
 	if errors.As(taskErr, &pe) {
@@ -254,7 +264,6 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error, 
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: w.hardLimit(j).String()}
 	}
 	w.event(ctx, "task-failed", j, map[string]any{"exception": exc.Type + "(" + fmt.Sprintf("%q", exc.Message) + ")"})
-	_ = msg
 	if !w.replyFailure(ctx, j, exc, taskErr) {
 		return
 	}

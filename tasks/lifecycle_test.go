@@ -1,0 +1,225 @@
+package tasks
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+type sleepArgs struct {
+	ID string `celery:"order_id"`
+	Ms int64  `celery:"amount"`
+}
+
+// sleepRegistry has "t.sleep": an outside-mode task that sleeps Ms
+// milliseconds (giving up when its context ends) and then counts its effect.
+func sleepRegistry(t *testing.T, fx *effects) *Registry {
+	t.Helper()
+	reg := NewRegistry()
+	err := Register(reg, Task[sleepArgs]{
+		Name: "t.sleep", Mode: ModeOutside, Policy: PolicyRetry,
+		Key: func(a sleepArgs) (string, error) { return a.ID, nil },
+		Run: func(ctx context.Context, c *Call, a sleepArgs) (any, error) {
+			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+				return nil, fmt.Errorf("interrupted: %w", context.Cause(ctx))
+			}
+			fx.add(c.Key)
+			return a.ID, nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reg
+}
+
+func sleepMessage(i int, ms int64, replyTo string) *celeryproto.Message {
+	m := payMessage("t.sleep", i, fmt.Sprintf("s-%d", i), replyTo)
+	m.Kwargs["amount"] = ms
+	return m
+}
+
+// TestGracefulStop: stopping a worker while tasks run lets them finish and
+// acknowledges them; what was waiting goes back to the queue; a second
+// worker completes the rest; every operation runs once.
+func TestGracefulStop(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		grace time.Duration
+		ms    int64
+	}{
+		{"finish within grace", 10 * time.Second, 300},
+		{"cancelled after grace", 100 * time.Millisecond, 3000},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			fx := &effects{}
+			reg := sleepRegistry(t, fx)
+			cfg := e.config()
+			cfg.Concurrency, cfg.Prefetch, cfg.Grace = 4, 8, tc.grace
+			w1 := e.start(reg, cfg)
+			replyTo, replies := e.replyQueue()
+			const n = 20
+			for i := range n {
+				e.publish(sleepMessage(i, tc.ms, replyTo))
+			}
+			waitFor(t, "4 running tasks", 10*time.Second, func() bool { return len(w1.w.Active()) == 4 })
+			stopped := time.Now()
+			w1.stop(t)
+			t.Logf("stop took %s", time.Since(stopped).Round(time.Millisecond))
+			done := len(fx.snapshot())
+			if tc.ms < 1000 && done != 4 {
+				t.Errorf("%d tasks finished during the grace period, want the 4 running", done)
+			}
+			if tc.ms >= 1000 && done != 0 {
+				t.Errorf("%d tasks finished although cancelled", done)
+			}
+			if d := e.queueDepth(e.queue); d != n-done {
+				t.Errorf("queue holds %d messages after the stop, want %d", d, n-done)
+			}
+			cfg2 := e.config()
+			cfg2.Concurrency = 20
+			e.start(reg, cfg2)
+			res := make(map[string][]map[string]any)
+			deadline := time.Now().Add(30 * time.Second)
+			for len(res) < n && time.Now().Before(deadline) {
+				select {
+				case r := <-replies:
+					res[r["task_id"].(string)] = append(res[r["task_id"].(string)], r)
+				case <-time.After(time.Second):
+				}
+			}
+			for i := range n {
+				if r := res[taskID(i)]; len(r) == 0 || r[0]["status"] != "SUCCESS" {
+					t.Errorf("task %d: %v", i, r)
+				}
+			}
+			checkExactlyOnce(t, fx, n, func(i int) string { return fmt.Sprintf("s-%d", i) })
+			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+		})
+	}
+}
+
+// TestRevokeExpiresETA: a revoked id is answered REVOKED without running; a
+// running task revoked with terminate stops; an expired message is REVOKED;
+// an ETA message runs when due.
+func TestRevokeExpiresETA(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	r := e.start(sleepRegistry(t, fx), e.config())
+	replyTo, replies := e.replyQueue()
+
+	revoked := sleepMessage(1, 0, replyTo)
+	r.w.Revoke([]string{revoked.ID}, false)
+	e.publish(revoked)
+	got := results(t, replies, 1, 10*time.Second)[revoked.ID][0]
+	if got["status"] != "REVOKED" || fmt.Sprint(got["result"]) != "map[exc_message:[revoked] exc_module:celery.exceptions exc_type:TaskRevokedError]" {
+		t.Errorf("revoked: %v", got)
+	}
+
+	long := sleepMessage(2, 30000, replyTo)
+	e.publish(long)
+	waitFor(t, "running", 10*time.Second, func() bool { return len(r.w.Active()) == 1 })
+	if a := r.w.Active(); a[0].ID != long.ID || a[0].Name != "t.sleep" {
+		t.Errorf("Active = %+v", a)
+	}
+	r.w.Revoke([]string{long.ID}, true)
+	got = results(t, replies, 1, 10*time.Second)[long.ID][0]
+	if got["status"] != "REVOKED" {
+		t.Errorf("terminated: %v", got)
+	}
+
+	expired := sleepMessage(3, 0, replyTo)
+	expired.Expires = time.Now().Add(-time.Minute)
+	e.publish(expired)
+	got = results(t, replies, 1, 10*time.Second)[expired.ID][0]
+	if got["status"] != "REVOKED" || fmt.Sprint(got["result"]) != "map[exc_message:[expired] exc_module:celery.exceptions exc_type:TaskRevokedError]" {
+		t.Errorf("expired: %v", got)
+	}
+
+	eta := sleepMessage(4, 0, replyTo)
+	eta.ETA = time.Now().Add(1500 * time.Millisecond)
+	sent := time.Now()
+	e.publish(eta)
+	quick := sleepMessage(5, 0, replyTo)
+	e.publish(quick)
+	waitFor(t, "scheduled", 5*time.Second, func() bool { return len(r.w.Scheduled()) == 1 })
+	res := results(t, replies, 2, 10*time.Second)
+	if len(res[quick.ID]) != 1 || len(res[eta.ID]) != 1 {
+		t.Fatalf("results: %v", res)
+	}
+	if took := time.Since(sent); took < 1400*time.Millisecond {
+		t.Errorf("ETA task answered after %s, before its ETA", took)
+	}
+	if c := fx.snapshot(); c["s-1"] != 0 || c["s-2"] != 0 || c["s-3"] != 0 || c["s-4"] != 1 || c["s-5"] != 1 {
+		t.Errorf("effects %v", c)
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
+// TestCrashPoints: the configured crash point fires once, for the named
+// task only, at the right step (the kill is recorded instead of executed).
+func TestCrashPoints(t *testing.T) {
+	for _, at := range []string{CrashAfterClaim, CrashAfterEffect, CrashBeforeAck} {
+		t.Run(at, func(t *testing.T) {
+			e := newEnv(t)
+			fx := &effects{}
+			cfg := e.config()
+			cfg.Crash = CrashConfig{At: at, Task: "t.pay"}
+			cfg.Concurrency = 1
+			w, err := NewWorker(testRegistry(t, fx), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			var seen []string
+			w.kill = func() {
+				mu.Lock()
+				defer mu.Unlock()
+				// What had happened when the process would have died.
+				seen = append(seen, fmt.Sprintf("effects=%d", len(fx.snapshot())))
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- w.Run(ctx) }()
+			defer func() {
+				cancel()
+				if err := <-done; err != nil {
+					t.Error(err)
+				}
+			}()
+			replyTo, replies := e.replyQueue()
+			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(1), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo})
+			e.publish(payMessage("t.pay", 2, "c-1", replyTo))
+			e.publish(payMessage("t.pay", 3, "c-2", replyTo))
+			results(t, replies, 3, 20*time.Second)
+			mu.Lock()
+			defer mu.Unlock()
+			want := map[string]string{CrashAfterClaim: "effects=0", CrashAfterEffect: "effects=1", CrashBeforeAck: "effects=1"}[at]
+			if len(seen) != 1 || seen[0] != want {
+				t.Errorf("kill calls %v, want one with %s", seen, want)
+			}
+		})
+	}
+}
+
+// TestNoRecord: without the record every copy runs: 3 copies, 3 effects.
+func TestNoRecord(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	cfg := e.config()
+	cfg.NoRecord, cfg.Store = true, nil
+	e.start(testRegistry(t, fx), cfg)
+	replyTo, replies := e.replyQueue()
+	for i := range 3 {
+		e.publish(payMessage("t.pay", i, "nr-1", replyTo))
+	}
+	results(t, replies, 3, 20*time.Second)
+	if n := fx.snapshot()["nr-1"]; n != 3 {
+		t.Errorf("%d effects without the record, want 3", n)
+	}
+}
