@@ -1,0 +1,340 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+)
+
+// pubSession is one connection with its confirm-mode channel.
+type pubSession struct {
+	conn *amqp091.Connection
+	ch   *amqp091.Channel
+	gen  uint64
+	// dead is closed when the connection or channel is gone.
+	dead    chan struct{}
+	deadErr error // set before dead is closed
+	// blocked is non-nil while the broker blocks publishing (alarm).
+	blockMu sync.Mutex
+	blocked chan struct{}
+
+	// Mandatory publishes: the return for a message id, and the waiters by
+	// delivery tag woken once the confirm for their tag was processed
+	// (RabbitMQ sends basic.return before the basic.ack of that message).
+	mu        sync.Mutex
+	byID      map[string]*mandatoryWait
+	byTag     map[uint64]*mandatoryWait
+	confirmed uint64 // highest delivery tag processed by the watcher
+	seq       atomic.Uint64
+
+	exchanges sync.Map // exchange name -> struct{}: known to exist
+}
+
+type mandatoryWait struct {
+	tag  uint64
+	ret  *amqp091.Return
+	done chan struct{}
+}
+
+// errNotSent marks a publish that failed before its frame was written.
+var errNotSent = errors.New("amqp: publish not sent")
+
+func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp091.Publishing, o PublishOptions) error {
+	if err := s.waitUnblocked(ctx); err != nil {
+		return err
+	}
+	if exchange != "" {
+		if err := s.checkExchange(exchange); err != nil {
+			return err
+		}
+	}
+	var w *mandatoryWait
+	if o.Mandatory {
+		// The message id ties a basic.return to this publish.
+		pub.MessageId = "onceler-" + strconv.FormatUint(s.gen, 36) + "-" + strconv.FormatUint(s.seq.Add(1), 36)
+		w = &mandatoryWait{done: make(chan struct{})}
+		s.mu.Lock()
+		s.byID[pub.MessageId] = w
+		s.mu.Unlock()
+		defer func() {
+			s.mu.Lock()
+			delete(s.byID, pub.MessageId)
+			if w.tag != 0 && s.byTag[w.tag] == w {
+				delete(s.byTag, w.tag)
+			}
+			s.mu.Unlock()
+		}()
+	}
+	dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, o.Mandatory, false, pub)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
+			return errNotSent
+		}
+		return err
+	}
+	if w != nil {
+		s.mu.Lock()
+		w.tag = dc.DeliveryTag
+		if s.confirmed >= w.tag {
+			close(w.done)
+		} else {
+			s.byTag[w.tag] = w
+		}
+		s.mu.Unlock()
+	}
+	select {
+	case <-dc.Done():
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, ctx.Err())
+	}
+	if !dc.Acked() {
+		if s.ch.IsClosed() {
+			return fmt.Errorf("%w: %w", ErrUnconfirmed, s.reason())
+		}
+		return ErrNacked
+	}
+	if w == nil {
+		return nil
+	}
+	select {
+	case <-w.done:
+	case <-s.dead:
+		// The confirm came, so the return (sent before it) was queued; but
+		// the watcher stopped before processing it: unknown.
+		s.mu.Lock()
+		ret := w.ret
+		s.mu.Unlock()
+		if ret == nil {
+			return fmt.Errorf("%w: channel closed before the return check: %w", ErrUnconfirmed, s.reason())
+		}
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, ctx.Err())
+	}
+	s.mu.Lock()
+	ret := w.ret
+	s.mu.Unlock()
+	if ret != nil {
+		return &ReturnedError{Exchange: ret.Exchange, RoutingKey: ret.RoutingKey, Code: int(ret.ReplyCode), Text: ret.ReplyText}
+	}
+	return nil
+}
+
+// checkExchange passively declares a named exchange once per connection, on
+// a side channel: publishing to a missing exchange would close the shared
+// channel and leave every concurrent publish unconfirmed.
+func (s *pubSession) checkExchange(name string) error {
+	if _, ok := s.exchanges.Load(name); ok {
+		return nil
+	}
+	ch, err := s.conn.Channel()
+	if err != nil {
+		return errNotSent
+	}
+	defer func() { _ = ch.Close() }()
+	if err := ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, true, false, false, false, nil); err != nil {
+		if ae := brokerError(err); ae != nil && ae.Code == amqp091.NotFound {
+			return fmt.Errorf("exchange %q: %w: %s", name, ErrNotFound, ae.Reason)
+		}
+		if s.isDead() {
+			return errNotSent
+		}
+		return fmt.Errorf("check exchange %q: %w", name, err)
+	}
+	s.exchanges.Store(name, struct{}{})
+	return nil
+}
+
+func (s *pubSession) waitUnblocked(ctx context.Context) error {
+	s.blockMu.Lock()
+	b := s.blocked
+	s.blockMu.Unlock()
+	if b == nil {
+		return nil
+	}
+	select {
+	case <-b:
+		return nil
+	case <-s.dead:
+		return errNotSent
+	case <-ctx.Done():
+		return fmt.Errorf("broker blocks publishing (resource alarm): %w", ctx.Err())
+	}
+}
+
+func (s *pubSession) isDead() bool {
+	select {
+	case <-s.dead:
+		return true
+	default:
+		return false
+	}
+}
+
+func (s *pubSession) reason() error {
+	select {
+	case <-s.dead:
+		if s.deadErr != nil {
+			return s.deadErr
+		}
+	default:
+	}
+	return amqp091.ErrClosed
+}
+
+// drainWatchers empties notification channels nobody else reads, until
+// amqp091 closes them.
+func drainWatchers(w watchers) {
+	for range w.connClosed {
+	}
+	for range w.chClosed {
+	}
+	for range w.blocked {
+	}
+	for range w.returns {
+	}
+	for range w.confirms {
+	}
+}
+
+type watchers struct {
+	connClosed, chClosed <-chan *amqp091.Error
+	blocked              <-chan amqp091.Blocking
+	returns              <-chan amqp091.Return
+	confirms             <-chan amqp091.Confirmation
+}
+
+// watch drains every notification channel of the session until amqp091
+// closes them all, and wakes mandatory publishers.
+func (s *pubSession) watch(w watchers, log *zap.Logger) {
+	died := false
+	closeDone := make(chan struct{})
+	die := func(e *amqp091.Error, what string) {
+		if died {
+			return
+		}
+		err := fmt.Errorf("%s closed: %w", what, errOrClosed(e))
+		died = true
+		s.deadErr = err
+		close(s.dead)
+		// Closing from another goroutine: amqp091's reader may be waiting
+		// for this loop to take a notification.
+		go func() {
+			defer close(closeDone)
+			_ = s.conn.Close()
+		}()
+		s.setBlocked(false)
+		if e != nil { // nil: closed by us
+			log.Warn("publisher connection lost", zap.Error(err), zap.Uint64("generation", s.gen))
+		}
+	}
+	defer func() { <-closeDone }()
+	for w.connClosed != nil || w.chClosed != nil || w.blocked != nil || w.returns != nil || w.confirms != nil {
+		select {
+		case e, ok := <-w.connClosed:
+			if !ok {
+				w.connClosed = nil
+			}
+			die(e, "connection")
+		case e, ok := <-w.chClosed:
+			if !ok {
+				w.chClosed = nil
+			}
+			die(e, "channel")
+		case b, ok := <-w.blocked:
+			if !ok {
+				w.blocked = nil
+				continue
+			}
+			if b.Active {
+				log.Warn("broker blocks publishing", zap.String("reason", b.Reason))
+			} else {
+				log.Info("broker unblocked publishing")
+			}
+			s.setBlocked(b.Active)
+		case r, ok := <-w.returns:
+			if !ok {
+				w.returns = nil
+				continue
+			}
+			s.recordReturn(r)
+		case c, ok := <-w.confirms:
+			if !ok {
+				w.confirms = nil
+				continue
+			}
+			// Returns precede their confirm: take those already queued.
+			for drained := false; !drained && w.returns != nil; {
+				select {
+				case r, ok := <-w.returns:
+					if !ok {
+						w.returns = nil
+						break
+					}
+					s.recordReturn(r)
+				default:
+					drained = true
+				}
+			}
+			s.confirm(c.DeliveryTag)
+		}
+	}
+	die(nil, "connection")
+	s.mu.Lock()
+	for tag, mw := range s.byTag {
+		delete(s.byTag, tag)
+		close(mw.done)
+	}
+	s.mu.Unlock()
+}
+
+func (s *pubSession) recordReturn(r amqp091.Return) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if w := s.byID[r.MessageId]; w != nil {
+		w.ret = &r
+	}
+}
+
+func (s *pubSession) confirm(tag uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	prev := s.confirmed
+	s.confirmed = tag
+	if len(s.byTag) == 0 {
+		return
+	}
+	if tag == prev+1 {
+		if w := s.byTag[tag]; w != nil {
+			delete(s.byTag, tag)
+			close(w.done)
+		}
+		return
+	}
+	for t, w := range s.byTag { // a gap: a notification was lost
+		if t <= tag {
+			delete(s.byTag, t)
+			close(w.done)
+		}
+	}
+}
+
+func (s *pubSession) setBlocked(active bool) {
+	s.blockMu.Lock()
+	defer s.blockMu.Unlock()
+	switch {
+	case active && s.blocked == nil:
+		s.blocked = make(chan struct{})
+	case !active && s.blocked != nil:
+		close(s.blocked)
+		s.blocked = nil
+	}
+}
