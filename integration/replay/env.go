@@ -1,0 +1,457 @@
+package replay
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// DefaultLease is the claim lease the suite gives its workers: short, so
+// that crash scenarios finish fast.
+const DefaultLease = 2 * time.Second
+
+// Config describes the workers of an Env: which binary to start and how.
+type Config struct {
+	// Binary is the path of the worker binary (see Build).
+	Binary string
+	// Command is the arguments the binary gets, e.g. {"worker", "--demo"}
+	// for the onceler binary; settings come from the environment (see the
+	// package documentation).
+	Command []string
+	// Env holds extra environment variables ("NAME=value") for every worker.
+	Env []string
+	// Lease is the claim lease (ONCELER_LEASE). Default DefaultLease.
+	Lease time.Duration
+}
+
+// Env is one test's isolated world: its own queue (and quarantine queue),
+// its own record schema, a reply queue collecting every result, and the
+// worker processes it started. Everything is removed when the test ends.
+type Env struct {
+	t   testing.TB
+	cfg Config
+
+	// AMQPURL and DatabaseURL are the services the workers use.
+	AMQPURL, DatabaseURL string
+	// Queue is the queue the workers consume; Quarantine its quarantine.
+	Queue, Quarantine string
+	// ReplyTo is the reply queue every published task names.
+	ReplyTo string
+	// Schema is the record's PostgreSQL schema.
+	Schema string
+	// Pool is a pool on the test database (for effect counts).
+	Pool *pgxpool.Pool
+	// Store reads the record in Schema.
+	Store *idempotency.Store
+
+	conn    *amqp091.Connection
+	pubMu   sync.Mutex
+	pub     *amqp091.Channel
+	inspect *amqp091.Channel
+	replyCh *amqp091.Channel
+	done    chan struct{}
+
+	mu      sync.Mutex
+	replies map[string][]Reply
+	workers []*Worker
+	seq     int
+}
+
+// Reply is one result a worker sent to the reply queue (Celery's rpc
+// backend format).
+type Reply struct {
+	TaskID string
+	// Status is SUCCESS, FAILURE, RETRY or REVOKED.
+	Status string
+	// Result is the result, or the exception object of a failure.
+	Result json.RawMessage
+	// ExcType is the exception type of a failure ("" on success).
+	ExcType string
+}
+
+// NewEnv creates a queue, a reply queue and a migrated record schema for
+// the test, all removed when it ends.
+func NewEnv(t testing.TB, cfg Config) *Env {
+	t.Helper()
+	if cfg.Lease <= 0 {
+		cfg.Lease = DefaultLease
+	}
+	e := &Env{
+		t: t, cfg: cfg,
+		AMQPURL: testenv.AMQPURL(t), DatabaseURL: testenv.DatabaseURL(t),
+		Queue:   testenv.Name("replay"),
+		replies: make(map[string][]Reply),
+		done:    make(chan struct{}),
+	}
+	e.Quarantine = e.Queue + ".quarantine"
+	e.Pool = testenv.Pool(t)
+	e.Schema = testenv.Schema(t, e.Pool)
+	store, err := idempotency.New(e.Pool, idempotency.Config{Schema: e.Schema})
+	if err != nil {
+		t.Fatalf("open record: %v", err)
+	}
+	t.Cleanup(store.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatalf("migrate record: %v", err)
+	}
+	e.Store = store
+	if err := e.openBroker(); err != nil {
+		t.Fatalf("broker: %v", err)
+	}
+	t.Cleanup(e.close)
+	return e
+}
+
+// openBroker declares the queue as kombu does and starts collecting
+// replies.
+func (e *Env) openBroker() error {
+	conn, err := amqp091.DialConfig(e.AMQPURL, amqp091.Config{
+		Heartbeat:  10 * time.Second,
+		Properties: amqp091.Table{"connection_name": "replay-harness-" + e.Queue},
+	})
+	if err != nil {
+		return fmt.Errorf("dial: %w", err)
+	}
+	e.conn = conn
+	if e.pub, err = conn.Channel(); err != nil {
+		return fmt.Errorf("channel: %w", err)
+	}
+	if err := e.pub.Confirm(false); err != nil {
+		return fmt.Errorf("confirm mode: %w", err)
+	}
+	ch := e.pub
+	if err := ch.ExchangeDeclare(e.Queue, "direct", true, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare exchange: %w", err)
+	}
+	if _, err := ch.QueueDeclare(e.Queue, true, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare queue: %w", err)
+	}
+	if err := ch.QueueBind(e.Queue, e.Queue, e.Queue, false, nil); err != nil {
+		return fmt.Errorf("bind queue: %w", err)
+	}
+	if e.inspect, err = conn.Channel(); err != nil {
+		return fmt.Errorf("channel: %w", err)
+	}
+	// The reply queue as a Celery client declares it.
+	if e.replyCh, err = conn.Channel(); err != nil {
+		return fmt.Errorf("channel: %w", err)
+	}
+	q, err := e.replyCh.QueueDeclare(testenv.Name("replay_reply"), false, true, false, false,
+		amqp091.Table{"x-expires": int32(86400000)})
+	if err != nil {
+		return fmt.Errorf("declare reply queue: %w", err)
+	}
+	e.ReplyTo = q.Name
+	msgs, err := e.replyCh.Consume(q.Name, "", true, false, false, false, nil)
+	if err != nil {
+		return fmt.Errorf("consume replies: %w", err)
+	}
+	go e.collect(msgs)
+	return nil
+}
+
+func (e *Env) collect(msgs <-chan amqp091.Delivery) {
+	defer close(e.done)
+	for m := range msgs {
+		var body struct {
+			TaskID string          `json:"task_id"`
+			Status string          `json:"status"`
+			Result json.RawMessage `json:"result"`
+		}
+		r := Reply{TaskID: m.CorrelationId}
+		if err := json.Unmarshal(m.Body, &body); err == nil {
+			r.Status, r.Result = body.Status, body.Result
+			if body.TaskID != m.CorrelationId {
+				r.Status = "MISMATCHED_ID"
+			}
+			var exc struct {
+				Type string `json:"exc_type"`
+			}
+			if r.Status != "SUCCESS" && json.Unmarshal(body.Result, &exc) == nil {
+				r.ExcType = exc.Type
+			}
+		} else {
+			r.Status = "UNDECODABLE"
+		}
+		e.mu.Lock()
+		e.replies[r.TaskID] = append(e.replies[r.TaskID], r)
+		e.mu.Unlock()
+	}
+}
+
+func (e *Env) close() {
+	e.mu.Lock()
+	ws := append([]*Worker(nil), e.workers...)
+	e.mu.Unlock()
+	for _, w := range ws {
+		w.Kill()
+	}
+	if e.conn == nil {
+		return
+	}
+	if e.inspect != nil {
+		_, _ = e.inspect.QueueDelete(e.Queue, false, false, false)
+		_, _ = e.inspect.QueueDelete(e.Quarantine, false, false, false)
+		_ = e.inspect.ExchangeDelete(e.Queue, false, false)
+	}
+	_ = e.conn.Close()
+	if e.replyCh != nil {
+		<-e.done
+	}
+}
+
+// NewID returns a new task id (a random UUID, as Celery makes).
+func NewID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+// Message builds the Celery protocol 2 message a Python producer sends for
+// apply_async(args, kwargs, task_id=id) with the rpc result backend: the
+// reply queue in reply_to, the id as correlation id and root id.
+func (e *Env) Message(task, id string, args []any, kwargs map[string]any) *celeryproto.Message {
+	return &celeryproto.Message{
+		Protocol: 2, Task: task, ID: id, Args: args, Kwargs: kwargs,
+		RootID: id, ReplyTo: e.ReplyTo, CorrelationID: id,
+		Origin:   fmt.Sprintf("gen%d@replay", os.Getpid()),
+		ArgsRepr: reprArgs(args), KwargsRepr: reprKwargs(kwargs),
+	}
+}
+
+// Send publishes a task with a new id and returns the id.
+func (e *Env) Send(task string, args []any, kwargs map[string]any) string {
+	e.t.Helper()
+	id := NewID()
+	e.Publish(e.Message(task, id, args, kwargs))
+	return id
+}
+
+// Publish sends m to the queue as kombu does (default exchange, routing key
+// the queue name, persistent) and waits for the broker's confirm.
+func (e *Env) Publish(m *celeryproto.Message) {
+	e.t.Helper()
+	if err := e.TryPublish(context.Background(), m); err != nil {
+		e.t.Fatalf("publish %s[%s]: %v", m.Task, m.ID, err)
+	}
+}
+
+// TryPublish is Publish returning the error.
+func (e *Env) TryPublish(ctx context.Context, m *celeryproto.Message) error {
+	p, err := celeryproto.EncodeTask(m, celeryproto.EncodeOptions{Protocol: 2})
+	if err != nil {
+		return fmt.Errorf("encode: %w", err)
+	}
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	conf, err := e.pub.PublishWithDeferredConfirmWithContext(ctx, "", e.Queue, false, false, amqp091.Publishing{
+		ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: amqp091.Table(p.Headers),
+		Body: p.Body, CorrelationId: p.CorrelationID, ReplyTo: p.ReplyTo, DeliveryMode: amqp091.Persistent,
+		Priority: p.Priority, Expiration: p.Expiration,
+	})
+	if err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	ok, err := conf.WaitContext(ctx)
+	if err != nil {
+		return fmt.Errorf("confirm: %w", err)
+	}
+	if !ok {
+		return errors.New("broker nacked the message")
+	}
+	return nil
+}
+
+// Replies returns the results received so far for a task id.
+func (e *Env) Replies(id string) []Reply {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]Reply(nil), e.replies[id]...)
+}
+
+// ReplyCount returns how many task ids have at least one reply.
+func (e *Env) ReplyCount() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.replies)
+}
+
+// WaitReplies waits until each id has at least n replies, and reports
+// whether they all did within timeout.
+func (e *Env) WaitReplies(ids []string, n int, timeout time.Duration) bool {
+	return Eventually(timeout, func() bool {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		for _, id := range ids {
+			if len(e.replies[id]) < n {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// Eventually polls cond every 50 ms until it holds (true) or timeout
+// passes (false).
+func Eventually(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// QueueDepth returns the number of messages ready in the queue (not
+// counting those delivered and not yet acknowledged).
+func (e *Env) QueueDepth(name string) (int, error) {
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
+	q, err := e.inspect.QueueDeclarePassive(name, true, false, false, false, nil)
+	if err != nil {
+		return 0, fmt.Errorf("inspect queue %s: %w", name, err)
+	}
+	return q.Messages, nil
+}
+
+// Consumers returns the number of consumers of the queue.
+func (e *Env) Consumers() (int, error) {
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
+	q, err := e.inspect.QueueDeclarePassive(e.Queue, true, false, false, false, nil)
+	if err != nil {
+		return 0, fmt.Errorf("inspect queue %s: %w", e.Queue, err)
+	}
+	return q.Consumers, nil
+}
+
+// Quarantined is a message a worker moved to the quarantine queue.
+type Quarantined struct {
+	TaskID, Reason, Detail string
+}
+
+// TakeQuarantined removes and returns every message in the quarantine
+// queue (none when the queue was never declared).
+func (e *Env) TakeQuarantined() ([]Quarantined, error) {
+	if n, err := e.QueueDepth(e.Quarantine); err != nil || n == 0 {
+		if err != nil && strings.Contains(err.Error(), "NOT_FOUND") {
+			// The channel closed on the failed passive declare: reopen it.
+			e.pubMu.Lock()
+			e.inspect, err = e.conn.Channel()
+			e.pubMu.Unlock()
+			if err != nil {
+				return nil, fmt.Errorf("reopen channel: %w", err)
+			}
+			return nil, nil
+		}
+		return nil, err
+	}
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
+	var out []Quarantined
+	for {
+		d, ok, err := e.inspect.Get(e.Quarantine, true)
+		if err != nil {
+			return out, fmt.Errorf("get quarantined: %w", err)
+		}
+		if !ok {
+			return out, nil
+		}
+		reason, _ := d.Headers["x-onceler-reason"].(string)
+		detail, _ := d.Headers["x-onceler-detail"].(string)
+		out = append(out, Quarantined{TaskID: d.CorrelationId, Reason: reason, Detail: detail})
+	}
+}
+
+// StaleClaims returns how many records are claimed with a lapsed lease:
+// operations nobody is finishing.
+func (e *Env) StaleClaims(ctx context.Context) (int, error) {
+	var n int
+	err := e.Pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{e.Schema, "records"}.Sanitize()+
+		` WHERE status = 'claimed' AND lease_until < now()`).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count stale claims: %w", err)
+	}
+	return n, nil
+}
+
+// Takeovers returns how many stale claims of task the record took over
+// since the given time (policy retry or lookup).
+func (e *Env) Takeovers(ctx context.Context, task string, since time.Time) (int64, error) {
+	stats, err := e.Store.Repeats(ctx, since)
+	if err != nil {
+		return 0, err
+	}
+	for _, s := range stats {
+		if s.Task == task {
+			return s.Takeovers, nil
+		}
+	}
+	return 0, nil
+}
+
+// databaseURL adds application_name to the database URL, so that a test can
+// find (and terminate) exactly this worker's connections.
+func databaseURL(raw, app string) string {
+	if u, err := url.Parse(raw); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		q := u.Query()
+		q.Set("application_name", app)
+		u.RawQuery = q.Encode()
+		return u.String()
+	}
+	return raw + " application_name=" + app
+}
+
+func reprArgs(args []any) string {
+	parts := make([]string, len(args))
+	for i, a := range args {
+		parts[i] = repr(a)
+	}
+	if len(args) == 1 {
+		return "(" + parts[0] + ",)"
+	}
+	return "(" + strings.Join(parts, ", ") + ")"
+}
+
+func reprKwargs(kw map[string]any) string {
+	parts := make([]string, 0, len(kw))
+	for k, v := range kw {
+		parts = append(parts, "'"+k+"': "+repr(v))
+	}
+	return "{" + strings.Join(parts, ", ") + "}"
+}
+
+func repr(v any) string {
+	if s, ok := v.(string); ok {
+		return "'" + s + "'"
+	}
+	return fmt.Sprint(v)
+}

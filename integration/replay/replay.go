@@ -1,0 +1,432 @@
+package replay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/tasks"
+)
+
+// Target is a task to replay, and the worker binary that serves it.
+type Target struct {
+	// Binary is the worker binary (see Build); Command its arguments, e.g.
+	// {"worker", "--demo"} for onceler; Env extra environment variables.
+	Binary  string
+	Command []string
+	Env     []string
+
+	// Task is the Celery task name.
+	Task string
+	// Mode and Policy are the task's, as registered: they decide the effect
+	// counts each scenario asserts. Policy matters for ModeOutside only.
+	Mode   tasks.Mode
+	Policy tasks.Policy
+	// Arguments builds the Celery args and kwargs of operation op. op is
+	// unique per operation (for the run and the scenario); two calls with
+	// the same op must give the same arguments, and the same operation key.
+	Arguments func(op string) (args []any, kwargs map[string]any)
+	// Key is the operation key the task derives from Arguments(op).
+	// Default: op itself.
+	Key func(op string) string
+	// Effects counts the effects of operation op in the system it touches
+	// (rows written, calls made); pool is on the test database. Nil for a
+	// task without effects: then only the callers' results, the queue and
+	// the record are checked.
+	Effects func(ctx context.Context, pool *pgxpool.Pool, op string) (int, error)
+	// Setup runs once before the scenarios, e.g. to create the tables that
+	// Effects reads.
+	Setup func(ctx context.Context, pool *pgxpool.Pool) error
+
+	// NoRecord runs the workers with the record off (ONCELER_NO_RECORD):
+	// every scenario must then show the duplicate it exists to prevent, and
+	// the test fails if one does not.
+	NoRecord bool
+	// Lease is the workers' claim lease. Default DefaultLease.
+	Lease time.Duration
+	// Operations is the number of distinct operations of ScenarioMany.
+	// Default 60.
+	Operations int
+	// Scenarios limits the run to these scenarios. Default: all.
+	Scenarios []Scenario
+}
+
+// Scenario names one replay scenario; each runs as a subtest of that name.
+type Scenario string
+
+// The scenarios, in the order Run runs them.
+const (
+	// ScenarioRepeated delivers the same message three times in a row.
+	ScenarioRepeated Scenario = "repeated"
+	// ScenarioConcurrent delivers each operation to two workers at once.
+	ScenarioConcurrent Scenario = "concurrent"
+	// ScenarioCrashAfterClaim kills the worker after the claim; the
+	// producer re-sends the operation; another worker finishes it after the
+	// lease.
+	ScenarioCrashAfterClaim Scenario = "crash_after_claim"
+	// ScenarioCrashAfterEffect kills the worker after the effect, before
+	// completion; the producer re-sends the operation.
+	ScenarioCrashAfterEffect Scenario = "crash_after_effect"
+	// ScenarioCrashBeforeAck kills the worker after completion, before the
+	// ack; the producer re-sends the operation.
+	ScenarioCrashBeforeAck Scenario = "crash_before_ack"
+	// ScenarioMany sends many distinct operations over two workers, a fifth
+	// of them re-sent: no real work may be skipped.
+	ScenarioMany Scenario = "many"
+)
+
+// Scenarios returns every scenario, in order.
+func Scenarios() []Scenario {
+	return []Scenario{ScenarioRepeated, ScenarioConcurrent, ScenarioCrashAfterClaim,
+		ScenarioCrashAfterEffect, ScenarioCrashBeforeAck, ScenarioMany}
+}
+
+// Expectation is what a scenario guarantees for one operation.
+type Expectation struct {
+	// Effects is the exact effect count with the record.
+	Effects int
+	// Status is the record's final status.
+	Status idempotency.Status
+	// Answered says whether every caller gets a result (false for an
+	// operation held for a person to resolve).
+	Answered bool
+	// ExcType is the exception every caller gets ("" means SUCCESS).
+	ExcType string
+	// Takeover says a stale claim must have been taken over.
+	Takeover bool
+}
+
+// Expect returns what a scenario guarantees for a task of this mode and
+// policy, with the record on.
+func Expect(s Scenario, mode tasks.Mode, policy tasks.Policy) Expectation {
+	ok := Expectation{Effects: 1, Status: idempotency.StatusCompleted, Answered: true}
+	if mode != tasks.ModeOutside || (s != ScenarioCrashAfterClaim && s != ScenarioCrashAfterEffect) {
+		return ok
+	}
+	// The worker died holding the claim: after the lease the policy decides.
+	effect := 0 // the crash came before the effect
+	if s == ScenarioCrashAfterEffect {
+		effect = 1
+	}
+	switch policy {
+	case tasks.PolicyLookup:
+		// Not found: taken over and run once; found: completed from the
+		// lookup. Exactly one either way.
+		return Expectation{Effects: 1, Status: idempotency.StatusCompleted, Answered: true, Takeover: effect == 0}
+	case tasks.PolicyHold:
+		return Expectation{Effects: effect, Status: idempotency.StatusHeld}
+	case tasks.PolicySkip:
+		return Expectation{Effects: effect, Status: idempotency.StatusSkipped, Answered: true, ExcType: "OperationSkipped"}
+	default: // retry: run again, so at most two
+		return Expectation{Effects: effect + 1, Status: idempotency.StatusCompleted, Answered: true, Takeover: true}
+	}
+}
+
+// Run runs every scenario (or t.Scenarios) against the target, each as a
+// subtest with its own queue, record schema and worker processes.
+func Run(t *testing.T, target Target) {
+	t.Helper()
+	if target.Binary == "" || target.Task == "" || target.Arguments == nil {
+		t.Fatal("replay: Target needs Binary, Task and Arguments")
+	}
+	if target.Key == nil {
+		target.Key = func(op string) string { return op }
+	}
+	if target.Operations <= 0 {
+		target.Operations = 60
+	}
+	scenarios := target.Scenarios
+	if len(scenarios) == 0 {
+		scenarios = Scenarios()
+	}
+	run := strings.ReplaceAll(NewID()[:8], "-", "")
+	setup := false
+	for _, s := range scenarios {
+		t.Run(string(s), func(t *testing.T) {
+			r := &runner{t: t, tg: target, s: s, prefix: fmt.Sprintf("%s-%s", run, s), start: time.Now()}
+			r.e = NewEnv(t, Config{Binary: target.Binary, Command: target.Command, Env: target.Env, Lease: target.Lease})
+			if !setup && target.Setup != nil {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				if err := target.Setup(ctx, r.e.Pool); err != nil {
+					t.Fatalf("setup: %v", err)
+				}
+				setup = true
+			}
+			r.run()
+		})
+	}
+}
+
+// runner runs one scenario.
+type runner struct {
+	t      *testing.T
+	tg     Target
+	s      Scenario
+	e      *Env
+	prefix string
+	start  time.Time
+	ops    []string            // the operations
+	calls  map[string][]string // task ids per operation (one per caller)
+	sends  int                 // deliveries per task id in ScenarioRepeated
+}
+
+func (r *runner) op(i int) string { return fmt.Sprintf("%s-%d", r.prefix, i) }
+
+// send publishes operation op with a new task id (a new caller).
+func (r *runner) send(op string) string {
+	args, kwargs := r.tg.Arguments(op)
+	id := r.e.Send(r.tg.Task, args, kwargs)
+	r.calls[op] = append(r.calls[op], id)
+	return id
+}
+
+func (r *runner) worker(o WorkerOptions) *Worker {
+	o.NoRecord = r.tg.NoRecord
+	return r.e.StartWorker(o)
+}
+
+func (r *runner) run() {
+	r.calls = make(map[string][]string)
+	r.sends = 1
+	switch r.s {
+	case ScenarioRepeated:
+		r.repeated()
+	case ScenarioConcurrent:
+		r.concurrent()
+	case ScenarioCrashAfterClaim:
+		r.crash(tasks.CrashAfterClaim)
+	case ScenarioCrashAfterEffect:
+		r.crash(tasks.CrashAfterEffect)
+	case ScenarioCrashBeforeAck:
+		r.crash(tasks.CrashBeforeAck)
+	case ScenarioMany:
+		r.many()
+	default:
+		r.t.Fatalf("unknown scenario %q", r.s)
+	}
+	r.check()
+}
+
+// repeated: three operations, each message delivered three times in a row
+// (same task id, as a broker redelivery or a producer retry would).
+func (r *runner) repeated() {
+	r.worker(WorkerOptions{})
+	r.sends = 3
+	for i := range 3 {
+		op := r.op(i)
+		r.ops = append(r.ops, op)
+		args, kwargs := r.tg.Arguments(op)
+		m := r.e.Message(r.tg.Task, NewID(), args, kwargs)
+		r.calls[op] = []string{m.ID}
+		for range 3 {
+			r.e.Publish(m)
+		}
+	}
+}
+
+// concurrent: two workers; each operation sent twice back to back, so the
+// broker hands the copies to both workers at once.
+func (r *runner) concurrent() {
+	r.worker(WorkerOptions{})
+	r.worker(WorkerOptions{})
+	for i := range 5 {
+		op := r.op(i)
+		r.ops = append(r.ops, op)
+		r.send(op)
+		r.send(op)
+	}
+}
+
+// crash: a worker armed to die at the point takes the operation; once it is
+// dead, a second worker starts and the producer re-sends the operation (a
+// client whose call timed out).
+func (r *runner) crash(at string) {
+	w1 := r.worker(WorkerOptions{CrashAt: at, CrashTask: r.tg.Task, Concurrency: 1, Prefetch: 1})
+	op := r.op(0)
+	r.ops = []string{op}
+	first := r.send(op)
+	// Without the record the pure path has no claim and no completion: the
+	// worker may not reach the crash point. Either it dies, or it answers.
+	noClaim := r.tg.NoRecord || r.tg.Mode == tasks.ModePure
+	ok := Eventually(60*time.Second, func() bool {
+		return w1.Exited() || (noClaim && len(r.e.Replies(first)) > 0)
+	})
+	if !ok {
+		r.t.Fatalf("worker armed with %s neither crashed nor answered within 60s", at)
+	}
+	if !noClaim && !w1.Crashed() {
+		r.t.Fatalf("worker armed with %s ended but not by its crash injection: %s", at, w1.State())
+	}
+	w1.Kill()
+	r.worker(WorkerOptions{})
+	r.send(op)
+}
+
+// many: distinct operations over two workers, every fifth re-sent.
+func (r *runner) many() {
+	r.worker(WorkerOptions{})
+	r.worker(WorkerOptions{})
+	for i := range r.tg.Operations {
+		op := r.op(i)
+		r.ops = append(r.ops, op)
+		r.send(op)
+		if i%5 == 4 {
+			r.send(r.op(i - 2))
+		}
+	}
+}
+
+func (r *runner) expect() Expectation {
+	if r.tg.Effects == nil && r.tg.Mode == tasks.ModePure {
+		return Expectation{Answered: true}
+	}
+	return Expect(r.s, r.tg.Mode, r.tg.Policy)
+}
+
+// check waits for the outcome and asserts it.
+func (r *runner) check() {
+	t := r.t
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	want := r.expect()
+	if r.tg.NoRecord {
+		want = Expectation{Answered: true}
+	}
+	var ids []string
+	for _, op := range r.ops {
+		ids = append(ids, r.calls[op]...)
+	}
+	timeout := 60*time.Second + 4*r.e.cfg.Lease
+	if want.Answered {
+		if !r.e.WaitReplies(ids, r.sends, timeout) {
+			t.Errorf("not every caller got a result within %s", timeout)
+		}
+	} else {
+		// Held: no caller gets a result; wait for the record to say held
+		// and for the re-sent delivery to find it held.
+		Eventually(timeout, func() bool { return r.statusIs(ctx, want.Status) })
+		time.Sleep(r.e.cfg.Lease + 3*time.Second)
+	}
+	if r.tg.Effects != nil && want.Answered {
+		// A duplicate that answers from the record may answer before a
+		// still-running copy ends (no record); let effects settle.
+		time.Sleep(500 * time.Millisecond)
+	}
+	r.e.StopAll()
+
+	// Results.
+	for _, op := range r.ops {
+		for _, id := range r.calls[op] {
+			reps := r.e.Replies(id)
+			if !want.Answered {
+				for _, rep := range reps {
+					if rep.Status == "SUCCESS" {
+						t.Errorf("operation %s task %s: held, yet its caller got SUCCESS", op, id)
+					}
+				}
+				continue
+			}
+			if len(reps) < r.sends {
+				t.Errorf("operation %s task %s: %d results, want %d (one per delivery)", op, id, len(reps), r.sends)
+			}
+			for _, rep := range reps {
+				wantStatus := "SUCCESS"
+				if want.ExcType != "" {
+					wantStatus = "FAILURE"
+				}
+				if rep.Status != wantStatus || rep.ExcType != want.ExcType {
+					t.Errorf("operation %s task %s: result %s %s %s, want %s %s", op, id, rep.Status, rep.ExcType,
+						rep.Result, wantStatus, want.ExcType)
+				}
+			}
+		}
+	}
+	// The queue and the quarantine are empty.
+	if n, err := r.e.QueueDepth(r.e.Queue); err != nil || n != 0 {
+		t.Errorf("queue %s: %d messages left (err %v), want 0", r.e.Queue, n, err)
+	}
+	if q, err := r.e.TakeQuarantined(); err != nil || len(q) != 0 {
+		t.Errorf("quarantine: %v (err %v), want none", q, err)
+	}
+	// Effects.
+	counts := make(map[string]int)
+	if r.tg.Effects != nil {
+		for _, op := range r.ops {
+			n, err := r.tg.Effects(ctx, r.e.Pool, op)
+			if err != nil {
+				t.Fatalf("count effects of %s: %v", op, err)
+			}
+			counts[op] = n
+		}
+	}
+	if r.tg.NoRecord {
+		r.checkNoRecord(counts)
+		return
+	}
+	for _, op := range r.ops {
+		if r.tg.Effects != nil && counts[op] != want.Effects {
+			t.Errorf("operation %s: %d effects, want %d (%s, mode %s, policy %s)", op, counts[op], want.Effects,
+				r.s, r.tg.Mode, r.tg.Policy)
+		}
+		if r.tg.Mode != tasks.ModePure {
+			rec, err := r.e.Store.Get(ctx, r.tg.Task, r.tg.Key(op))
+			if err != nil {
+				t.Errorf("operation %s: record: %v", op, err)
+			} else if rec.Status != want.Status {
+				t.Errorf("operation %s: record %s (%s), want %s", op, rec.Status, rec.Reason, want.Status)
+			}
+		}
+	}
+	if want.Takeover {
+		n, err := r.e.Takeovers(ctx, r.tg.Task, r.start.Add(-time.Minute))
+		if err != nil || n < 1 {
+			t.Errorf("takeovers counted: %d (err %v), want at least 1", n, err)
+		}
+	}
+	if n, err := r.e.StaleClaims(ctx); err != nil || n != 0 {
+		t.Errorf("stale claims: %d (err %v), want 0", n, err)
+	}
+}
+
+func (r *runner) statusIs(ctx context.Context, s idempotency.Status) bool {
+	for _, op := range r.ops {
+		rec, err := r.e.Store.Get(ctx, r.tg.Task, r.tg.Key(op))
+		if err != nil || rec.Status != s {
+			return false
+		}
+	}
+	return true
+}
+
+// checkNoRecord asserts that, without the record, the scenario shows the
+// duplicate the record prevents: some operation had its effect again.
+func (r *runner) checkNoRecord(counts map[string]int) {
+	if r.tg.Effects == nil {
+		r.t.Logf("no effects to count: %s only checks results without the record", r.s)
+		return
+	}
+	dup := 0
+	for _, op := range r.ops {
+		if counts[op] > 1 {
+			dup++
+		}
+	}
+	vals := make([]int, 0, len(r.ops))
+	for _, op := range r.ops {
+		vals = append(vals, counts[op])
+	}
+	if dup == 0 {
+		r.t.Errorf("without the record, %s showed no duplicate effect (effects per operation %v): the scenario does not test what the record prevents",
+			r.s, vals)
+		return
+	}
+	r.t.Logf("without the record, as expected: %d of %d operations had their effect more than once (max %d)",
+		dup, len(r.ops), slices.Max(vals))
+}

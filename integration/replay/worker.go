@@ -1,0 +1,270 @@
+package replay
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// WorkerOptions are the settings of one worker process.
+type WorkerOptions struct {
+	// CrashAt arms crash injection (ONCELER_CRASH_AT): after_claim,
+	// after_effect or before_ack. CrashTask limits it to one task.
+	CrashAt, CrashTask string
+	// NoRecord runs the worker without the idempotency record
+	// (ONCELER_NO_RECORD=true).
+	NoRecord bool
+	// Concurrency and Prefetch (ONCELER_CONCURRENCY, ONCELER_PREFETCH);
+	// default 4 and 8.
+	Concurrency, Prefetch int
+	// Env holds extra environment variables for this worker.
+	Env []string
+	// NoWait returns without waiting for the worker to consume.
+	NoWait bool
+}
+
+// Worker is a worker process started by StartWorker. It is killed when the
+// test ends, whatever happens.
+type Worker struct {
+	// Name is its node name (ONCELER_HOSTNAME), also its broker connection
+	// name and its PostgreSQL application_name.
+	Name string
+	// LogPath is the file that holds its stderr and stdout.
+	LogPath string
+
+	e    *Env
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// StartWorker starts a worker process on the Env's queue and schema and
+// waits until it consumes.
+func (e *Env) StartWorker(o WorkerOptions) *Worker {
+	e.t.Helper()
+	if o.Concurrency <= 0 {
+		o.Concurrency = 4
+	}
+	if o.Prefetch <= 0 {
+		o.Prefetch = 2 * o.Concurrency
+	}
+	e.mu.Lock()
+	e.seq++
+	seq := e.seq
+	e.mu.Unlock()
+	name := testenv.Name(fmt.Sprintf("replay%d", seq))
+	dir := e.t.TempDir()
+	logPath := filepath.Join(dir, name+".log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		e.t.Fatalf("worker log: %v", err)
+	}
+	defer logFile.Close()
+	env := []string{}
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "ONCELER_") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env,
+		"ONCELER_BROKER_URL="+e.AMQPURL,
+		"ONCELER_DATABASE_URL="+databaseURL(e.DatabaseURL, name),
+		"ONCELER_SCHEMA="+e.Schema,
+		"ONCELER_QUEUES="+e.Queue,
+		"ONCELER_LEASE="+e.cfg.Lease.String(),
+		"ONCELER_HOSTNAME="+name,
+		"ONCELER_CONCURRENCY="+strconv.Itoa(o.Concurrency),
+		"ONCELER_PREFETCH="+strconv.Itoa(o.Prefetch),
+		"ONCELER_GRACE=5s",
+		"ONCELER_LOG_FORMAT=json",
+		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
+	)
+	if o.CrashAt != "" {
+		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
+	}
+	env = append(env, e.cfg.Env...)
+	env = append(env, o.Env...)
+	cmd := exec.Command(e.cfg.Binary, e.cfg.Command...)
+	cmd.Env = env
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		e.t.Fatalf("start worker %s: %v", e.cfg.Binary, err)
+	}
+	w := &Worker{Name: name, LogPath: logPath, e: e, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(w.done)
+	}()
+	e.mu.Lock()
+	e.workers = append(e.workers, w)
+	e.mu.Unlock()
+	e.t.Cleanup(func() {
+		w.Kill()
+		if e.t.Failed() {
+			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.State(), w.LogTail(6000))
+		}
+	})
+	if !o.NoWait {
+		e.waitConsumers(w)
+	}
+	return w
+}
+
+// waitConsumers waits until every live worker consumes the queue.
+func (e *Env) waitConsumers(w *Worker) {
+	e.t.Helper()
+	ok := Eventually(90*time.Second, func() bool {
+		if w != nil && w.Exited() {
+			return true
+		}
+		n, err := e.Consumers()
+		return err == nil && n >= e.Live()
+	})
+	if w != nil && w.Exited() {
+		e.t.Fatalf("worker %s exited at start (%s):\n%s", w.Name, w.State(), w.LogTail(4000))
+	}
+	if !ok {
+		e.t.Fatalf("workers not consuming after 90s (%d live)", e.Live())
+	}
+}
+
+// Live returns how many of the Env's worker processes are running.
+func (e *Env) Live() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, w := range e.workers {
+		if !w.Exited() {
+			n++
+		}
+	}
+	return n
+}
+
+// Workers returns the worker processes started so far.
+func (e *Env) Workers() []*Worker {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]*Worker(nil), e.workers...)
+}
+
+// StopAll stops every live worker gracefully (SIGTERM), killing those that
+// do not stop within 30 s.
+func (e *Env) StopAll() {
+	for _, w := range e.Workers() {
+		w.Stop()
+	}
+}
+
+// Exited reports whether the process has ended.
+func (w *Worker) Exited() bool {
+	select {
+	case <-w.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// WaitExit waits until the process ends and reports whether it did within
+// timeout.
+func (w *Worker) WaitExit(timeout time.Duration) bool {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-w.done:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+// Signal sends sig to the process (SIGSTOP, SIGCONT, ...).
+func (w *Worker) Signal(sig syscall.Signal) error {
+	if w.Exited() {
+		return fmt.Errorf("worker %s has exited", w.Name)
+	}
+	if err := w.cmd.Process.Signal(sig); err != nil {
+		return fmt.Errorf("signal worker %s: %w", w.Name, err)
+	}
+	return nil
+}
+
+// Kill ends the process with SIGKILL (after SIGCONT, should it be stopped)
+// and waits for it.
+func (w *Worker) Kill() {
+	if w.Exited() {
+		return
+	}
+	_ = w.cmd.Process.Signal(syscall.SIGKILL)
+	_ = w.cmd.Process.Signal(syscall.SIGCONT)
+	<-w.done
+}
+
+// Stop asks the process to stop (SIGTERM), waits up to 30 s, then kills it.
+func (w *Worker) Stop() {
+	if w.Exited() {
+		return
+	}
+	_ = w.cmd.Process.Signal(syscall.SIGCONT)
+	_ = w.cmd.Process.Signal(syscall.SIGTERM)
+	if !w.WaitExit(30 * time.Second) {
+		w.e.t.Errorf("worker %s did not stop within 30s after SIGTERM; killed", w.Name)
+		w.Kill()
+	}
+}
+
+// State describes how the process ended, or "running".
+func (w *Worker) State() string {
+	if !w.Exited() {
+		return "running"
+	}
+	return w.cmd.ProcessState.String()
+}
+
+// Crashed reports whether the process ended by SIGKILL (crash injection or
+// Kill).
+func (w *Worker) Crashed() bool {
+	if !w.Exited() {
+		return false
+	}
+	ws, ok := w.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+// Log returns everything the process wrote so far.
+func (w *Worker) Log() string {
+	b, err := os.ReadFile(w.LogPath)
+	if err != nil {
+		return "(no log: " + err.Error() + ")"
+	}
+	return string(b)
+}
+
+// LogTail returns the last n bytes of the log.
+func (w *Worker) LogTail(n int) string {
+	s := w.Log()
+	if len(s) > n {
+		return "..." + s[len(s)-n:]
+	}
+	return s
+}
+
+// Build compiles a Go main package (e.g. "github.com/onceler/onceler/cmd/onceler"
+// or "./cmd/mytasks") into dir and returns the binary's path. Build once per
+// test run, in TestMain, and hand the path to the suite.
+func Build(ctx context.Context, dir, pkg string) (string, error) {
+	out := filepath.Join(dir, filepath.Base(strings.TrimSuffix(pkg, "/")))
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, pkg)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build %s: %w\n%s", pkg, err, b)
+	}
+	return out, nil
+}
