@@ -39,7 +39,7 @@ func fromField(v any) (any, bool) {
 				x[i] = ne
 			}
 		}
-		return x, false
+		return v, false // converted in place; re-boxing x would allocate
 	case uint8:
 		return int64(x), true
 	case uint16:
