@@ -2,6 +2,8 @@ package tasks
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"net/http"
 	"os"
 	"time"
@@ -165,6 +167,13 @@ func (s *revokedSet) has(id string) bool {
 	return ok
 }
 
+// keyHash identifies an operation key in events without revealing it: the
+// first 8 bytes of its SHA-256, in hex.
+func keyHash(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return hex.EncodeToString(sum[:8])
+}
+
 // event hands an event to the Observer, with Celery's common task fields.
 func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[string]any) {
 	if w.cfg.Observer == nil || j.msg == nil {
@@ -177,7 +186,9 @@ func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[strin
 	if _, ok := fields["name"]; !ok {
 		fields["name"] = j.msg.Task
 	}
-	fields["hostname"] = w.cfg.Hostname
+	if j.key != "" {
+		fields["onceler_key_sha256"] = keyHash(j.key)
+	}
 	w.cfg.Observer.Event(ctx, typ, fields)
 }
 

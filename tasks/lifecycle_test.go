@@ -223,3 +223,57 @@ func TestNoRecord(t *testing.T) {
 		t.Errorf("%d effects without the record, want 3", n)
 	}
 }
+
+type recorder struct {
+	mu     sync.Mutex
+	events []map[string]any
+}
+
+func (r *recorder) Event(_ context.Context, typ string, fields map[string]any) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	fields["type"] = typ
+	r.events = append(r.events, fields)
+}
+
+// TestObserverEvents: the Observer sees Celery's task events with their
+// fields, a duplicate marked onceler_duplicate, and never argument values
+// beyond Celery's own reprs or the operation key itself.
+func TestObserverEvents(t *testing.T) {
+	e := newEnv(t)
+	rec := &recorder{}
+	cfg := e.config()
+	cfg.Observer, cfg.Concurrency = rec, 1
+	e.start(testRegistry(t, &effects{}), cfg)
+	res := e.python(2, "json",
+		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "ev-1", "amount": 3}},
+		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "ev-1", "amount": 3}},
+		pyCall{Task: "t.fail_value", Args: []any{1, 2}},
+	)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	var got []string
+	for _, ev := range rec.events {
+		s := fmt.Sprintf("%s:%s", ev["type"], ev["uuid"])
+		if ev["onceler_duplicate"] == true {
+			s += ":dup"
+		}
+		got = append(got, s)
+		if ev["type"] == "task-received" && (ev["kwargs"] == nil || ev["name"] == nil || ev["retries"] == nil) {
+			t.Errorf("task-received fields: %v", ev)
+		}
+		for k, v := range ev {
+			if fmt.Sprint(v) == "ev-1" {
+				t.Errorf("event %s field %s carries the operation key", ev["type"], k)
+			}
+		}
+	}
+	want := []string{
+		"task-received:" + res[0].ID, "task-started:" + res[0].ID, "task-succeeded:" + res[0].ID,
+		"task-received:" + res[1].ID, "task-succeeded:" + res[1].ID + ":dup",
+		"task-received:" + res[2].ID, "task-started:" + res[2].ID, "task-failed:" + res[2].ID,
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("events\n got %v\nwant %v", got, want)
+	}
+}

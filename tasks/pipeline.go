@@ -252,6 +252,7 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	w.m.duplicates.WithLabelValues(j.h.name).Inc()
 	w.log.Debug("duplicate suppressed", w.fields(j)...)
+	w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
 	if !w.replySuccess(ctx, j, stored) {
 		return
 	}

@@ -170,7 +170,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		return
 	}
 	w.m.retried.WithLabelValues(j.h.name).Inc()
-	w.event(ctx, "task-retried", j, map[string]any{"exception": rr.Error()})
+	w.event(ctx, "task-retried", j, map[string]any{"exception": fmt.Sprintf("Retry(%q)", rr.Error()), "traceback": ""})
 	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
 	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
 		return

@@ -184,7 +184,8 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		w.totals[j.h.name]++
 		w.mu.Unlock()
 		w.m.inFlight.Dec()
-		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(time.Since(rs.started).Seconds())
+		j.runtime = time.Since(rs.started)
+		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(j.runtime.Seconds())
 	}()
 	v, err := protect(tctx, c, fn)
 	if err != nil {
@@ -229,7 +230,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if taskErr == nil {
 		w.m.succeeded.WithLabelValues(j.h.name).Inc()
 		w.log.Debug("task succeeded", w.fields(j)...)
-		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res)})
+		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
 		if !w.replySuccess(ctx, j, res) {
 			return
 		}
@@ -263,7 +264,8 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrTimeLimit) {
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: w.hardLimit(j).String()}
 	}
-	w.event(ctx, "task-failed", j, map[string]any{"exception": exc.Type + "(" + fmt.Sprintf("%q", exc.Message) + ")"})
+	w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
+		"traceback": taskErr.Error()})
 	if !w.replyFailure(ctx, j, exc, taskErr) {
 		return
 	}

@@ -69,6 +69,7 @@ type job struct {
 	fp       []byte
 	checks   int  // deferrals so far
 	waiting  bool // deferred because the operation was in progress elsewhere
+	runtime  time.Duration
 }
 
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens
