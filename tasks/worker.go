@@ -173,6 +173,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer consCancel()
 	consDone := make(chan error, 1)
 	go func() { consDone <- w.consumer.Run(consCtx, w.receive) }()
+	var watch sync.WaitGroup
+	watch.Add(1)
+	go func() {
+		defer watch.Done()
+		w.watchReconnects(consCtx)
+	}()
+	defer watch.Wait()
 
 	w.log.Info("worker started", zap.Int("concurrency", w.cfg.Concurrency), zap.Int("prefetch", w.cfg.Prefetch),
 		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.NoRecord))
@@ -228,6 +235,30 @@ func (w *Worker) Run(ctx context.Context) error {
 	}
 	w.log.Info("worker stopped")
 	return runErr
+}
+
+// watchReconnects counts the consumer's returns to consuming after a loss.
+func (w *Worker) watchReconnects(ctx context.Context) {
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	was := false
+	lost := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		now := w.consumer.Ready()
+		switch {
+		case was && !now:
+			lost = true
+		case !was && now && lost:
+			w.m.reconnects.Inc()
+			w.log.Info("consuming again after a broker connection loss")
+		}
+		was = now
+	}
 }
 
 // quarantineName is the quarantine queue of queue q.
