@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -67,14 +68,19 @@ func (e *unknownError) Unwrap() []error {
 }
 
 // writeError classifies the error of a write that was sent to the server:
-// a server error means the transaction rolled back; a failure before the
-// request was sent is definite too; anything else may have committed.
+// a server error means the transaction rolled back, and a failure to
+// connect or a context already done before sending means nothing was sent.
+// Anything else may have committed. (pgconn.SafeToRetry alone is not
+// trusted here: a connection lost while the request was being written can
+// surface as a "conn closed" lock error that claims to be safe.)
 func writeError(op string, err error) error {
 	if err == nil {
 		return nil
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) || pgconn.SafeToRetry(err) {
+	var connErr *pgconn.ConnectError
+	if errors.As(err, &pgErr) || errors.As(err, &connErr) ||
+		(pgconn.SafeToRetry(err) && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded))) {
 		return fmt.Errorf("%s: %w", op, err)
 	}
 	return fmt.Errorf("%s: %w", op, &unknownError{err: err})
