@@ -239,3 +239,25 @@ func TestPublishUnreachableBrokerHonoursContext(t *testing.T) {
 	}
 	assertNoSecret(t, err.Error(), "s3cr3t-pw")
 }
+
+// While the broker blocks the connection (resource alarm), publishes wait,
+// bounded by their context, and go on once it unblocks.
+func TestPublishWaitsWhileBlocked(t *testing.T) {
+	s := &pubSession{dead: make(chan struct{})}
+	s.setBlocked(true)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := s.waitUnblocked(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("blocked wait = %v, want the context's deadline", err)
+	}
+	go func() {
+		time.Sleep(30 * time.Millisecond)
+		s.setBlocked(false)
+	}()
+	must(t, s.waitUnblocked(ctxTimeout(t, 5*time.Second)), "wait until unblocked")
+	s.setBlocked(true)
+	close(s.dead)
+	if err := s.waitUnblocked(ctxTimeout(t, 5*time.Second)); !errors.Is(err, errNotSent) {
+		t.Fatalf("blocked then dead = %v, want errNotSent (retried on a new connection)", err)
+	}
+}
