@@ -69,7 +69,7 @@ func (b *boxer) slice(vals []any) any {
 		return b.sliceHeader(s)
 	}
 	if b.chunk == nil || cap(b.chunk)-len(b.chunk) < n {
-		b.chunk = make([]any, 0, 4*slabSize)
+		b.chunk = make([]any, 0, 2*slabSize)
 	}
 	start := len(b.chunk)
 	b.chunk = append(b.chunk, vals...)

@@ -1,14 +1,11 @@
 package celeryproto
 
-import (
-	"fmt"
-	"math"
-	"time"
-)
+import "sync"
 
 // Decoder decodes deliveries within its Limits. It is safe for concurrent use.
 type Decoder struct {
-	limits Limits
+	limits  Limits
+	scratch sync.Pool // *scratch: the JSON parser's element stacks
 }
 
 // NewDecoder returns a Decoder; a zero MaxBodyBytes means DefaultMaxBodyBytes.
@@ -16,7 +13,7 @@ func NewDecoder(l Limits) *Decoder {
 	if l.MaxBodyBytes <= 0 {
 		l.MaxBodyBytes = DefaultMaxBodyBytes
 	}
-	return &Decoder{limits: l}
+	return &Decoder{limits: l, scratch: sync.Pool{New: newScratch}}
 }
 
 var defaultDecoder = NewDecoder(Limits{})
@@ -66,7 +63,7 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 			m.Compression = cs
 		}
 	}
-	payload, err := unmarshal(ser, body)
+	payload, err := dec.unmarshal(ser, body)
 	if err != nil {
 		return nil, decodeErr(ErrMalformed, err, "cannot decode %s body", ser)
 	}
@@ -241,263 +238,4 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 		}
 	}
 	return nil
-}
-
-func badField(k string, v any, want string) error {
-	return decodeErr(ErrBadHeader, nil, "%s must be %s, got %s", k, want, typeName(v))
-}
-
-func str(k string, v any) (string, error) {
-	switch x := v.(type) {
-	case nil:
-		return "", nil
-	case string:
-		return x, nil
-	case []byte:
-		return string(x), nil
-	}
-	return "", badField(k, v, "a string")
-}
-
-func boolValue(k string, v any) (bool, error) {
-	switch x := v.(type) {
-	case nil:
-		return false, nil
-	case bool:
-		return x, nil
-	}
-	if n, ok, err := intValue(k, v); err == nil && ok {
-		return n != 0, nil
-	}
-	return false, badField(k, v, "a bool")
-}
-
-// intValue accepts every integer width, integral floats and nil (ok false).
-func intValue(k string, v any) (int64, bool, error) {
-	switch x := v.(type) {
-	case nil:
-		return 0, false, nil
-	case int64:
-		return x, true, nil
-	case int:
-		return int64(x), true, nil
-	case int8:
-		return int64(x), true, nil
-	case int16:
-		return int64(x), true, nil
-	case int32:
-		return int64(x), true, nil
-	case uint8:
-		return int64(x), true, nil
-	case uint16:
-		return int64(x), true, nil
-	case uint32:
-		return int64(x), true, nil
-	case uint64:
-		if x <= math.MaxInt64 {
-			return int64(x), true, nil
-		}
-	case uint:
-		if uint64(x) <= math.MaxInt64 {
-			return int64(x), true, nil
-		}
-	case float64:
-		if x == math.Trunc(x) && math.Abs(x) < 1<<53 {
-			return int64(x), true, nil
-		}
-	case float32:
-		if float64(x) == math.Trunc(float64(x)) && math.Abs(float64(x)) < 1<<24 {
-			return int64(x), true, nil
-		}
-	}
-	return 0, false, badField(k, v, "an integer")
-}
-
-// seconds reads a time limit element: a number of seconds or nil.
-func seconds(v any) (time.Duration, error) {
-	var f float64
-	switch x := v.(type) {
-	case float64:
-		f = x
-	case float32:
-		f = float64(x)
-	default:
-		n, ok, err := intValue("timelimit element", v)
-		if err != nil || !ok {
-			return 0, err
-		}
-		f = float64(n)
-	}
-	if math.IsNaN(f) || f < 0 || f > float64(math.MaxInt64/int64(time.Second)) {
-		return 0, decodeErr(ErrBadHeader, nil, "timelimit element out of range: %v", f)
-	}
-	return time.Duration(f * float64(time.Second)), nil
-}
-
-func timeLimitValue(v any) (TimeLimit, error) {
-	var tl TimeLimit
-	if v == nil {
-		return tl, nil
-	}
-	list, ok := v.([]any)
-	if !ok {
-		switch x := v.(type) {
-		case []int64:
-			list = make([]any, len(x))
-			for i, e := range x {
-				list[i] = e
-			}
-		case []float64:
-			list = make([]any, len(x))
-			for i, e := range x {
-				list[i] = e
-			}
-		default:
-			return tl, badField("timelimit", v, "a [hard, soft] list")
-		}
-	}
-	if len(list) != 2 {
-		return tl, decodeErr(ErrBadHeader, nil, "timelimit must have 2 elements [hard, soft], got %d", len(list))
-	}
-	var err error
-	if tl.Hard, err = seconds(list[0]); err != nil {
-		return tl, err
-	}
-	if tl.Soft, err = seconds(list[1]); err != nil {
-		return tl, err
-	}
-	return tl, nil
-}
-
-func timeValue(k string, v any) (time.Time, error) {
-	switch x := v.(type) {
-	case nil:
-		return time.Time{}, nil
-	case time.Time:
-		return x.UTC(), nil
-	case string:
-		if x == "" {
-			return time.Time{}, nil
-		}
-		t, err := ParseTime(x)
-		if err != nil {
-			return time.Time{}, decodeErr(ErrBadHeader, err, "bad %s", k)
-		}
-		return t, nil
-	case []byte:
-		return timeValue(k, string(x))
-	}
-	return time.Time{}, badField(k, v, "an ISO 8601 time")
-}
-
-func stringList(k string, v any) ([]string, error) {
-	if v == nil {
-		return nil, nil
-	}
-	list, ok := v.([]any)
-	if !ok {
-		return nil, badField(k, v, "a list of strings")
-	}
-	out := make([]string, 0, len(list))
-	for _, e := range list {
-		s, ok := e.(string)
-		if !ok {
-			return nil, badField(k+" element", e, "a string")
-		}
-		out = append(out, s)
-	}
-	return out, nil
-}
-
-func argsValue(k string, v any) ([]any, error) {
-	switch x := v.(type) {
-	case nil:
-		return []any{}, nil
-	case []any:
-		return x, nil
-	}
-	return nil, decodeErr(ErrShape, nil, "%s must be a list, got %s", k, typeName(v))
-}
-
-func kwargsValue(k string, v any) (map[string]any, error) {
-	switch x := v.(type) {
-	case nil:
-		return map[string]any{}, nil
-	case map[string]any:
-		return x, nil
-	}
-	return nil, decodeErr(ErrShape, nil, "%s must be a mapping, got %s", k, typeName(v))
-}
-
-func signatures(k string, v any) ([]Signature, error) {
-	if v == nil {
-		return nil, nil
-	}
-	list, ok := v.([]any)
-	if !ok {
-		return nil, decodeErr(ErrShape, nil, "embed %s must be a list of signatures, got %s", k, typeName(v))
-	}
-	out := make([]Signature, 0, len(list))
-	for _, e := range list {
-		s, err := signature(k, e)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, s)
-	}
-	return out, nil
-}
-
-func signature(k string, v any) (Signature, error) {
-	var s Signature
-	m, ok := v.(map[string]any)
-	if !ok {
-		return s, decodeErr(ErrShape, nil, "%s signature must be a mapping, got %s", k, typeName(v))
-	}
-	var err error
-	if s.Task, err = str(k+".task", m["task"]); err != nil {
-		return s, err
-	}
-	if s.Args, err = argsValue(k+".args", m["args"]); err != nil {
-		return s, err
-	}
-	if s.Kwargs, err = kwargsValue(k+".kwargs", m["kwargs"]); err != nil {
-		return s, err
-	}
-	if s.Options, err = kwargsValue(k+".options", m["options"]); err != nil {
-		return s, err
-	}
-	if s.SubtaskType, err = str(k+".subtask_type", m["subtask_type"]); err != nil {
-		return s, err
-	}
-	if s.Immutable, err = boolValue(k+".immutable", m["immutable"]); err != nil {
-		return s, err
-	}
-	return s, nil
-}
-
-// typeName names a decoded value's type the way the wire would: object,
-// array, string, number, ...
-func typeName(v any) string {
-	switch v.(type) {
-	case nil:
-		return "null"
-	case map[string]any:
-		return "object"
-	case []any:
-		return "array"
-	case string:
-		return "string"
-	case bool:
-		return "bool"
-	case int, int8, int16, int32, int64, uint, uint8, uint16, uint32, uint64:
-		return "integer"
-	case float32, float64:
-		return "number"
-	case []byte:
-		return "bytes"
-	case time.Time:
-		return "time"
-	}
-	return fmt.Sprintf("%T", v)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"sync"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -37,17 +38,35 @@ type kv struct {
 
 var errSyntax = errors.New("invalid JSON")
 
-func decodeJSON(data []byte) (any, error) {
-	d := jsonDecoder{data: data, src: string(data), vals: make([]any, 0, 32), kvs: make([]kv, 0, 32)}
+// scratch holds the element stacks between decodes (they are empty and
+// cleared when returned).
+type scratch struct {
+	vals []any
+	kvs  []kv
+}
+
+func newScratch() any {
+	return &scratch{vals: make([]any, 0, 64), kvs: make([]kv, 0, 64)}
+}
+
+func decodeJSON(pool *sync.Pool, data []byte) (any, error) {
+	sc, _ := pool.Get().(*scratch)
+	if sc == nil {
+		sc = newScratch().(*scratch)
+	}
+	d := jsonDecoder{data: data, src: string(data), vals: sc.vals[:0], kvs: sc.kvs[:0]}
 	v, err := d.value(0)
-	if err != nil {
-		return nil, err
+	if err == nil {
+		d.skipSpace()
+		if d.pos != len(d.data) {
+			v, err = nil, d.errorf("trailing data")
+		}
 	}
-	d.skipSpace()
-	if d.pos != len(d.data) {
-		return nil, d.errorf("trailing data")
+	if cap(d.vals) <= 4096 && cap(d.kvs) <= 4096 {
+		sc.vals, sc.kvs = d.vals[:0], d.kvs[:0]
+		pool.Put(sc)
 	}
-	return v, nil
+	return v, err
 }
 
 func (d *jsonDecoder) errorf(format string, args ...any) error {

@@ -40,10 +40,10 @@ func serializerFor(contentType string) (string, error) {
 	}
 }
 
-func unmarshal(serializer string, data []byte) (any, error) {
+func (dec *Decoder) unmarshal(serializer string, data []byte) (any, error) {
 	switch serializer {
 	case "json":
-		return decodeJSON(data)
+		return decodeJSON(&dec.scratch, data)
 	case "msgpack":
 		dec := msgpack.NewDecoder(bytes.NewReader(data))
 		v, err := dec.DecodeInterface()
