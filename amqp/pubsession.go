@@ -31,6 +31,7 @@ type pubSession struct {
 	byID      map[string]*mandatoryWait
 	byTag     map[uint64]*mandatoryWait
 	confirmed uint64 // highest delivery tag processed by the watcher
+	watchDone bool   // the watcher ended: no more confirms or returns
 	seq       atomic.Uint64
 
 	exchanges sync.Map // exchange name -> struct{}: known to exist
@@ -84,7 +85,7 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 	if w != nil {
 		s.mu.Lock()
 		w.tag = dc.DeliveryTag
-		if s.confirmed >= w.tag {
+		if s.confirmed >= w.tag || s.watchDone {
 			close(w.done)
 		} else {
 			s.byTag[w.tag] = w
@@ -105,17 +106,11 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 	if w == nil {
 		return nil
 	}
+	// The watcher closes done once it processed this tag's confirm, or when
+	// it ends; either way every return amqp091 passed on is recorded, since
+	// RabbitMQ sends basic.return before the basic.ack of that message.
 	select {
 	case <-w.done:
-	case <-s.dead:
-		// The confirm came, so the return (sent before it) was queued; but
-		// the watcher stopped before processing it: unknown.
-		s.mu.Lock()
-		ret := w.ret
-		s.mu.Unlock()
-		if ret == nil {
-			return fmt.Errorf("%w: channel closed before the return check: %w", ErrUnconfirmed, s.reason())
-		}
 	case <-ctx.Done():
 		return fmt.Errorf("%w: %w", ErrUnconfirmed, ctx.Err())
 	}
@@ -289,6 +284,7 @@ func (s *pubSession) watch(w watchers, log *zap.Logger) {
 	}
 	die(nil, "connection")
 	s.mu.Lock()
+	s.watchDone = true
 	for tag, mw := range s.byTag {
 		delete(s.byTag, tag)
 		close(mw.done)
