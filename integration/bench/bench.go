@@ -193,7 +193,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			}
 		default:
 			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers,
 				Timeout: b.o.timeout, Debug: b.o.debug}
 			if sc.ID == "b" {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
@@ -204,6 +204,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			}
 			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
 			r.rssKiB = res.PeakRSSKiB
+			if b.o.debug {
+				fmt.Fprintf(os.Stderr, "(%s) worker counters: %v\n", sc.ID, res.Counts)
+			}
 		}
 		c1, err := b.commits.read(ctx)
 		if err != nil {

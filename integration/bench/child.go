@@ -42,6 +42,7 @@ type childJob struct {
 	Prefetch    int
 	Concurrency int
 	PoolConns   int
+	Flushers    int // record batch flushers (0: the store's default)
 	Timeout     time.Duration
 	CPUProfile  string
 	MemProfile  string
@@ -169,16 +170,18 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	pcfg.MaxConns = int32(job.PoolConns)
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "onceler-bench-worker"
+	tracer := &batchTracer{}
+	if job.Debug {
+		pcfg.ConnConfig.Tracer = tracer
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return res, fmt.Errorf("worker: pool: %w", err)
 	}
 	defer pool.Close()
 	log := zap.NewNop()
-	if job.Debug {
-		log, _ = zap.NewDevelopment()
-	}
-	store, err := idempotency.New(pool, idempotency.Config{Schema: job.Schema, Logger: log})
+	store, err := idempotency.New(pool, idempotency.Config{Schema: job.Schema, Logger: log,
+		Batch: idempotency.BatchConfig{Flushers: job.Flushers}})
 	if err != nil {
 		return res, fmt.Errorf("worker: store: %w", err)
 	}
@@ -187,7 +190,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("worker: registry: %w", err)
 	}
-	metrics := prometheus.NewRegistry()
+	metrics := newCountingRegistry()
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
 		Queues:      []amqp.QueueSpec{amqp.CeleryQueue(job.Queue)},
@@ -230,7 +233,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		case <-ctx.Done():
 			waitErr = fmt.Errorf("worker: %d of %d after the timeout", res.Done, job.Expect)
 		case now := <-tick.C:
-			n := finished(metrics)
+			n := metrics.answered()
 			if n > 0 && res.First.IsZero() {
 				res.First = now
 			}
@@ -241,19 +244,17 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
-	res.Counts = counters(metrics)
+	res.Counts = counters(metrics.Registry)
+	if job.Debug {
+		for k, v := range tracer.summary() {
+			res.Counts[k] = v
+		}
+	}
 	stopWorker()
 	if err := <-runErr; err != nil && waitErr == nil {
 		waitErr = fmt.Errorf("worker: %w", err)
 	}
 	return res, waitErr
-}
-
-// finished counts the deliveries the worker answered: run to an end or
-// answered from the record.
-func finished(reg *prometheus.Registry) int {
-	c := counters(reg)
-	return int(c["onceler_tasks_succeeded_total"] + c["onceler_tasks_failed_total"] + c["onceler_duplicates_suppressed_total"])
 }
 
 // counters sums the worker's counters over their labels.
@@ -267,6 +268,10 @@ func counters(reg *prometheus.Registry) map[string]float64 {
 		for _, m := range mf.GetMetric() {
 			if c := m.GetCounter(); c != nil {
 				out[mf.GetName()] += c.GetValue()
+			}
+			if h := m.GetHistogram(); h != nil {
+				out[mf.GetName()+"_sum"] += h.GetSampleSum()
+				out[mf.GetName()+"_count"] += float64(h.GetSampleCount())
 			}
 		}
 	}

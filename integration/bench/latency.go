@@ -72,7 +72,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	}
 
 	job := childJob{Kind: "worker", AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers,
 		Timeout: b.o.timeout, Debug: b.o.debug}
 	ready := make(chan struct{})
 	type outcome struct {

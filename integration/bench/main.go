@@ -41,6 +41,7 @@ type options struct {
 	prefetch    int
 	concurrency int
 	poolConns   int
+	flushers    int
 	amqpURL     string
 	dbURL       string
 	python      string
@@ -75,6 +76,7 @@ func run() error {
 	fs.IntVar(&o.prefetch, "prefetch", 256, "prefetch of every consumer")
 	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
 	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
+	fs.IntVar(&o.flushers, "flushers", 0, "record batch flushers of the onceler worker (0: the store's default)")
 	fs.StringVar(&o.amqpURL, "amqp", envOr("ONCELER_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
 	fs.StringVar(&o.dbURL, "db", envOr("ONCELER_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/onceler_bench?sslmode=disable"),
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
