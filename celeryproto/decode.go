@@ -85,9 +85,17 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 	return result(m, dec.decodeV1(m, bm, d.Headers))
 }
 
+// result checks that the message names its task and id: without them it can
+// be neither run nor answered.
 func result(m *Message, err error) (*Message, error) {
 	if err != nil {
 		return nil, err
+	}
+	if m.Task == "" {
+		return nil, decodeErr(ErrShape, nil, "protocol %d message without a task name", m.Protocol)
+	}
+	if m.ID == "" {
+		return nil, decodeErr(ErrShape, nil, "protocol %d message without a task id", m.Protocol)
 	}
 	return m, nil
 }

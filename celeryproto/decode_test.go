@@ -64,6 +64,8 @@ func TestDecodeErrors(t *testing.T) {
 		{"v2 args string", jsonDelivery(`["x", {}, {}]`, v2Headers()), Limits{}, ErrShape, "args must be a list, got string"},
 		{"v2 embed callbacks", jsonDelivery(`[[], {}, {"callbacks": 3}]`, v2Headers()), Limits{}, ErrShape, "embed callbacks must be a list of signatures, got integer"},
 		{"v1 no task", jsonDelivery(`{"id": "x", "args": []}`, map[string]any{}), Limits{}, ErrShape, "no task in the protocol 1 body"},
+		{"v2 no id", jsonDelivery(`[[], {}, {}]`, map[string]any{"task": "t"}), Limits{}, ErrShape, "protocol 2 message without a task id"},
+		{"v1 null task", jsonDelivery(`{"task": null, "id": "x", "args": []}`, nil), Limits{}, ErrShape, "protocol 1 message without a task name"},
 		{"v1 list body", jsonDelivery(`[1, 2]`, nil), Limits{}, ErrShape, "not a protocol 1 mapping, got array"},
 		{"bad eta", jsonDelivery(`[[], {}, {}]`, withHeader("eta", "tomorrow")), Limits{}, ErrBadHeader, "bad eta"},
 		{"bad retries", jsonDelivery(`[[], {}, {}]`, withHeader("retries", "two")), Limits{}, ErrBadHeader, "retries must be an integer, got string"},

@@ -46,9 +46,8 @@ func FuzzDecode(f *testing.F) {
 			}
 			return
 		}
-		if m.Task == "" && m.Protocol == 1 {
-			// a protocol 1 body may name its task null
-			return
+		if m.Task == "" || m.ID == "" {
+			t.Fatalf("decoded without task or id: %+v", m)
 		}
 		if m.Protocol != 1 && m.Protocol != 2 {
 			t.Fatalf("protocol %d", m.Protocol)
