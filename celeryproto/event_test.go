@@ -70,6 +70,47 @@ func TestEncodeEventJSON(t *testing.T) {
 	}
 }
 
+func TestAppendEvent(t *testing.T) {
+	st := EventStamp{Type: "task-started", Hostname: "n@h", PID: 7, Clock: 9, Timestamp: 1700000000.5, UTCOffset: -1}
+	b, err := AppendEvent([]byte("["), st, map[string]any{"uuid": "u1", "hostname": "other", "clock": 1, "extra": []any{1, "x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b = append(b, ']')
+	var got []map[string]any
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatalf("%s: %v", b, err)
+	}
+	want := map[string]any{"type": "task-started", "hostname": "n@h", "pid": 7.0, "clock": 9.0, "utcoffset": -1.0,
+		"timestamp": 1700000000.5, "uuid": "u1", "extra": []any{1.0, "x"}}
+	if len(got) != 1 || string(mustJSON(t, got[0])) != string(mustJSON(t, want)) {
+		t.Fatalf("AppendEvent = %s, want %s", b, mustJSON(t, want))
+	}
+	if _, err := AppendEvent(nil, EventStamp{Type: "x"}, nil); err == nil {
+		t.Error("event without hostname accepted")
+	}
+	if out, err := AppendEvent([]byte("keep"), st, map[string]any{"bad": func() {}}); err == nil || string(out) != "keep" {
+		t.Errorf("bad field: %q, %v", out, err)
+	}
+	p := EventPublishing("n@h", b)
+	if p.Headers["hostname"] != "n@h" || p.DeliveryMode != 1 || p.ContentType != "application/json" {
+		t.Errorf("EventPublishing = %+v", p)
+	}
+}
+
+func BenchmarkAppendEvent(b *testing.B) {
+	st := EventStamp{Type: "task-succeeded", Hostname: "onceler-1@host", PID: 1234, Clock: 99, Timestamp: 1.7e9}
+	fields := map[string]any{"uuid": "0b7c6a3e-1d1e-4a53-9a5c-3f8b1d2e4c5a", "result": "'ok'", "runtime": 0.0012, "name": "demo.add"}
+	buf := make([]byte, 0, 1024)
+	b.ReportAllocs()
+	for b.Loop() {
+		var err error
+		if buf, err = AppendEvent(buf[:0], st, fields); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 func mustJSON(t *testing.T, v any) []byte {
 	t.Helper()
 	b, err := json.Marshal(v)

@@ -18,6 +18,8 @@ const (
 	DefaultHeartbeat = 2 * time.Second
 	// DefaultEventBuffer is how many task events may wait to be published.
 	DefaultEventBuffer = 8192
+	// DefaultEventLinger is how long task events wait to be batched.
+	DefaultEventLinger = 50 * time.Millisecond
 	// DefaultNodeName is the node name pattern: unique per process.
 	DefaultNodeName = "onceler-%p@%h"
 	// DefaultRevokedMax and DefaultRevokedTTL bound the revoked-id set as
@@ -49,6 +51,9 @@ type Config struct {
 	// full new events are dropped and counted (Stats "events.dropped"),
 	// never blocking a task. Default DefaultEventBuffer.
 	EventBuffer int
+	// EventLinger is how long the publisher waits to gather task events
+	// into one message (up to 24). Default DefaultEventLinger.
+	EventLinger time.Duration
 	// Queues are the task queues the worker consumes, for active_queues.
 	Queues []Queue
 	// Concurrency and Prefetch are reported by stats.
@@ -94,6 +99,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.EventBuffer <= 0 {
 		c.EventBuffer = DefaultEventBuffer
+	}
+	if c.EventLinger <= 0 {
+		c.EventLinger = DefaultEventLinger
 	}
 	if c.RevokedMax <= 0 {
 		c.RevokedMax = DefaultRevokedMax

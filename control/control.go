@@ -43,8 +43,11 @@ type Controller struct {
 	running    atomic.Bool
 
 	// events: task events, published in batches; sys: worker events.
-	events chan map[string]any
-	sys    chan map[string]any
+	events  chan queuedEvent
+	sys     chan queuedEvent
+	pending atomic.Int64 // events queued or being published
+	// utcoffset is computed once, at New
+	utcoffset int
 
 	evCh      atomic.Pointer[amqp091.Channel] // current event channel
 	sent      atomic.Int64
@@ -52,6 +55,7 @@ type Controller struct {
 	failed    atomic.Int64
 	commands  atomic.Int64
 	connected atomic.Bool
+	sessions  atomic.Int64 // connections established
 
 	mu       sync.Mutex
 	declared map[string]bool // reply exchanges declared on the current session
@@ -70,9 +74,10 @@ func New(w Worker, cfg Config) (*Controller, error) {
 		log:     cfg.Logger.With(zap.String("node", cfg.NodeName)),
 		revoked: NewRevoked(cfg.RevokedMax, cfg.RevokedTTL),
 		pid:     os.Getpid(),
-		events:  make(chan map[string]any, cfg.EventBuffer),
-		sys:     make(chan map[string]any, 16),
+		events:  make(chan queuedEvent, cfg.EventBuffer),
+		sys:     make(chan queuedEvent, 16),
 	}
+	c.utcoffset = utcoffset()
 	c.taskEvents.Store(cfg.TaskEvents)
 	if w != nil {
 		c.SetWorker(w)
@@ -200,6 +205,7 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 	c.mu.Unlock()
 	c.evCh.Store(evCh)
 	c.connected.Store(true)
+	c.sessions.Add(1)
 	defer c.evCh.Store(nil)
 	c.log.Info("control connected", zap.String("broker", redactURL(c.cfg.URL)), zap.String("queue", c.queueName()))
 
@@ -266,17 +272,14 @@ func (c *Controller) listen(conn *amqp091.Connection) (*amqp091.Channel, <-chan 
 // little for both, on a context that the caller's cancellation does not end.
 func (c *Controller) goOffline(conn *amqp091.Connection) {
 	deadline := time.Now().Add(offlineTimeout)
-	for len(c.events)+len(c.sys) > 0 && time.Now().Before(deadline) && !conn.IsClosed() {
+	for c.pending.Load() > 0 && time.Now().Before(deadline) && !conn.IsClosed() {
 		time.Sleep(5 * time.Millisecond)
 	}
-	ch := c.evCh.Load()
-	if ch == nil {
-		return
-	}
-	ev := c.workerEvent("worker-offline")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Until(deadline)+offlineTimeout)
 	defer cancel()
-	if err := c.publishEvents(ctx, ch, []map[string]any{ev}); err != nil {
-		c.log.Warn("worker-offline not sent", zap.Error(err))
+	before := c.sent.Load()
+	c.publishBatch(ctx, nil, []queuedEvent{c.workerEvent("worker-offline")})
+	if c.sent.Load() == before {
+		c.log.Warn("worker-offline not sent")
 	}
 }

@@ -51,7 +51,7 @@ func newNode(t *testing.T, taskEvents bool) *node {
 	n.worker = newTestWorker(t, url, n.queue, "")
 	var once sync.Once
 	ctl, err := New(n.worker, Config{
-		URL: url, NodeName: "onceler-" + suffix + "@%h", TaskEvents: taskEvents,
+		URL: url, NodeName: "onceler-" + suffix + "@%h", TaskEvents: taskEvents, ConnectionName: "onceler_control_test_" + suffix,
 		Queues: []Queue{{Name: n.queue, Durable: true}}, Concurrency: 2, Prefetch: 2,
 		Shutdown: func() { once.Do(func() { close(n.shutdown) }) },
 		Logger:   zaptest.NewLogger(t),

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"fmt"
 	"os"
 	"runtime"
 	"strconv"
@@ -40,35 +39,41 @@ func KeyHash(key string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
+// queuedEvent is an event waiting for the publisher: its stamp and the
+// caller's fields, encoded only by the publisher goroutine.
+type queuedEvent struct {
+	stamp  celeryproto.EventStamp
+	fields map[string]any
+}
+
 // Event implements tasks.Observer. It never blocks: when task events are off
 // it returns at once; otherwise it stamps the event (type, hostname, pid,
 // clock, timestamp, utcoffset) and queues it for the publisher, dropping and
 // counting it when the buffer is full. The controller takes ownership of
-// fields. Events of other groups than "task" are always queued.
+// fields (it reads them later, on the publisher goroutine). Events of other
+// groups than "task" are always queued.
 func (c *Controller) Event(_ context.Context, typ string, fields map[string]any) {
 	if strings.HasPrefix(typ, "task-") && !c.taskEvents.Load() {
 		return
 	}
-	if fields == nil {
-		fields = make(map[string]any, 8)
-	}
-	c.stamp(typ, fields)
+	c.pending.Add(1)
 	select {
-	case c.events <- fields:
+	case c.events <- queuedEvent{stamp: c.stamp(typ), fields: fields}:
 	default:
+		c.pending.Add(-1)
 		c.dropped.Add(1)
 	}
 }
 
-func (c *Controller) stamp(typ string, fields map[string]any) {
-	fields["type"] = typ
-	fields["hostname"] = c.cfg.NodeName
-	fields["pid"] = c.pid
-	fields["clock"] = c.clock.Add(1)
-	if _, ok := fields["timestamp"]; !ok {
-		fields["timestamp"] = float64(time.Now().UnixNano()) / 1e9
+func (c *Controller) stamp(typ string) celeryproto.EventStamp {
+	return celeryproto.EventStamp{
+		Type:      typ,
+		Hostname:  c.cfg.NodeName,
+		PID:       c.pid,
+		Clock:     c.clock.Add(1),
+		Timestamp: float64(time.Now().UnixNano()) / 1e9,
+		UTCOffset: c.utcoffset,
 	}
-	fields["utcoffset"] = utcoffset()
 }
 
 // utcoffset is Celery's utcoffset(): hours west of UTC, floored.
@@ -84,88 +89,110 @@ func utcoffset() int {
 
 // workerEvent builds a worker-online / heartbeat / offline event as Celery's
 // Heart sends it.
-func (c *Controller) workerEvent(typ string) map[string]any {
-	active := len(c.worker().Active())
-	ev := map[string]any{
+func (c *Controller) workerEvent(typ string) queuedEvent {
+	w := c.worker()
+	return queuedEvent{stamp: c.stamp(typ), fields: map[string]any{
 		"freq":      c.cfg.Heartbeat.Seconds(),
-		"active":    active,
-		"processed": processed(c.worker().Stats()),
+		"active":    len(w.Active()),
+		"processed": processed(w.Stats()),
 		"loadavg":   loadavg(),
 		"sw_ident":  "onceler",
 		"sw_ver":    Version,
 		"sw_sys":    sysName(),
-	}
-	c.stamp(typ, ev)
-	return ev
+	}}
 }
 
 func (c *Controller) sendWorkerEvent(typ string) {
+	c.pending.Add(1)
 	select {
 	case c.sys <- c.workerEvent(typ):
 	default:
+		c.pending.Add(-1)
 		c.dropped.Add(1)
 	}
 }
 
 // publishLoop publishes queued events until ctx is done: worker events one
-// by one, task events in batches of up to maxEventsPerMessage (a task.multi
-// message, as Celery's worker buffers them). Events queued while there is no
-// connection are dropped and counted: events are not durable in Celery
-// either.
+// by one, task events in batches of up to maxEventsPerMessage gathered for
+// at most Config.EventLinger (a task.multi message, as Celery's worker
+// buffers task events). Events queued while there is no connection are
+// dropped and counted: events are not durable in Celery either.
 func (c *Controller) publishLoop(ctx context.Context) {
-	batch := make([]map[string]any, 0, maxEventsPerMessage)
+	buf := make([]byte, 0, 16<<10)
+	linger := time.NewTimer(time.Hour)
+	linger.Stop()
 	for {
-		batch = batch[:0]
+		var batch [maxEventsPerMessage]queuedEvent
+		n := 0
 		select {
 		case <-ctx.Done():
 			return
 		case ev := <-c.sys:
-			batch = append(batch, ev)
+			batch[0], n = ev, 1
 		case ev := <-c.events:
-			batch = append(batch, ev)
-		fill:
-			for len(batch) < maxEventsPerMessage {
+			batch[0], n = ev, 1
+			linger.Reset(c.cfg.EventLinger)
+		gather:
+			for n < maxEventsPerMessage {
 				select {
 				case ev := <-c.events:
-					batch = append(batch, ev)
-				default:
-					break fill
+					batch[n] = ev
+					n++
+				case <-linger.C:
+					break gather
+				case <-ctx.Done():
+					break gather
 				}
 			}
+			linger.Stop()
 		}
-		ch := c.evCh.Load()
-		if ch == nil {
-			c.failed.Add(int64(len(batch)))
-			continue
-		}
-		if err := c.publishEvents(ctx, ch, batch); err != nil {
-			c.failed.Add(int64(len(batch)))
-			c.log.Debug("events not published", zap.Int("events", len(batch)), zap.Error(err))
-		}
+		buf = c.publishBatch(ctx, buf[:0], batch[:n])
+		c.pending.Add(-int64(n))
 	}
 }
 
-func (c *Controller) publishEvents(ctx context.Context, ch *amqp091.Channel, batch []map[string]any) error {
-	var (
-		p   *celeryproto.Publishing
-		key string
-		err error
-	)
-	if len(batch) == 1 {
-		key = celeryproto.EventRoutingKey(batch[0]["type"].(string))
-		p, err = celeryproto.EncodeEvent(batch[0])
-	} else {
+// publishBatch encodes and publishes events: one as an object on its own
+// routing key, several as a list on task.multi.
+func (c *Controller) publishBatch(ctx context.Context, buf []byte, batch []queuedEvent) []byte {
+	ch := c.evCh.Load()
+	if ch == nil {
+		c.failed.Add(int64(len(batch)))
+		return buf
+	}
+	if len(batch) > 1 {
+		buf = append(buf, '[')
+	}
+	n := 0
+	for _, ev := range batch {
+		mark := len(buf)
+		if n > 0 {
+			buf = append(buf, ',')
+		}
+		var err error
+		if buf, err = celeryproto.AppendEvent(buf, ev.stamp, ev.fields); err != nil {
+			buf = buf[:mark]
+			c.failed.Add(1)
+			c.log.Warn("event not encodable: dropped", zap.String("type", ev.stamp.Type), zap.Error(err))
+			continue
+		}
+		n++
+	}
+	if n == 0 {
+		return buf
+	}
+	key := celeryproto.EventRoutingKey(batch[0].stamp.Type)
+	if len(batch) > 1 {
+		buf = append(buf, ']')
 		key = celeryproto.EventMultiRoutingKey
-		p, err = celeryproto.EncodeEvents(batch)
 	}
-	if err != nil {
-		return fmt.Errorf("control: encode events: %w", err)
-	}
+	p := celeryproto.EventPublishing(c.cfg.NodeName, buf)
 	if err := ch.PublishWithContext(ctx, EventExchange, key, false, false, publishing(p)); err != nil {
-		return fmt.Errorf("control: publish %s: %w", key, err)
+		c.failed.Add(int64(n))
+		c.log.Debug("events not published", zap.Int("events", n), zap.Error(err))
+		return buf
 	}
-	c.sent.Add(int64(len(batch)))
-	return nil
+	c.sent.Add(int64(n))
+	return buf
 }
 
 func publishing(p *celeryproto.Publishing) amqp091.Publishing {
