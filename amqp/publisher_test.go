@@ -261,3 +261,65 @@ func TestPublishWaitsWhileBlocked(t *testing.T) {
 		t.Fatalf("blocked then dead = %v, want errNotSent (retried on a new connection)", err)
 	}
 }
+
+// Publishing from many goroutines while the broker closes the connection:
+// every confirmed message is in the queue, and every failure says the
+// outcome is unknown (never a silent loss, never a false ErrNacked).
+func TestPublishDuringConnectionLoss(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_publoss")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 60*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	var (
+		mu        sync.Mutex
+		confirmed int
+		unknown   int
+		other     []error
+	)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				err := p.Publish(ctx, "", q, textMessage(fmt.Sprintf("%d-%d", g, i)), PublishOptions{Mandatory: i%2 == 0})
+				mu.Lock()
+				switch {
+				case err == nil:
+					confirmed++
+				case errors.Is(err, ErrUnconfirmed):
+					unknown++
+				default:
+					other = append(other, err)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+	if n := closeConnection(t, cfg.Name+" publish"); n != 1 {
+		t.Errorf("closed %d publisher connections, want 1", n)
+	}
+	time.Sleep(300 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	if len(other) > 0 {
+		t.Fatalf("%d publishes failed otherwise, first: %v", len(other), other[0])
+	}
+	depth := queueDepth(t, q)
+	t.Logf("confirmed %d, unknown %d, in queue %d", confirmed, unknown, depth)
+	if depth < confirmed || depth > confirmed+unknown {
+		t.Fatalf("queue holds %d messages; confirmed %d, unknown %d", depth, confirmed, unknown)
+	}
+	if p.gen.Load() < 2 {
+		t.Fatal("publisher never reconnected")
+	}
+}
