@@ -280,3 +280,9 @@ func jsonString(v any) (string, error) {
 }
 
 func testenvPool(t *testing.T) *pgxpool.Pool { return testenv.Pool(t) }
+
+type celeryprotoMessage = celeryproto.Message
+
+func encodeTask(m *celeryproto.Message) (*celeryproto.Publishing, error) {
+	return celeryproto.EncodeTask(m, celeryproto.EncodeOptions{})
+}

@@ -81,7 +81,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		w.m.received.WithLabelValues("unregistered").Inc()
 		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
 		w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
-		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: fmt.Sprintf("'%s'", msg.Task)}
+		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
 			return false
 		}

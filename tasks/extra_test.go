@@ -1,0 +1,153 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/amqp"
+)
+
+// TestPoisonQuorum: a message redelivered more than MaxAttempts times on a
+// quorum queue (x-delivery-count) is quarantined as poison, not run.
+func TestPoisonQuorum(t *testing.T) {
+	e := newEnv(t)
+	q := e.queue + "_qq"
+	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = e.ch.QueueDelete(q, false, false, false)
+		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
+	})
+	fx := &effects{}
+	m := payMessage("t.pay", 1, "poison-1", "")
+	pub, err := encodeForTest(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.ch.PublishWithContext(context.Background(), "", q, false, false, pub); err != nil {
+		t.Fatal(err)
+	}
+	// Six deliveries that end without an ack, as six crashed workers would.
+	for i := 0; i < 6; {
+		d, ok, err := e.ch.Get(q, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			time.Sleep(20 * time.Millisecond)
+			continue
+		}
+		if err := d.Nack(false, true); err != nil {
+			t.Fatal(err)
+		}
+		i++
+	}
+	cfg := e.config()
+	cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
+	e.start(testRegistry(t, fx), cfg)
+	var got []amqp091.Delivery
+	waitFor(t, "poison in quarantine", 10*time.Second, func() bool {
+		d, ok, err := e.ch.Get(quarantineName(q), true)
+		if err == nil && ok {
+			got = append(got, d)
+		}
+		return len(got) == 1
+	})
+	if got[0].Headers[HeaderReason] != ReasonPoison {
+		t.Errorf("quarantined with %v", got[0].Headers)
+	}
+	if n := fx.snapshot()["poison-1"]; n != 0 {
+		t.Errorf("poison message ran %d times", n)
+	}
+}
+
+func encodeForTest(m *celeryprotoMessage) (amqp091.Publishing, error) {
+	p, err := encodeTask(m)
+	if err != nil {
+		return amqp091.Publishing{}, err
+	}
+	return amqp091.Publishing{ContentType: p.ContentType, ContentEncoding: p.ContentEncoding,
+		Headers: amqp091.Table(p.Headers), Body: p.Body, CorrelationId: p.CorrelationID, DeliveryMode: 2}, nil
+}
+
+type retryArgs struct{ N int64 }
+
+// TestRetryWithPython: a task that asks for a Celery retry runs again with
+// the same id and retries+1; the Python caller gets the final result.
+func TestRetryWithPython(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	reg := NewRegistry()
+	err := Register(reg, Task[retryArgs]{Name: "t.flaky", Retry: RetryPolicy{MaxRetries: 3},
+		Run: func(_ context.Context, c *Call, a retryArgs) (any, error) {
+			runs.Add(1)
+			if int64(c.Retries) < a.N {
+				return nil, c.Retry(100*time.Millisecond, errors.New("not yet"))
+			}
+			return map[string]any{"retries": c.Retries}, nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.start(reg, e.config())
+	res := e.python(2, "json",
+		pyCall{Task: "t.flaky", Args: []any{2}},
+		pyCall{Task: "t.flaky", Args: []any{9}},
+	)
+	if string(res[0].OK) != `{"retries": 2}` {
+		t.Errorf("retried task: %+v", res[0])
+	}
+	if res[1].ExcType != "Exception" || res[1].Message != "not yet" {
+		t.Errorf("past max retries: %+v", res[1])
+	}
+	if n := runs.Load(); n != 3+4 {
+		t.Errorf("%d runs, want 7", n)
+	}
+}
+
+// TestHealthHandler: /readyz answers 200 only while the worker consumes.
+func TestHealthHandler(t *testing.T) {
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.Pool = testenvPool(t)
+	w, err := NewWorker(testRegistry(t, &effects{}), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(w.HealthHandler())
+	defer srv.Close()
+	status := func(path string) int {
+		resp, err := http.Get(srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	if s := status("/readyz"); s != http.StatusServiceUnavailable {
+		t.Errorf("readyz before Run: %d", s)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	waitFor(t, "ready", 10*time.Second, func() bool { return status("/readyz") == http.StatusOK })
+	if s := status("/healthz"); s != http.StatusOK {
+		t.Errorf("healthz while running: %d", s)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if s := status("/readyz"); s != http.StatusServiceUnavailable {
+		t.Errorf("readyz after Run: %d", s)
+	}
+	srv.CloseClientConnections()
+}
