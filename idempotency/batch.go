@@ -138,6 +138,11 @@ func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
 		if b.cancel(&op.state) {
 			return Claim{}, fmt.Errorf("claim: %w", context.Cause(ctx))
 		}
+		select {
+		case r := <-op.done: // answered meanwhile
+			return r.c, r.err
+		default:
+		}
 		return Claim{}, fmt.Errorf("claim: %w", &unknownError{err: context.Cause(ctx)})
 	}
 }
@@ -157,6 +162,11 @@ func (b *batcher) complete(ctx context.Context, ref Ref, res *string) (bool, err
 	case <-ctx.Done():
 		if b.cancel(&op.state) {
 			return false, fmt.Errorf("complete: %w", context.Cause(ctx))
+		}
+		select {
+		case r := <-op.done: // answered meanwhile
+			return r.ok, r.err
+		default:
 		}
 		return false, fmt.Errorf("complete: %w", &unknownError{err: context.Cause(ctx)})
 	}
