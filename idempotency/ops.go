@@ -145,8 +145,9 @@ func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
 
 // Keep renews the lease of ref every lease/3 while the task runs, and
 // returns a context for the task. When the lease cannot be renewed before
-// it lapses (counted from the call to Keep, so call it right after the
-// claim), or the claim is fenced, the context is cancelled with cause
+// it lapses (counted from the call to Keep, less a tenth of the lease for
+// the time the claim took, so call it right after the claim), or the claim
+// is fenced, the context is cancelled with cause
 // ErrLeaseLost (see context.Cause) and the task must not complete. The
 // returned stop function ends the heartbeat, waits for it, and cancels the
 // context; call it before Complete or Fail (with the caller's context).
@@ -169,7 +170,13 @@ func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context
 }
 
 func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <-chan struct{}, ref Ref, lease time.Duration) {
-	deadline := time.Now().Add(lease)
+	if lease <= 0 {
+		lease = time.Minute
+	}
+	// The lease began at the claim, a little before Keep was called: stop a
+	// tenth of the lease early rather than run past the database's lease.
+	margin := lease / 10
+	deadline := time.Now().Add(lease - margin)
 	interval := lease / 3
 	t := time.NewTimer(interval)
 	defer t.Stop()
@@ -187,7 +194,7 @@ func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <
 			err := s.Renew(rctx, ref, lease)
 			rcancel()
 			if err == nil {
-				deadline = start.Add(lease)
+				deadline = start.Add(lease - margin)
 				break
 			}
 			if errors.Is(err, ErrFenced) || !time.Now().Before(deadline) || ctx.Err() != nil {
