@@ -37,6 +37,16 @@ func zlibBytes(t *testing.T, b []byte) []byte {
 	return buf.Bytes()
 }
 
+const laughs = `a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+`
+
 func TestDecodeErrors(t *testing.T) {
 	bomb := bytes.Repeat([]byte(" "), 4<<20)
 	bomb = append([]byte("[[], {}, null]"), bomb...)
@@ -57,6 +67,11 @@ func TestDecodeErrors(t *testing.T) {
 		{"truncated json", jsonDelivery(`[[1, 2], {"a": `, v2Headers()), Limits{}, ErrMalformed, "cannot decode json body"},
 		{"garbage json", jsonDelivery("\x00\xff garbage", v2Headers()), Limits{}, ErrMalformed, "cannot decode json body"},
 		{"garbage msgpack", &Delivery{ContentType: "application/x-msgpack", Headers: v2Headers(), Body: []byte{0xc1}}, Limits{}, ErrMalformed, "cannot decode msgpack body"},
+		{"msgpack huge array", &Delivery{ContentType: "application/x-msgpack", Headers: v2Headers(), Body: bytes.Repeat([]byte{0xdd, 0xff, 0xff, 0xff, 0xff}, 2000)}, Limits{}, ErrMalformed, "array of 4294967295 elements in 9995 bytes"},
+		{"msgpack huge map", &Delivery{ContentType: "application/x-msgpack", Headers: v2Headers(), Body: []byte{0x93, 0x90, 0xdf, 0x7f, 0xff, 0xff, 0xff, 0xc0}}, Limits{}, ErrMalformed, "map of 2147483647 entries"},
+		{"msgpack unknown ext", &Delivery{ContentType: "application/x-msgpack", Headers: v2Headers(), Body: []byte{0x93, 0xd4, 0x05, 0x00, 0x80, 0xc0}}, Limits{}, ErrMalformed, "unsupported extension type 5"},
+		{"yaml python tag", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- !!python/object/apply:os.system [\"id\"]\n- {}\n- null\n")}, Limits{}, ErrMalformed, `yaml tag "!!python/object/apply:os.system" is not allowed`},
+		{"yaml billion laughs", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte(laughs)}, Limits{}, ErrMalformed, "excessive aliasing"},
 		{"garbage yaml", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("[1, {")}, Limits{}, ErrMalformed, "cannot decode yaml body"},
 		{"v2 body object", jsonDelivery(`{"a": 1}`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got object"},
 		{"v2 body 2 elements", jsonDelivery(`[[], {}]`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got 2 elements"},
@@ -173,6 +188,23 @@ func TestDecodeMsgpackWidths(t *testing.T) {
 	want := []any{int64(-3), float64(math.MaxUint64), 0.5, []byte("raw")}
 	if !reflect.DeepEqual(m.Args, want) || m.Kwargs["n"] != int64(7) {
 		t.Errorf("args %#v kwargs %#v", m.Args, m.Kwargs)
+	}
+}
+
+func TestDecodeMsgpackTimestamp(t *testing.T) {
+	// [[ts32, ts64, ts96], {}, nil] with the msgpack timestamp extension (-1).
+	body := []byte{0x93, 0x93,
+		0xd6, 0xff, 0x00, 0x00, 0x00, 0x3c, // 60 s
+		0xd7, 0xff, 0x00, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x3c, // 60 s + 1 ns
+		0xc7, 0x0c, 0xff, 0x00, 0x00, 0x00, 0x02, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, // -1 s + 2 ns
+		0x80, 0xc0}
+	m, err := Decode(&Delivery{ContentType: "application/x-msgpack", Headers: v2Headers(), Body: body})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []any{time.Unix(60, 0).UTC(), time.Unix(60, 1).UTC(), time.Unix(-1, 2).UTC()}
+	if !reflect.DeepEqual(m.Args, want) {
+		t.Errorf("timestamps %v, want %v", m.Args, want)
 	}
 }
 

@@ -1,14 +1,11 @@
 package celeryproto
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
 	"math"
 	"strings"
 	"time"
 
-	"github.com/vmihailenco/msgpack/v5"
 	yaml "go.yaml.in/yaml/v3"
 )
 
@@ -45,18 +42,17 @@ func (dec *Decoder) unmarshal(serializer string, data []byte) (any, error) {
 	case "json":
 		return decodeJSON(&dec.scratch, data)
 	case "msgpack":
-		dec := msgpack.NewDecoder(bytes.NewReader(data))
-		v, err := dec.DecodeInterface()
-		if err != nil {
+		return decodeMsgpack(data)
+	case "yaml":
+		var doc yaml.Node
+		if err := yaml.Unmarshal(data, &doc); err != nil {
 			return nil, err
 		}
-		if _, err := dec.PeekCode(); err == nil {
-			return nil, errors.New("trailing data after msgpack value")
+		if err := safeYAML(&doc, 0); err != nil {
+			return nil, err
 		}
-		return normalize(v, 0)
-	case "yaml":
 		var v any
-		if err := yaml.Unmarshal(data, &v); err != nil {
+		if err := doc.Decode(&v); err != nil {
 			return nil, err
 		}
 		return normalize(v, 0)
@@ -150,4 +146,26 @@ func keyString(k any) string {
 	default:
 		return fmt.Sprint(x)
 	}
+}
+
+// safeYAMLTags are the tags PyYAML's safe_load constructs; any other tag
+// (!!python/object and friends, local tags) is refused as safe_load does.
+var safeYAMLTags = map[string]bool{
+	"!!str": true, "!!int": true, "!!float": true, "!!bool": true, "!!null": true,
+	"!!map": true, "!!seq": true, "!!timestamp": true, "!!binary": true, "!!merge": true, "": true,
+}
+
+func safeYAML(n *yaml.Node, depth int) error {
+	if depth > 10000 {
+		return fmt.Errorf("yaml nested deeper than 10000")
+	}
+	if !safeYAMLTags[n.ShortTag()] && n.Kind != yaml.DocumentNode && n.Kind != yaml.AliasNode {
+		return fmt.Errorf("yaml tag %q is not allowed (safe load only)", truncate(n.Tag, 64))
+	}
+	for _, c := range n.Content {
+		if err := safeYAML(c, depth+1); err != nil {
+			return err
+		}
+	}
+	return nil
 }
