@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -250,4 +251,79 @@ func TestQueueDeletedRedeclared(t *testing.T) {
 		t.Fatalf("body %q", d.Body)
 	}
 	must(t, d.Ack(), "ack")
+}
+
+// Acks from many goroutines while the connection is closed under them:
+// acks either succeed or report ErrStaleDelivery, and every message ends
+// up acknowledged once the consumer has reconnected.
+func TestConcurrentAcksAcrossReconnect(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_acks")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 60*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	const n = 1000
+	for i := range n {
+		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
+	}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 50})
+	work := make(chan *Delivery, 100)
+	var (
+		mu    sync.Mutex
+		acked = map[string]bool{}
+		stale int
+		other []error
+	)
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(acked)
+	}
+	// After 100 acks the workers hold what they have until the connection
+	// was closed, so those acks are certainly stale.
+	gate := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for d := range work {
+				if count() >= 100 {
+					<-gate
+				}
+				err := d.Ack()
+				mu.Lock()
+				switch {
+				case err == nil:
+					acked[string(d.Body)] = true
+				case errors.Is(err, ErrStaleDelivery):
+					stale++
+				default:
+					other = append(other, err)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	stop := runConsumer(t, c, func(d *Delivery) { work <- d })
+	waitFor(t, "100 acks", 20*time.Second, func() bool { return count() >= 100 })
+	if k := closeConnection(t, cfg.Name+" consume"); k != 1 {
+		t.Fatalf("closed %d consumer connections", k)
+	}
+	close(gate)
+	waitFor(t, "every message acknowledged", 40*time.Second, func() bool { return count() == n })
+	must(t, stop(), "stop")
+	close(work)
+	wg.Wait()
+	if len(other) > 0 {
+		t.Fatalf("%d acks failed otherwise, first: %v", len(other), other[0])
+	}
+	t.Logf("acked %d distinct, %d stale acks refused", count(), stale)
+	if stale == 0 {
+		t.Fatal("no ack was refused as stale although deliveries were held across the close")
+	}
+	if d := queueDepth(t, q); d != 0 {
+		t.Fatalf("queue depth %d after all acks", d)
+	}
 }
