@@ -51,7 +51,8 @@ func NewPublisher(cfg Config) *Publisher {
 	}
 }
 
-// Publish sends p to exchange ("" is the default exchange) with routingKey
+// Publish sends msg to exchange ("" or DefaultExchange is the broker's
+// default exchange, which routes by queue name) with routingKey
 // and waits for the broker's confirm. The errors to act on: ErrNacked (not
 // stored), ErrReturned (mandatory and unroutable), ErrUnconfirmed (outcome
 // unknown: the channel died or ctx ended after the message was sent),
@@ -59,6 +60,12 @@ func NewPublisher(cfg Config) *Publisher {
 // sent because the connection was down is retried on a new connection until
 // ctx ends.
 func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, msg *celeryproto.Publishing, o PublishOptions) error {
+	if msg == nil {
+		return fmt.Errorf("publish to %q/%q: nil message", exchange, routingKey)
+	}
+	if exchange == DefaultExchange {
+		exchange = ""
+	}
 	headers, err := toTable(msg.Headers)
 	if err != nil {
 		return fmt.Errorf("publish to %q/%q: %w", exchange, routingKey, err)
