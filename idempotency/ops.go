@@ -234,10 +234,13 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 		return Claim{}, fmt.Errorf("run tx: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	c, err := s.claimOne(ctx, tx, p, false)
+	// Errors before the commit are definite: nothing was committed.
+	token := newToken()
+	row, err := s.claimRow(ctx, tx, p, token, false)
 	if err != nil {
-		return Claim{}, err
+		return Claim{}, fmt.Errorf("run tx: claim: %w", err)
 	}
+	c := row.claim(token)
 	if c.Outcome != OutcomeFirst {
 		if err := tx.Commit(ctx); err != nil { // keeps the duplicate count
 			return c, writeError("run tx: commit", err)
@@ -252,9 +255,9 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: %w", err)
 	}
-	ok, err := s.completeOne(ctx, tx, p.Ref(c.Token), res)
+	ok, err := s.completeRaw(ctx, tx, p.Ref(c.Token), res)
 	if err != nil {
-		return Claim{}, err
+		return Claim{}, fmt.Errorf("run tx: complete: %w", err)
 	}
 	if !ok {
 		return Claim{}, fmt.Errorf("run tx: %w", ErrFenced)

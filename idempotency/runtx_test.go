@@ -150,3 +150,52 @@ func TestRunTxConcurrentDuplicateBlocksThenSeesCompleted(t *testing.T) {
 		t.Fatalf("runs %d", runs.Load())
 	}
 }
+
+// TestRunTxCrashBeforeCommit kills the transaction's connection after the
+// effect (as a crashed worker would lose it): nothing is committed, and the
+// redelivery runs the task once.
+func TestRunTxCrashBeforeCommit(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	tbl := e.effects(t)
+	ctx := context.Background()
+	p := params("credit", "crash")
+	_, err := e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		var pid int
+		if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('crash', 1)`); err != nil {
+			return nil, err
+		}
+		// This test's own connection, ended from outside.
+		if _, err := e.pool.Exec(ctx, `SELECT pg_terminate_backend($1, 5000)`, pid); err != nil {
+			return nil, err
+		}
+		return []byte(`1`), nil
+	})
+	if err == nil || idempotency.IsUnknownOutcome(err) {
+		t.Fatalf("run tx on a killed connection: %v, want a definite error", err)
+	}
+	if _, err := e.store.Get(ctx, "credit", "crash"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("record after crash: %v", err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM `+tbl); n != 0 {
+		t.Fatalf("%d effects after crash", n)
+	}
+	c, err := e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('crash', 1)`)
+		return []byte(`1`), err
+	})
+	if err != nil || c.Outcome != idempotency.OutcomeFirst || e.count(t, `SELECT count(*) FROM `+tbl) != 1 {
+		t.Fatalf("redelivery %+v %v", c, err)
+	}
+}
+
+func TestClosedStore(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	e.store.Close()
+	e.store.Close()
+	if _, err := e.store.Claim(context.Background(), params("t", "k")); !errors.Is(err, idempotency.ErrClosed) {
+		t.Fatalf("claim on closed store: %v", err)
+	}
+}
