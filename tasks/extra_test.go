@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -150,4 +151,41 @@ func TestHealthHandler(t *testing.T) {
 		t.Errorf("readyz after Run: %d", s)
 	}
 	srv.CloseClientConnections()
+}
+
+type waitArgs struct{ Ms int64 }
+
+// TestTimeLimitsAndCountdownFromPython: the soft limit cancels the task's
+// context and the caller sees SoftTimeLimitExceeded; the hard limit from the
+// message gives TimeLimitExceeded; a countdown delays the run.
+func TestTimeLimitsAndCountdownFromPython(t *testing.T) {
+	e := newEnv(t)
+	reg := NewRegistry()
+	err := Register(reg, Task[waitArgs]{Name: "t.wait",
+		Run: func(ctx context.Context, _ *Call, a waitArgs) (any, error) {
+			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+				return nil, context.Cause(ctx)
+			}
+			return time.Now().UnixMilli(), nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.start(reg, e.config())
+	start := time.Now().UnixMilli()
+	res := e.python(2, "json",
+		pyCall{Task: "t.wait", Args: []any{5000}, Options: map[string]any{"soft_time_limit": 0.2}},
+		pyCall{Task: "t.wait", Args: []any{5000}, Options: map[string]any{"time_limit": 0.3}},
+		pyCall{Task: "t.wait", Args: []any{0}, Options: map[string]any{"countdown": 1.5}},
+	)
+	if res[0].ExcType != "SoftTimeLimitExceeded" {
+		t.Errorf("soft limit: %+v", res[0])
+	}
+	if res[1].ExcType != "TimeLimitExceeded" {
+		t.Errorf("hard limit: %+v", res[1])
+	}
+	var ranAt int64
+	if err := json.Unmarshal(res[2].OK, &ranAt); err != nil || ranAt-start < 1400 {
+		t.Errorf("countdown task ran %d ms after sending (%+v)", ranAt-start, res[2])
+	}
 }

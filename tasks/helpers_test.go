@@ -151,6 +151,7 @@ type pyCall struct {
 	Args    []any          `json:"args,omitempty"`
 	Kwargs  map[string]any `json:"kwargs,omitempty"`
 	Headers map[string]any `json:"headers,omitempty"`
+	Options map[string]any `json:"options,omitempty"`
 }
 
 // python sends calls with real Celery and returns what AsyncResult.get gave.

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 type chargeArgs struct {
@@ -209,5 +210,31 @@ func TestCrashConfig(t *testing.T) {
 	}
 	if (CrashConfig{At: "sometime"}).validate() == nil {
 		t.Fatal("unknown crash point accepted")
+	}
+}
+
+func TestMetricsRegistration(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m, err := newMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.received.WithLabelValues("x").Inc()
+	m.stale.WithLabelValues("x", "hold").Inc()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]bool{}
+	for _, mf := range mfs {
+		names[mf.GetName()] = true
+	}
+	for _, n := range []string{"onceler_tasks_received_total", "onceler_stale_claims_total", "onceler_tasks_in_flight"} {
+		if !names[n] {
+			t.Errorf("metric %s not gathered (have %v)", n, names)
+		}
+	}
+	if _, err := newMetrics(reg); err == nil {
+		t.Error("second worker on the same registry accepted")
 	}
 }

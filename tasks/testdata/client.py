@@ -7,7 +7,8 @@ Run with the system Python that has Celery 5.2 (/usr/bin/python3):
 spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
        "serializer": "json"|"msgpack"|"yaml",
        "calls": [{"task": name, "args": [...], "kwargs": {...},
-                  "headers": {...}, "ignore_result": bool}]}
+                  "headers": {...}, "ignore_result": bool,
+                  "options": {apply_async options}}]}
 
 Prints one JSON object: {"results": [...]} with, for each call in order,
 {"id": task id, "ok": result} or {"id", "exc_type", "exc_module", "message"}.
@@ -36,6 +37,8 @@ def main():
             opts["headers"] = c["headers"]
         if c.get("ignore_result"):
             opts["ignore_result"] = True
+        # countdown, expires, time_limit, soft_time_limit, ...
+        opts.update(c.get("options") or {})
         sent.append(app.send_task(c["task"], args=c.get("args", []),
                                   kwargs=c.get("kwargs", {}), **opts))
     out = []
