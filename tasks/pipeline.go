@@ -251,7 +251,9 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 // result to this delivery's caller, then ack.
 func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	w.m.duplicates.WithLabelValues(j.h.name).Inc()
-	w.log.Debug("duplicate suppressed", w.fields(j)...)
+	if ce := w.log.Check(zap.DebugLevel, "duplicate suppressed"); ce != nil {
+		ce.Write(w.fields(j)...)
+	}
 	w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
 	if !w.replySuccess(ctx, j, stored) {
 		return

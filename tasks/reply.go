@@ -233,6 +233,9 @@ func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
 	if j.key != "" {
 		f = append(f, zap.String("key", j.key))
 	}
+	if j.attempt > 0 {
+		f = append(f, zap.Int("attempt", j.attempt))
+	}
 	return append(f, extra...)
 }
 

@@ -51,6 +51,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.quarantine(ctx, j, ReasonPoison, perr)
 		return
 	}
+	j.attempt = claim.Attempt
 	w.crash(CrashAfterClaim, j)
 	ref := p.Ref(claim.Token)
 	kctx, stop := w.store.Keep(ctx, ref, p.Lease)
@@ -228,8 +229,13 @@ func (w *Worker) hardLimit(j *job) time.Duration {
 func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
 	msg := j.msg
 	if taskErr == nil {
+		// Workflow steps (chain, link callbacks) are to be published here,
+		// with a confirm, before the result: Celery publishes the next step
+		// before it stores SUCCESS.
 		w.m.succeeded.WithLabelValues(j.h.name).Inc()
-		w.log.Debug("task succeeded", w.fields(j)...)
+		if ce := w.log.Check(zap.DebugLevel, "task succeeded"); ce != nil {
+			ce.Write(w.fields(j)...)
+		}
 		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
 		if !w.replySuccess(ctx, j, res) {
 			return

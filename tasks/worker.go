@@ -70,6 +70,7 @@ type job struct {
 	checks   int  // deferrals so far
 	waiting  bool // deferred because the operation was in progress elsewhere
 	runtime  time.Duration
+	attempt  int // the record's attempt of the claim this delivery runs under
 }
 
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens
