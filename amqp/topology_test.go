@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
@@ -204,4 +205,61 @@ func TestQuorumSetPrefetchTakesEffect(t *testing.T) {
 		must(t, recv(t, got, 5*time.Second).Ack(), "ack rest")
 	}
 	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+}
+
+// Celery's rpc:// client gets the result this package publishes to its
+// reply queue: the full round trip with real Celery, through celeryproto.
+func TestCeleryRPCResultRoundTrip(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_rpc")
+	cleanupQueue(t, q)
+	py := testenv.Python(t)
+	script := `
+import sys
+from celery import Celery
+from kombu import Exchange, Queue
+url, name = sys.argv[1], sys.argv[2]
+app = Celery("probe", broker=url, backend="rpc://")
+app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name)]
+r = app.send_task("probe.add", args=(2, 3), queue=name)
+print(r.get(timeout=30))
+`
+	cmd := exec.Command(py, "-c", script, testenv.AMQPURL(t), q)
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	must(t, cmd.Start(), "start python")
+	waited := false
+	t.Cleanup(func() {
+		if !waited {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
+	got := make(chan *Delivery, 1)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	d := recv(t, got, 30*time.Second)
+	msg, err := celeryproto.Decode(&d.Delivery)
+	must(t, err, "decode celery task")
+	if msg.Task != "probe.add" || len(msg.Args) != 2 || msg.ReplyTo == "" {
+		t.Fatalf("decoded %+v", msg)
+	}
+	sum := int64(0)
+	for _, a := range msg.Args {
+		sum += a.(int64)
+	}
+	res, err := celeryproto.EncodeResult(&celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateSuccess, Value: sum})
+	must(t, err, "encode result")
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Publish(ctx, "", msg.ReplyTo, res, PublishOptions{Mandatory: true}), "publish result")
+	must(t, d.Ack(), "ack")
+	err = cmd.Wait()
+	waited = true
+	if err != nil {
+		t.Fatalf("celery client: %v\n%s", err, out.String())
+	}
+	if strings.TrimSpace(out.String()) != "5" {
+		t.Fatalf("celery client printed %q, want 5", out.String())
+	}
 }
