@@ -65,7 +65,16 @@ func Names() []string {
 type Option func(*options)
 
 type options struct {
-	logger *zap.Logger
+	logger   *zap.Logger
+	noRecord bool
+}
+
+// WithoutRecord registers the same-database tasks as pure tasks that write
+// in a transaction of their own, for a worker run without the record
+// (tasks.Config.NoRecord), where no record transaction exists: every
+// delivery then repeats its effect, which is what such a run demonstrates.
+func WithoutRecord() Option {
+	return func(o *options) { o.noRecord = true }
 }
 
 // WithLogger sets the logger that records every call to a simulated outside
@@ -148,7 +157,7 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Mode: tasks.ModePure,
 			Run:  d.add,
 		}),
-		tasks.Register(reg, tasks.Task[CreditArgs]{
+		registerSameDB(reg, o.noRecord, d, tasks.Task[CreditArgs]{
 			Name:  TaskCredit,
 			Mode:  tasks.ModeSameDB,
 			Key:   func(a CreditArgs) (string, error) { return nonEmpty("entry_id", a.EntryID) },
@@ -170,7 +179,7 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Policy: tasks.PolicyHold,
 			Run:    d.email,
 		}),
-		tasks.Register(reg, tasks.Task[SleepArgs]{
+		registerSameDB(reg, o.noRecord, d, tasks.Task[SleepArgs]{
 			Name:  TaskSleep,
 			Mode:  tasks.ModeSameDB,
 			Key:   func(a SleepArgs) (string, error) { return nonEmpty("op", a.Op) },
@@ -193,6 +202,25 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 		return fmt.Errorf("register demo tasks: %w", err)
 	}
 	return nil
+}
+
+// registerSameDB registers a same-database task, or without the record a
+// pure task that runs RunTx in a transaction of its own.
+func registerSameDB[A any](reg *tasks.Registry, noRecord bool, d *demo, t tasks.Task[A]) error {
+	if noRecord {
+		runTx := t.RunTx
+		t.Mode, t.Key, t.RunTx = tasks.ModePure, nil, nil
+		t.Run = func(ctx context.Context, c *tasks.Call, a A) (any, error) {
+			var res any
+			err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+				var err error
+				res, err = runTx(ctx, tx, c, a)
+				return err
+			})
+			return res, err
+		}
+	}
+	return tasks.Register(reg, t)
 }
 
 type demo struct {

@@ -322,11 +322,11 @@ func printRepeats(w io.Writer, since string, stats []idempotency.RepeatStats) {
 		fmt.Fprintf(w, "no repeats in the last %s\n", since)
 		return
 	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "TASK\tDUPLICATES\tTAKEOVERS\tHELD\tSKIPPED\tMISMATCHES\tFAILURES\t")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "TASK\tDUPLICATES\tTAKEOVERS\tHELD\tSKIPPED\tMISMATCHES\tFAILURES")
 	var tot repeatsTaskJSON
 	for _, s := range stats {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t\n", s.Task, s.Duplicates, s.Takeovers, s.Held, s.Skipped, s.Mismatches, s.Failures)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Task, s.Duplicates, s.Takeovers, s.Held, s.Skipped, s.Mismatches, s.Failures)
 		tot.Duplicates += s.Duplicates
 		tot.Takeovers += s.Takeovers
 		tot.Held += s.Held
@@ -334,7 +334,7 @@ func printRepeats(w io.Writer, since string, stats []idempotency.RepeatStats) {
 		tot.Mismatches += s.Mismatches
 		tot.Failures += s.Failures
 	}
-	fmt.Fprintf(tw, "total\t%d\t%d\t%d\t%d\t%d\t%d\t\n", tot.Duplicates, tot.Takeovers, tot.Held, tot.Skipped, tot.Mismatches, tot.Failures)
+	fmt.Fprintf(tw, "total\t%d\t%d\t%d\t%d\t%d\t%d\n", tot.Duplicates, tot.Takeovers, tot.Held, tot.Skipped, tot.Mismatches, tot.Failures)
 	_ = tw.Flush()
 }
 
@@ -380,14 +380,14 @@ status, and deletes nothing.`,
 				}
 				defer pool.Close()
 				defer store.Close()
-				return a.purge(ctx, pool, store, d.schema, time.Now().Add(-dur), batch, dryRun)
+				return a.purge(ctx, pool, store, d.schema, olderThan, time.Now().Add(-dur), batch, dryRun)
 			}
 		},
 	}
 }
 
-func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, schema string, before time.Time, batch int, dryRun bool) error {
-	cutoff := before.UTC().Format(time.RFC3339)
+func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, schema, olderThan string, before time.Time, batch int, dryRun bool) error {
+	cutoff := "older than " + olderThan
 	if dryRun {
 		counts, events, err := purgeCounts(ctx, pool, schema, before)
 		if err != nil {
@@ -397,7 +397,7 @@ func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.
 		for _, c := range counts {
 			total += c.n
 		}
-		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events last updated before %s\n", total, events, cutoff)
+		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events %s\n", total, events, cutoff)
 		if len(counts) > 0 {
 			tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "TASK\tSTATUS\tRECORDS")
@@ -408,7 +408,7 @@ func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.
 		}
 		return nil
 	}
-	fmt.Fprintf(a.stdout, "deleting records and repeat events last updated before %s, %d per batch\n", cutoff, batch)
+	fmt.Fprintf(a.stdout, "deleting records and repeat events %s, %d per batch\n", cutoff, batch)
 	var total idempotency.PurgeResult
 	for {
 		res, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, BatchSize: batch, MaxBatches: 1})

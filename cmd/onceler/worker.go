@@ -166,7 +166,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		if err := demo.Migrate(ctx, pool); err != nil {
 			return fmt.Errorf("create the demo tables: %s", oneLine(err))
 		}
-		if err := demo.Register(reg, pool, demo.WithLogger(logger)); err != nil {
+		opts := []demo.Option{demo.WithLogger(logger)}
+		if f.noRecord {
+			opts = append(opts, demo.WithoutRecord())
+		}
+		if err := demo.Register(reg, pool, opts...); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// readmeBlocks returns the README's expected outputs: each ```text block
+// after a <!-- output: NAME --> marker.
+func readmeBlocks(t *testing.T) map[string]string {
+	t.Helper()
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	re := regexp.MustCompile("(?s)<!-- output: ([a-z-]+) -->\n```text\n(.*?)```")
+	out := map[string]string{}
+	for _, m := range re.FindAllStringSubmatch(string(b), -1) {
+		out[m[1]] = m[2]
+	}
+	return out
+}
+
+func sameOutput(t *testing.T, name, got, want string) {
+	t.Helper()
+	if want == "" {
+		t.Fatalf("README has no output block %q", name)
+	}
+	if got != want {
+		t.Errorf("README output %q differs from the real one.\nREADME:\n%s\nreal:\n%s", name, want, got)
+	}
+}
+
+// TestReadmeWalkthrough follows the README's walkthrough with the built
+// binary and the shipped Python script, on a record schema and queue of its
+// own, and checks that every output shown in the README is what really
+// comes out.
+func TestReadmeWalkthrough(t *testing.T) {
+	s := newStack(t)
+	want := readmeBlocks(t)
+	py := testenv.Python(t)
+	prefix := testenv.Name("w") + "-"
+	script := func(args ...string) *proc {
+		return start(t, "walkthrough.py", s.env, py, append([]string{"../../scripts/walkthrough.py", "--queue", s.queue, "--prefix", prefix}, args...)...)
+	}
+
+	w := startWorker(t, s.env)
+	walk := script()
+	if err := walk.wait(3 * time.Minute); err != nil {
+		t.Fatalf("walkthrough.py: %v\n%s", err, walk.stderr.String())
+	}
+	sameOutput(t, "walkthrough", walk.stdout.String(), want["walkthrough"])
+
+	r := runBin(t, s.env, "repeats", "--since", "1h")
+	if r.code != 0 {
+		t.Fatalf("repeats: %s", r.stderr)
+	}
+	sameOutput(t, "repeats", r.stdout, want["repeats"])
+
+	time.Sleep(1100 * time.Millisecond)
+	r = runBin(t, s.env, "purge", "--older-than", "1s", "--dry-run")
+	if r.code != 0 {
+		t.Fatalf("purge: %s", r.stderr)
+	}
+	sameOutput(t, "purge", r.stdout, want["purge"])
+	w.stop()
+
+	crashEnv := s.with(map[string]string{"ONCELER_CRASH_AT": "after_effect", "ONCELER_CRASH_TASK": "demo.payments.charge"})
+	w = startWorker(t, crashEnv, "--lease", "5s")
+	crash := script("crash")
+	_ = w.wait(2 * time.Minute)
+	if !w.killed() {
+		t.Fatalf("worker was not killed by the crash injection: %v", w.err)
+	}
+	w = startWorker(t, s.env, "--lease", "5s")
+	if err := crash.wait(2 * time.Minute); err != nil {
+		t.Fatalf("walkthrough.py crash: %v\n%s", err, crash.stderr.String())
+	}
+	sameOutput(t, "crash", crash.stdout.String(), want["crash"])
+	w.stop()
+
+	r = runBin(t, s.env, "repeats", "--since", "1h", "--json")
+	if !strings.Contains(r.stdout, `"task": "demo.payments.charge",`) || !strings.Contains(r.stdout, `"takeovers": 1,`) {
+		t.Fatalf("repeats after the crash shows no takeover:\n%s", r.stdout)
+	}
+}
+
+// TestNoRecordRepeatsEffects runs the walkthrough against a worker started
+// with --no-record: every copy runs, as the README says.
+func TestNoRecordRepeatsEffects(t *testing.T) {
+	s := newStack(t)
+	w := startWorker(t, s.env, "--no-record")
+	if !strings.Contains(w.stderr.String(), "--no-record: running every task WITHOUT the idempotency record") {
+		t.Fatalf("no loud warning:\n%s", w.stderr.String())
+	}
+	walk := start(t, "walkthrough.py", s.env, testenv.Python(t), "../../scripts/walkthrough.py", "--queue", s.queue, "--prefix", testenv.Name("n")+"-")
+	if err := walk.wait(3 * time.Minute); err != nil {
+		t.Fatalf("walkthrough.py: %v\n%s", err, walk.stderr.String())
+	}
+	w.stop()
+	out := walk.stdout.String()
+	for _, want := range []string{
+		`#3     -> {"account": "acct-1", "balance": 4500, "entry_id": "e-1"}`,
+		"ledger rows for e-1                3",
+		"gateway calls for order-1          3",
+		"gateway charges for order-1        1",
+		"emails sent for msg-1              3",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("without the record, output misses %q:\n%s", want, out)
+		}
+	}
+}
