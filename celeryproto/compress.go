@@ -59,7 +59,13 @@ func decompress(compression string, body []byte, limit int) ([]byte, error) {
 	case CompressionBzip2:
 		r = bzip2.NewReader(src)
 	case CompressionXZ:
-		xr, err := xz.NewReader(src)
+		if err := checkXZ(body, limit); err != nil {
+			if IsDecodeError(err) {
+				return nil, err
+			}
+			return nil, decodeErr(ErrCompression, err, "corrupt %s body", kind)
+		}
+		xr, err := xz.ReaderConfig{SingleStream: true}.NewReader(src)
 		if err != nil {
 			return nil, decodeErr(ErrCompression, err, "corrupt %s body", kind)
 		}

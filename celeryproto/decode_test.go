@@ -3,6 +3,7 @@ package celeryproto
 import (
 	"bytes"
 	"compress/zlib"
+	"encoding/hex"
 	"errors"
 	"math"
 	"reflect"
@@ -35,6 +36,28 @@ func zlibBytes(t *testing.T, b []byte) []byte {
 		t.Fatal(err)
 	}
 	return buf.Bytes()
+}
+
+// xzHugeDict is `[[], {}, null]` compressed by Python's lzma with a 1.5 GiB
+// LZMA2 dictionary: the xz reader would allocate all of it.
+const xzHugeDict = "fd377a585a000004e6d6b44602002101250000003b787b4101000d5b5b5d2c207b7d2c206e756c6c5d000000dea08b469ae653470001260e081be0041fb6f37d010000000004595a"
+
+func xzBytes(t *testing.T, b []byte) []byte {
+	t.Helper()
+	_, out, err := compress("xz", b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func hexBytes(t *testing.T, s string) []byte {
+	t.Helper()
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 const laughs = `a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
@@ -89,6 +112,9 @@ func TestDecodeErrors(t *testing.T) {
 		{"unknown compression", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "application/x-snappy"), Body: []byte("x")}, Limits{}, ErrCompression, `unsupported compression "application/x-snappy"`},
 		{"corrupt zlib", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "application/x-gzip"), Body: []byte("not zlib")}, Limits{}, ErrCompression, "corrupt application/x-gzip body"},
 		{"oversized", jsonDelivery(`[[1, 2, 3], {}, {}]`, v2Headers()), Limits{MaxBodyBytes: 8}, ErrTooLarge, "exceeds the limit of 8"},
+		{"xz huge dictionary", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: hexBytes(t, xzHugeDict)}, Limits{}, ErrTooLarge, "declares a 1610612736-byte dictionary"},
+		{"xz declared size", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "application/x-lzma"), Body: xzBytes(t, bomb[:4000])}, Limits{MaxBodyBytes: 1000}, ErrTooLarge, "xz body declares more than 1000 bytes"},
+		{"xz trailing stream", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: append(xzBytes(t, bomb[:100]), xzBytes(t, bomb[:100])...)}, Limits{}, ErrCompression, "not a single xz stream"},
 		{"bomb", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "zlib"), Body: zlibBytes(t, bomb)}, Limits{MaxBodyBytes: 1 << 20}, ErrTooLarge, "decompresses to more than 1048576 bytes"},
 	}
 	sentinels := []error{ErrUnsupportedContentType, ErrPickle, ErrCompression, ErrTooLarge, ErrMalformed, ErrShape, ErrBadHeader}
