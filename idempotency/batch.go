@@ -313,6 +313,19 @@ func (b *batcher) flush(claims []*claimOp, completes []*completeOp) {
 		}
 		b.s.log.Debug("idempotency batch conflict, retrying", zap.Int("attempt", attempt+1), zap.Error(err))
 	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && len(claims)+len(completes) > 1 {
+		// The server refused the batch and rolled it back: one bad call
+		// must not fail the others, so write each on its own.
+		b.s.log.Warn("idempotency batch refused, writing its calls one by one", zap.Error(err))
+		for _, op := range claims {
+			b.flush([]*claimOp{op}, nil)
+		}
+		for _, op := range completes {
+			b.flush(nil, []*completeOp{op})
+		}
+		return
+	}
 	b.s.log.Warn("idempotency batch failed", zap.Int("claims", len(claims)),
 		zap.Int("completes", len(completes)), zap.Error(err))
 	b.fail(claims, completes, writeError("batch", err))

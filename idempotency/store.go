@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -180,6 +182,11 @@ type ClaimParams struct {
 func (p *ClaimParams) validate() error {
 	if p.Task == "" || p.Key == "" {
 		return errors.New("idempotency: claim needs a task and a key")
+	}
+	for _, v := range []string{p.Task, p.Key, p.Owner, p.TaskID} {
+		if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+			return fmt.Errorf("idempotency: claim field %q is not valid UTF-8 text without NUL", v)
+		}
 	}
 	if p.Lease <= 0 {
 		p.Lease = time.Minute

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -353,4 +354,46 @@ func repeatsFor(t *testing.T, e *env, task string) idempotency.RepeatStats {
 		}
 	}
 	return idempotency.RepeatStats{Task: task}
+}
+
+// TestBatchIsolatesABadCall: a call the server refuses fails alone; the
+// other calls of its batch get their own outcomes.
+func TestBatchIsolatesABadCall(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	ctx := context.Background()
+	const n = 40
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	tokens := make([]idempotency.Token, n)
+	for i := range n {
+		wg.Go(func() {
+			p := params("mixed", fmt.Sprint("k", i))
+			c, err := e.store.Claim(ctx, p)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			tokens[i] = c.Token
+			result := []byte(fmt.Sprintf(`{"n":%d}`, i))
+			if i == 7 {
+				result = []byte(`"\u0000"`) // valid JSON that jsonb refuses
+			}
+			errs[i] = e.store.Complete(ctx, p.Ref(c.Token), result)
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if (i == 7) != (err != nil) {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	if r := e.get(t, "mixed", "k7"); r.Status != idempotency.StatusClaimed {
+		t.Fatalf("bad call's record %v", r.Status)
+	}
+	if r := e.get(t, "mixed", "k8"); r.Status != idempotency.StatusCompleted || string(r.Result) != `{"n": 8}` {
+		t.Fatalf("good call's record %+v", r)
+	}
+	if _, err := e.store.Claim(ctx, params("mixed", "nul\x00")); err == nil {
+		t.Fatal("accepted a key with NUL")
+	}
 }
