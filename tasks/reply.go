@@ -32,6 +32,24 @@ const (
 
 func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
 
+// opTimeout bounds one publish or one final record write.
+const opTimeout = 30 * time.Second
+
+// publish publishes with a confirm, bounded by opTimeout. A publish cut
+// short by the end of the grace period leaves the delivery unacknowledged:
+// its redelivery is answered from the record.
+func (w *Worker) publish(ctx context.Context, exchange, key string, p *celeryproto.Publishing, o amqp.PublishOptions) error {
+	ctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	return w.pub.Publish(ctx, exchange, key, p, o)
+}
+
+// final returns the context of a final record write: not cancelled with
+// the task, bounded by opTimeout.
+func final(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
+}
+
 // publishResult sends a result to the caller's reply queue with a confirm,
 // retrying while the worker runs. It reports whether the delivery may now be
 // acknowledged (false: leave it unacknowledged).
@@ -52,7 +70,7 @@ func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Resul
 		}
 	}
 	for attempt := 0; ; attempt++ {
-		err := w.pub.Publish(context.WithoutCancel(ctx), "", replyTo, pub, amqp.PublishOptions{})
+		err := w.publish(ctx, "", replyTo, pub, amqp.PublishOptions{})
 		if err == nil {
 			return true
 		}
@@ -115,7 +133,7 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: headers, Body: d.Body,
 		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
 	}
-	err := w.pub.Publish(context.WithoutCancel(ctx), "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
+	err := w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
 	if err != nil {
 		if ctx.Err() != nil {
 			w.giveBack(j)
@@ -165,7 +183,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err))
 		return
 	}
-	if err := w.pub.Publish(context.WithoutCancel(ctx), j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {
+	if err := w.publish(ctx, j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {
 		w.recordTrouble(ctx, j, "publish retry", err)
 		return
 	}

@@ -44,7 +44,10 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		// killing its workers: stop the loop.
 		ref := p.Ref(claim.Token)
 		perr := fmt.Errorf("operation claimed %d times (limit %d)", claim.Attempt, w.cfg.MaxAttempts)
-		if err := w.store.Fail(context.WithoutCancel(ctx), ref, "quarantined as poison: "+perr.Error()); err != nil {
+		fctx, cancel := final(ctx)
+		err := w.store.Fail(fctx, ref, "quarantined as poison: "+perr.Error())
+		cancel()
+		if err != nil {
 			w.recordTrouble(ctx, j, "fail", err)
 			return
 		}
@@ -61,7 +64,6 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	leaseLost := errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost)
 	stop()
 	w.crash(CrashAfterEffect, j)
-	final := context.WithoutCancel(ctx)
 	switch {
 	case leaseLost:
 		// Another delivery may own the operation now: do not complete; look
@@ -69,41 +71,49 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.log.Warn("lease lost while the task ran; not completing", w.fields(j, zap.Error(taskErr))...)
 		w.deferDelivery(j, time.Time{})
 	case taskErr == nil:
-		for {
-			err := w.store.Complete(final, ref, res)
-			if err == nil {
-				w.finish(ctx, j, res, nil)
-				return
-			}
-			if errors.Is(err, idempotency.ErrFenced) {
-				w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
-				w.deferDelivery(j, time.Time{})
-				return
-			}
-			w.log.Warn("completing the record failed; retrying", w.fields(j, zap.Error(err))...)
-			if ctx.Err() != nil || !sleepCtx(ctx, 200*time.Millisecond) {
-				// Unknown to the record: the redelivery finds the claim.
-				w.giveBack(j)
-				return
-			}
+		switch err := w.write(ctx, j, "complete", func(c context.Context) error { return w.store.Complete(c, ref, res) }); {
+		case err == nil:
+			w.finish(ctx, j, res, nil)
+		case errors.Is(err, idempotency.ErrFenced):
+			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
+			w.deferDelivery(j, time.Time{})
 		}
 	case w.shutdownCut(ctx, taskErr):
-		if err := w.store.Release(final, ref); err != nil {
+		fctx, cancel := final(ctx)
+		if err := w.store.Release(fctx, ref); err != nil {
 			w.log.Warn("release after shutdown failed", w.fields(j, zap.Error(err))...)
 		}
+		cancel()
 		w.giveBack(j)
 	case IsRetry(taskErr):
-		if err := w.store.Release(final, ref); err != nil {
-			w.recordTrouble(ctx, j, "release", err)
-			return
+		if err := w.write(ctx, j, "release", func(c context.Context) error { return w.store.Release(c, ref) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+			w.finish(ctx, j, nil, taskErr)
 		}
-		w.finish(ctx, j, nil, taskErr)
 	default:
-		if err := w.store.Fail(final, ref, taskErr.Error()); err != nil && !errors.Is(err, idempotency.ErrFenced) {
-			w.recordTrouble(ctx, j, "fail", err)
-			return
+		if err := w.write(ctx, j, "fail", func(c context.Context) error { return w.store.Fail(c, ref, taskErr.Error()) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+			w.finish(ctx, j, nil, taskErr)
 		}
-		w.finish(ctx, j, nil, taskErr)
+	}
+}
+
+// write makes a final record write for a claim this delivery holds,
+// retrying while the database does not answer. It returns nil or
+// idempotency.ErrFenced, which the caller acts on; any other outcome means
+// the worker is stopping and the delivery was given back to the broker (its
+// redelivery finds the claim).
+func (w *Worker) write(ctx context.Context, j *job, what string, op func(context.Context) error) error {
+	for attempt := 0; ; attempt++ {
+		fctx, cancel := final(ctx)
+		err := op(fctx)
+		cancel()
+		if err == nil || errors.Is(err, idempotency.ErrFenced) {
+			return err
+		}
+		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
+		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
+			w.giveBack(j)
+			return fmt.Errorf("%s: %w", what, err)
+		}
 	}
 }
 
