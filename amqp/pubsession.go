@@ -132,7 +132,10 @@ func (s *pubSession) checkExchange(name string) error {
 	}
 	ch, err := s.conn.Channel()
 	if err != nil {
-		return errNotSent
+		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
+			return errNotSent
+		}
+		return fmt.Errorf("check exchange %q: open channel: %w", name, err)
 	}
 	defer func() { _ = ch.Close() }()
 	if err := ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, true, false, false, false, nil); err != nil {
