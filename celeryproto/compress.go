@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/bzip2"
 	"compress/zlib"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -73,7 +74,10 @@ func decompress(compression string, body []byte, limit int) ([]byte, error) {
 	case CompressionBrotli:
 		r = brotli.NewReader(src)
 	case CompressionZstd:
-		zr, err := zstd.NewReader(src, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(uint64(limit)+1<<20))
+		// The window (history) is allocated as declared: bound it like the
+		// xz dictionary; the output itself is bounded by the limit below.
+		window := uint64(max(limit+1<<20, maxXZDict))
+		zr, err := zstd.NewReader(src, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(window), zstd.WithDecoderMaxWindow(window))
 		if err != nil {
 			return nil, decodeErr(ErrCompression, err, "corrupt %s body", kind)
 		}
@@ -81,6 +85,9 @@ func decompress(compression string, body []byte, limit int) ([]byte, error) {
 		r = zr
 	}
 	out, err := io.ReadAll(io.LimitReader(r, int64(limit)+1))
+	if errors.Is(err, zstd.ErrDecoderSizeExceeded) || errors.Is(err, zstd.ErrWindowSizeExceeded) {
+		return nil, decodeErr(ErrTooLarge, err, "%s body needs more than %d bytes", kind, limit)
+	}
 	if err != nil {
 		return nil, decodeErr(ErrCompression, err, "corrupt %s body", kind)
 	}

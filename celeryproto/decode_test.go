@@ -115,6 +115,7 @@ func TestDecodeErrors(t *testing.T) {
 		{"xz huge dictionary", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: hexBytes(t, xzHugeDict)}, Limits{}, ErrTooLarge, "declares a 1610612736-byte dictionary"},
 		{"xz declared size", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "application/x-lzma"), Body: xzBytes(t, bomb[:4000])}, Limits{MaxBodyBytes: 1000}, ErrTooLarge, "xz body declares more than 1000 bytes"},
 		{"xz trailing stream", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: append(xzBytes(t, bomb[:100]), xzBytes(t, bomb[:100])...)}, Limits{}, ErrCompression, "not a single xz stream"},
+		{"zstd huge window", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "zstd"), Body: []byte{0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xf8, 0x01, 0x00, 0x00}}, Limits{}, ErrTooLarge, "application/zstd body needs more than 16777216 bytes"},
 		{"bomb", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "zlib"), Body: zlibBytes(t, bomb)}, Limits{MaxBodyBytes: 1 << 20}, ErrTooLarge, "decompresses to more than 1048576 bytes"},
 	}
 	sentinels := []error{ErrUnsupportedContentType, ErrPickle, ErrCompression, ErrTooLarge, ErrMalformed, ErrShape, ErrBadHeader}
@@ -285,5 +286,36 @@ func TestCanonicalArgs(t *testing.T) {
 	f2, _ := Fingerprint([]any{int64(1), "a", 2.5, []any{true, nil}}, map[string]any{"a": "z", "b": map[string]any{"x": []any{1.0}, "y": 2}})
 	if len(f1) != 32 || bytes.Equal(f1, f2) {
 		t.Errorf("fingerprints %x %x", f1, f2)
+	}
+}
+
+// bz2Bomb is `[[], {}, null]` and 4 MiB of spaces, compressed by Python's
+// bz2 (Go has no bzip2 writer).
+const bz2Bomb = "425a683931415926535901b9d1660080849b80c0040004000a0005020a00082000541553d4034054a006940401abc808030b0100562fadf24acd4f402c03e2ee48a70a1200373a2cc0"
+
+// TestDecompressionBombs: every compression stops at the limit with
+// ErrTooLarge, and the same body decodes when the limit allows it.
+func TestDecompressionBombs(t *testing.T) {
+	plain := append([]byte("[[], {}, null]"), bytes.Repeat([]byte(" "), 4<<20)...)
+	bodies := map[string][]byte{"application/x-bz2": hexBytes(t, bz2Bomb)}
+	for _, c := range []string{"zlib", "xz", "brotli", "zstd"} {
+		kind, out, err := compress(c, plain)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bodies[kind] = out
+	}
+	for kind, body := range bodies {
+		t.Run(strings.ReplaceAll(kind, "/", "_"), func(t *testing.T) {
+			d := &Delivery{ContentType: "application/json", Headers: map[string]any{"task": "t", "id": "1", "compression": kind}, Body: body}
+			_, err := NewDecoder(Limits{MaxBodyBytes: 1 << 20}).Decode(d)
+			if !errors.Is(err, ErrTooLarge) {
+				t.Fatalf("%d-byte body: err = %v, want ErrTooLarge", len(body), err)
+			}
+			m, err := NewDecoder(Limits{MaxBodyBytes: 5 << 20}).Decode(d)
+			if err != nil || m.Compression != kind {
+				t.Fatalf("within the limit: %v", err)
+			}
+		})
 	}
 }
