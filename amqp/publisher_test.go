@@ -323,3 +323,38 @@ func TestPublishDuringConnectionLoss(t *testing.T) {
 		t.Fatal("publisher never reconnected")
 	}
 }
+
+// Close while publishes are in flight: each ends with success, ErrClosed or
+// ErrUnconfirmed, and Close waits for the publisher's goroutines.
+func TestPublisherCloseDuringPublishes(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_close")
+	cleanupQueue(t, q)
+	p := NewPublisher(cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				err := p.Publish(ctx, "", q, textMessage("x"), PublishOptions{Mandatory: true})
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	time.Sleep(100 * time.Millisecond)
+	must(t, p.Close(), "close")
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if !errors.Is(err, ErrClosed) && !errors.Is(err, ErrUnconfirmed) {
+			t.Fatalf("publish during Close = %v, want ErrClosed or ErrUnconfirmed", err)
+		}
+	}
+}
