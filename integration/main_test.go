@@ -16,6 +16,7 @@ import (
 var (
 	oncelerBin string // cmd/onceler
 	ownBin     string // integration/testdata/replayworker: "your own binary"
+	runID      = replay.NewID()[:8]
 )
 
 func TestMain(m *testing.M) {

@@ -56,7 +56,8 @@ type row struct {
 type bench struct {
 	o       options
 	runID   string
-	pub     *amqp.Publisher
+	pub     *amqp.Publisher // declarations
+	prod    *producer
 	broker  *broker
 	commits *commitCounter
 }
@@ -74,8 +75,15 @@ func newBench(ctx context.Context, o options) (*bench, error) {
 		cc.close(ctx)
 		return nil, err
 	}
+	prod, err := newProducer(o.amqpURL)
+	if err != nil {
+		br.close()
+		cc.close(ctx)
+		return nil, err
+	}
 	return &bench{
 		o:       o,
+		prod:    prod,
 		runID:   strconv.FormatInt(time.Now().Unix()%1000000, 36),
 		pub:     amqp.NewPublisher(amqp.Config{URL: o.amqpURL, Name: "onceler-bench-producer"}),
 		broker:  br,
@@ -85,6 +93,7 @@ func newBench(ctx context.Context, o options) (*bench, error) {
 
 func (b *bench) close() {
 	_ = b.pub.Close()
+	b.prod.close()
 	b.broker.close()
 	b.commits.close(context.Background())
 }
@@ -175,7 +184,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			return err
 		}
 		t0 := time.Now()
-		if err := publishAll(ctx, b.pub, queue, msgs); err != nil {
+		if err := publishAll(ctx, b.prod, queue, msgs); err != nil {
 			return err
 		}
 		fmt.Fprintf(os.Stderr, "(%s) pre-filled %d messages in %v\n", sc.ID, len(msgs), time.Since(t0).Round(time.Millisecond))

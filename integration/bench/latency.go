@@ -89,7 +89,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	case o := <-done:
 		return fmt.Errorf("worker ended before consuming: %v", o.err)
 	}
-	sent, err := publishSteady(ctx, b.pub, queue, msgs, r.latRate)
+	sent, err := publishSteady(ctx, b.prod, queue, msgs, r.latRate)
 	if err != nil {
 		return err
 	}

@@ -1,15 +1,11 @@
 package main
 
 import (
-	"context"
 	"crypto/rand"
 	"fmt"
 	"os"
 	"strconv"
-	"sync"
-	"time"
 
-	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -77,89 +73,3 @@ func uuid4() string {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
 
-// publishAll publishes msgs to queue through the default exchange with
-// publisher confirms, from several goroutines.
-func publishAll(ctx context.Context, pub *amqp.Publisher, queue string, msgs []*celeryproto.Publishing) error {
-	const workers = 64
-	idx := make(chan int)
-	errs := make(chan error, workers)
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Go(func() {
-			for i := range idx {
-				if err := pub.Publish(ctx, "", queue, msgs[i], amqp.PublishOptions{}); err != nil {
-					errs <- fmt.Errorf("publish message %d: %w", i, err)
-					return
-				}
-			}
-		})
-	}
-	var err error
-feed:
-	for i := range msgs {
-		select {
-		case idx <- i:
-		case err = <-errs:
-			break feed
-		}
-	}
-	close(idx)
-	wg.Wait()
-	if err == nil {
-		select {
-		case err = <-errs:
-		default:
-		}
-	}
-	return err
-}
-
-// publishSteady publishes msgs at rate per second (with confirms, from a
-// pool of goroutines) and returns when each was handed to a publisher.
-func publishSteady(ctx context.Context, pub *amqp.Publisher, queue string, msgs []*celeryproto.Publishing, rate float64) ([]time.Time, error) {
-	const workers = 64
-	sent := make([]time.Time, len(msgs))
-	idx := make(chan int, 4096)
-	errs := make(chan error, workers)
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Go(func() {
-			for i := range idx {
-				if err := pub.Publish(ctx, "", queue, msgs[i], amqp.PublishOptions{}); err != nil {
-					errs <- fmt.Errorf("publish message %d: %w", i, err)
-					return
-				}
-			}
-		})
-	}
-	start := time.Now()
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	next := 0
-	var err error
-loop:
-	for next < len(msgs) {
-		select {
-		case err = <-errs:
-			break loop
-		case <-ctx.Done():
-			err = ctx.Err()
-			break loop
-		case <-tick.C:
-		}
-		due := min(len(msgs), int(time.Since(start).Seconds()*rate))
-		for ; next < due; next++ {
-			sent[next] = time.Now()
-			idx <- next
-		}
-	}
-	close(idx)
-	wg.Wait()
-	if err == nil {
-		select {
-		case err = <-errs:
-		default:
-		}
-	}
-	return sent, err
-}

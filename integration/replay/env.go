@@ -39,6 +39,9 @@ type Config struct {
 	Env []string
 	// Lease is the claim lease (ONCELER_LEASE). Default DefaultLease.
 	Lease time.Duration
+	// DurableReplies declares the reply queue durable, so that results
+	// survive a broker restart (Celery's own reply queue does not).
+	DurableReplies bool
 }
 
 // Env is one test's isolated world: its own queue (and quarantine queue),
@@ -66,7 +69,7 @@ type Env struct {
 	pub     *amqp091.Channel
 	inspect *amqp091.Channel
 	replyCh *amqp091.Channel
-	done    chan struct{}
+	wg      sync.WaitGroup // the reply collector
 
 	mu      sync.Mutex
 	replies map[string][]Reply
@@ -98,7 +101,6 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 		AMQPURL: testenv.AMQPURL(t), DatabaseURL: testenv.DatabaseURL(t),
 		Queue:   testenv.Name("replay"),
 		replies: make(map[string][]Reply),
-		done:    make(chan struct{}),
 	}
 	e.Quarantine = e.Queue + ".quarantine"
 	e.Pool = testenv.Pool(t)
@@ -114,11 +116,33 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 		t.Fatalf("migrate record: %v", err)
 	}
 	e.Store = store
+	e.ReplyTo = testenv.Name("replay_reply")
+	t.Cleanup(e.close)
 	if err := e.openBroker(); err != nil {
 		t.Fatalf("broker: %v", err)
 	}
-	t.Cleanup(e.close)
 	return e
+}
+
+// Reconnect opens the harness's broker connection again (after a broker
+// restart or a close of all connections) and resumes collecting replies.
+func (e *Env) Reconnect() error {
+	e.pubMu.Lock()
+	old := e.conn
+	e.pubMu.Unlock()
+	if old != nil {
+		_ = old.Close()
+	}
+	e.wg.Wait()
+	var err error
+	ok := Eventually(60*time.Second, func() bool {
+		err = e.openBroker()
+		return err == nil
+	})
+	if !ok {
+		return fmt.Errorf("reconnect to the broker: %w", err)
+	}
+	return nil
 }
 
 // openBroker declares the queue as kombu does and starts collecting
@@ -131,6 +155,8 @@ func (e *Env) openBroker() error {
 	if err != nil {
 		return fmt.Errorf("dial: %w", err)
 	}
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
 	e.conn = conn
 	if e.pub, err = conn.Channel(); err != nil {
 		return fmt.Errorf("channel: %w", err)
@@ -151,26 +177,28 @@ func (e *Env) openBroker() error {
 	if e.inspect, err = conn.Channel(); err != nil {
 		return fmt.Errorf("channel: %w", err)
 	}
-	// The reply queue as a Celery client declares it.
+	// The reply queue as a Celery client declares it (x-expires one day),
+	// but not auto-delete, so that it outlives a broken connection; the
+	// test deletes it at the end.
 	if e.replyCh, err = conn.Channel(); err != nil {
 		return fmt.Errorf("channel: %w", err)
 	}
-	q, err := e.replyCh.QueueDeclare(testenv.Name("replay_reply"), false, true, false, false,
+	_, err = e.replyCh.QueueDeclare(e.ReplyTo, e.cfg.DurableReplies, false, false, false,
 		amqp091.Table{"x-expires": int32(86400000)})
 	if err != nil {
 		return fmt.Errorf("declare reply queue: %w", err)
 	}
-	e.ReplyTo = q.Name
-	msgs, err := e.replyCh.Consume(q.Name, "", true, false, false, false, nil)
+	msgs, err := e.replyCh.Consume(e.ReplyTo, "", true, false, false, false, nil)
 	if err != nil {
 		return fmt.Errorf("consume replies: %w", err)
 	}
+	e.wg.Add(1)
 	go e.collect(msgs)
 	return nil
 }
 
 func (e *Env) collect(msgs <-chan amqp091.Delivery) {
-	defer close(e.done)
+	defer e.wg.Done()
 	for m := range msgs {
 		var body struct {
 			TaskID string          `json:"task_id"`
@@ -205,18 +233,20 @@ func (e *Env) close() {
 	for _, w := range ws {
 		w.Kill()
 	}
-	if e.conn == nil {
+	e.pubMu.Lock()
+	conn := e.conn
+	e.pubMu.Unlock()
+	if conn == nil {
 		return
 	}
-	if e.inspect != nil {
-		_, _ = e.inspect.QueueDelete(e.Queue, false, false, false)
-		_, _ = e.inspect.QueueDelete(e.Quarantine, false, false, false)
-		_ = e.inspect.ExchangeDelete(e.Queue, false, false)
+	if ch, err := conn.Channel(); err == nil {
+		_, _ = ch.QueueDelete(e.Queue, false, false, false)
+		_, _ = ch.QueueDelete(e.Quarantine, false, false, false)
+		_, _ = ch.QueueDelete(e.ReplyTo, false, false, false)
+		_ = ch.ExchangeDelete(e.Queue, false, false)
 	}
-	_ = e.conn.Close()
-	if e.replyCh != nil {
-		<-e.done
-	}
+	_ = conn.Close()
+	e.wg.Wait()
 }
 
 // NewID returns a new task id (a random UUID, as Celery makes).
@@ -454,4 +484,9 @@ func repr(v any) string {
 		return "'" + s + "'"
 	}
 	return fmt.Sprint(v)
+}
+
+// String shows the reply for test messages.
+func (r Reply) String() string {
+	return r.Status + " " + string(r.Result)
 }

@@ -1,0 +1,360 @@
+package integration
+
+import (
+	"context"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/tasks"
+)
+
+// These tests only kill, stop and disconnect their own worker processes,
+// so they run beside the other packages' tests.
+
+func demoEnv(t *testing.T) *replay.Env {
+	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--demo"}})
+	migrate(t, e)
+	return e
+}
+
+func ownEnv(t *testing.T, extra ...string) *replay.Env {
+	e := replay.NewEnv(t, replay.Config{Binary: ownBin, Env: extra})
+	migrate(t, e)
+	return e
+}
+
+// TestKillMidTaskFullPrefetch kills -9 a worker whose prefetch window is
+// full (tasks running, more delivered and waiting), then starts another:
+// every message comes back and is done exactly once, every caller answered.
+func TestKillMidTaskFullPrefetch(t *testing.T) {
+	e := ownEnv(t)
+	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 16})
+	wl := newWorkload(e)
+	const n = 48
+	for i := range n {
+		task := []string{demo.TaskSleep, "replay.notify", demo.TaskCharge, demo.TaskSleep}[i%4]
+		wl.send(task, opName("kill", i))
+	}
+	if !replay.Eventually(60*time.Second, func() bool { return wl.answered() >= 4 }) {
+		t.Fatalf("only %d answered before the kill", wl.answered())
+	}
+	before := wl.answered()
+	w1.Kill()
+	t.Logf("killed %s with %d of %d answered", w1.Name, before, n)
+	if before >= n-4 {
+		t.Fatalf("the kill came too late to test anything: %d of %d answered", before, n)
+	}
+	e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 16})
+	if !wl.wait(2 * time.Minute) {
+		t.Errorf("after the kill: %d of %d answered", wl.answered(), n)
+	}
+	e.StopAll()
+	tl := wl.check(t)
+	t.Logf("%s", tl)
+	if tl.retried > 0 {
+		t.Logf("%d replay.notify operations ran twice (policy retry allows it when killed after the effect)", tl.retried)
+	}
+}
+
+// TestStopPastLeaseSameDB stops (SIGSTOP) a worker in the middle of a
+// same-database task for longer than its lease and its broker heartbeat:
+// the broker closes its connection and redelivers to a second worker,
+// which waits on the open transaction's row lock. After SIGCONT the first
+// worker commits; its ack is gone with its channel; the second answers from
+// the record. One effect.
+func TestStopPastLeaseSameDB(t *testing.T) {
+	e := ownEnv(t, "ONCELER_HEARTBEAT=2s")
+	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1})
+	op := opName(replay.NewID()[:8], 0)
+	m := e.Message(demo.TaskSleep, replay.NewID(), []any{op, 3}, nil)
+	e.Publish(m)
+	time.Sleep(1500 * time.Millisecond) // the task is sleeping in its transaction
+	if err := w1.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	w2 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1, NoWait: true})
+	time.Sleep(12 * time.Second) // past the lease and two heartbeats
+	if err := w1.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	if !e.WaitReplies([]string{m.ID}, 1, time.Minute) {
+		t.Fatal("no result")
+	}
+	time.Sleep(2 * time.Second)
+	e.StopAll()
+	n, err := demo.CountSleeps(context.Background(), e.Pool, op)
+	if err != nil || n != 1 {
+		t.Errorf("effects %d (err %v), want 1", n, err)
+	}
+	for _, r := range e.Replies(m.ID) {
+		if r.Status != "SUCCESS" {
+			t.Errorf("result %s %s", r.Status, r.Result)
+		}
+	}
+	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+		t.Errorf("queue depth %d (err %v)", d, err)
+	}
+	t.Logf("replies: %d; second worker's log mentions the duplicate: %v", len(e.Replies(m.ID)),
+		strings.Contains(w2.Log(), op))
+}
+
+// TestStopPastLeaseOutside stops (SIGSTOP) a worker in the middle of an
+// outside-system task (policy retry) past its lease; the producer re-sends
+// the operation; a second worker takes the stale claim over and completes
+// it. After SIGCONT the old owner is fenced: it may not complete, and the
+// record stays the second worker's. At most two effects (policy retry).
+func TestStopPastLeaseOutside(t *testing.T) {
+	e := ownEnv(t, "ONCELER_HEARTBEAT=2s")
+	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1})
+	op := opName(replay.NewID()[:8], 0)
+	first := e.Message("replay.slow", replay.NewID(), []any{op, 2}, nil)
+	e.Publish(first)
+	if !replay.Eventually(30*time.Second, func() bool {
+		rec, err := e.Store.Get(context.Background(), "replay.slow", op)
+		return err == nil && rec.Status == idempotency.StatusClaimed
+	}) {
+		t.Fatal("never claimed")
+	}
+	if err := w1.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	w2 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1, NoWait: true})
+	second := e.Message("replay.slow", replay.NewID(), []any{op, 2}, nil)
+	e.Publish(second)
+	if !e.WaitReplies([]string{second.ID}, 1, time.Minute) {
+		t.Fatal("the re-sent operation got no result while the first owner was stopped")
+	}
+	rec, err := e.Store.Get(context.Background(), "replay.slow", op)
+	if err != nil || rec.Status != idempotency.StatusCompleted || rec.Owner != w2.Name {
+		t.Fatalf("record %+v (err %v), want completed by %s", rec.Status, err, w2.Name)
+	}
+	if time.Since(start) < e2Lease() {
+		t.Errorf("taken over after %s, before the lease lapsed", time.Since(start))
+	}
+	if err := w1.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	if !e.WaitReplies([]string{first.ID}, 1, time.Minute) {
+		t.Fatal("the first caller got no result")
+	}
+	time.Sleep(3 * time.Second)
+	e.StopAll()
+	rec2, err := e.Store.Get(context.Background(), "replay.slow", op)
+	if err != nil || rec2.Owner != w2.Name || rec2.Token != rec.Token || rec2.Status != idempotency.StatusCompleted {
+		t.Errorf("after SIGCONT the record is %s owned by %s (err %v): the old owner was not fenced", rec2.Status, rec2.Owner, err)
+	}
+	log1 := w1.Log()
+	if !strings.Contains(log1, "taken over") && !strings.Contains(log1, "lease lost") {
+		t.Errorf("the old owner's log shows no refused completion:\n%s", w1.LogTail(3000))
+	}
+	n, err := countOwn("replay.slow")(context.Background(), e.Pool, op)
+	if err != nil || n < 1 || n > 2 {
+		t.Errorf("effects %d (err %v), want 1 or 2 (policy retry)", n, err)
+	}
+	for _, id := range []string{first.ID, second.ID} {
+		for _, r := range e.Replies(id) {
+			if r.Status != "SUCCESS" {
+				t.Errorf("caller %s: %s %s", id, r.Status, r.Result)
+			}
+		}
+	}
+	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+		t.Errorf("queue depth %d (err %v)", d, err)
+	}
+	t.Logf("effects %d; takeover after %s", n, time.Since(start).Round(time.Millisecond))
+}
+
+func e2Lease() time.Duration { return replay.DefaultLease }
+
+// TestPoisonAlwaysFails sends a task that always fails and one that asks
+// for a retry every time: each is answered FAILURE after a bounded number of
+// attempts (one; max_retries 3 + 1) and acknowledged; nothing loops.
+func TestPoisonAlwaysFails(t *testing.T) {
+	e := demoEnv(t)
+	e.StartWorker(replay.WorkerOptions{})
+	fail := e.Send(demo.TaskFail, []any{"always"}, nil)
+	op := opName(replay.NewID()[:8], 0)
+	flaky := e.Send(demo.TaskFlaky, []any{op, 100}, nil)
+	if !replay.Eventually(60*time.Second, func() bool {
+		return len(e.Replies(fail)) >= 1 && hasStatus(e.Replies(flaky), "FAILURE")
+	}) {
+		t.Fatalf("fail: %v; flaky: %v", e.Replies(fail), e.Replies(flaky))
+	}
+	time.Sleep(3 * time.Second) // room for a loop to show
+	e.StopAll()
+	if r := e.Replies(fail); len(r) != 1 || r[0].Status != "FAILURE" || r[0].ExcType != "ValueError" {
+		t.Errorf("demo.fail results %v, want one FAILURE ValueError", r)
+	}
+	var retries, failures int
+	for _, r := range e.Replies(flaky) {
+		switch r.Status {
+		case "RETRY":
+			retries++
+		case "FAILURE":
+			failures++
+		}
+	}
+	if retries != 3 || failures != 1 {
+		t.Errorf("demo.flaky: %d RETRY and %d FAILURE results, want 3 and 1 (max_retries 3)", retries, failures)
+	}
+	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+		t.Errorf("queue depth %d (err %v)", d, err)
+	}
+	rec, err := e.Store.Get(context.Background(), demo.TaskFlaky, op)
+	if err != nil || rec.Status != idempotency.StatusFailed {
+		t.Errorf("demo.flaky record %s (err %v), want failed", rec.Status, err)
+	}
+}
+
+func hasStatus(rs []replay.Reply, s string) bool {
+	for _, r := range rs {
+		if r.Status == s {
+			return true
+		}
+	}
+	return false
+}
+
+// TestPoisonCrashLoop sends a task that kills its worker every time (crash
+// injection after the claim, a new worker started after each death): after
+// a bounded number of attempts the message is quarantined as poison and its
+// record failed; no endless redelivery loop, no effect.
+func TestPoisonCrashLoop(t *testing.T) {
+	e := demoEnv(t)
+	op := opName(replay.NewID()[:8], 0)
+	m := e.Message(demo.TaskCharge, replay.NewID(), []any{op, 500}, nil)
+	e.Publish(m)
+	crashes := 0
+	deadline := time.Now().Add(3 * time.Minute)
+	for time.Now().Before(deadline) {
+		w := e.StartWorker(replay.WorkerOptions{CrashAt: tasks.CrashAfterClaim, CrashTask: demo.TaskCharge, Concurrency: 1, Prefetch: 1})
+		done := replay.Eventually(30*time.Second, func() bool {
+			if w.Exited() {
+				return true
+			}
+			rec, err := e.Store.Get(context.Background(), demo.TaskCharge, op)
+			return err == nil && rec.Status == idempotency.StatusFailed
+		})
+		if !done {
+			t.Fatalf("worker %s neither crashed nor failed the operation", w.Name)
+		}
+		if !w.Exited() {
+			break
+		}
+		crashes++
+		if crashes > 10 {
+			t.Fatalf("%d crashes: the poison message loops", crashes)
+		}
+	}
+	time.Sleep(time.Second)
+	e.StopAll()
+	q, err := e.TakeQuarantined()
+	if err != nil || len(q) != 1 || q[0].Reason != "poison" || q[0].TaskID != m.ID {
+		t.Errorf("quarantine %v (err %v), want the message as poison", q, err)
+	}
+	rec, err := e.Store.Get(context.Background(), demo.TaskCharge, op)
+	if err != nil || rec.Status != idempotency.StatusFailed {
+		t.Errorf("record %s (err %v), want failed", rec.Status, err)
+	}
+	if n, _ := demo.CountGatewayCalls(context.Background(), e.Pool, op); n != 0 {
+		t.Errorf("%d gateway calls, want 0", n)
+	}
+	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+		t.Errorf("queue depth %d (err %v)", d, err)
+	}
+	t.Logf("quarantined after %d crashes (record attempt %d)", crashes, rec.Attempt)
+}
+
+// TestDuplicateIDDifferentArguments sends two messages with the same task
+// id and operation key but different arguments, at once, to two workers:
+// one runs; the other is reported as a fingerprint mismatch (FAILURE to its
+// caller, quarantined) and has no effect.
+func TestDuplicateIDDifferentArguments(t *testing.T) {
+	e := demoEnv(t)
+	e.StartWorker(replay.WorkerOptions{})
+	e.StartWorker(replay.WorkerOptions{})
+	id := replay.NewID()
+	op := opName(id[:8], 0)
+	e.Publish(e.Message(demo.TaskCredit, id, []any{"acct-" + op, op, 100}, nil))
+	e.Publish(e.Message(demo.TaskCredit, id, []any{"acct-" + op, op, 9900}, nil))
+	if !e.WaitReplies([]string{id}, 2, time.Minute) {
+		t.Fatalf("results %v, want 2", e.Replies(id))
+	}
+	e.StopAll()
+	var ok, mismatch int
+	for _, r := range e.Replies(id) {
+		switch {
+		case r.Status == "SUCCESS":
+			ok++
+		case r.Status == "FAILURE" && strings.Contains(string(r.Result), "different arguments"):
+			mismatch++
+		default:
+			t.Errorf("result %s %s", r.Status, r.Result)
+		}
+	}
+	if ok != 1 || mismatch != 1 {
+		t.Errorf("%d SUCCESS and %d mismatch FAILURE, want 1 and 1", ok, mismatch)
+	}
+	q, err := e.TakeQuarantined()
+	if err != nil || len(q) != 1 || q[0].Reason != tasks.ReasonMismatch {
+		t.Errorf("quarantine %v (err %v), want one fingerprint_mismatch", q, err)
+	}
+	if n, err := demo.CountLedger(context.Background(), e.Pool, op); err != nil || n != 1 {
+		t.Errorf("ledger rows %d (err %v), want 1", n, err)
+	}
+	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+		t.Errorf("queue depth %d (err %v)", d, err)
+	}
+}
+
+// TestTerminateWorkerBackends terminates, twice, every PostgreSQL
+// connection of the workers (found by their application_name) in the
+// middle of a stream of same-database tasks: nothing is lost, nothing done
+// twice. (The demo's simulated outside systems share the workers' pool, so
+// outside tasks would fail for their own reasons here.)
+func TestTerminateWorkerBackends(t *testing.T) {
+	e := ownEnv(t)
+	w1 := e.StartWorker(replay.WorkerOptions{})
+	w2 := e.StartWorker(replay.WorkerOptions{})
+	wl := newWorkload(e)
+	const n = 200
+	for i := range n {
+		task := demo.TaskCredit
+		if i%10 == 0 {
+			task = demo.TaskSleep
+		}
+		wl.send(task, opName("term", i))
+	}
+	terminate := func() int {
+		var k int
+		err := e.Pool.QueryRow(context.Background(),
+			`SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name IN ($1, $2)`,
+			w1.Name, w2.Name).Scan(&k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return k
+	}
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
+	k1 := terminate()
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/2 })
+	k2 := terminate()
+	if !wl.wait(2 * time.Minute) {
+		t.Errorf("%d of %d answered", wl.answered(), n)
+	}
+	e.StopAll()
+	tl := wl.check(t)
+	t.Logf("terminated %d and %d backends; %s", k1, k2, tl)
+	if k1 == 0 || k2 == 0 {
+		t.Errorf("terminated %d and %d backends: the fault did not happen", k1, k2)
+	}
+	if tl.held > 0 {
+		t.Errorf("%d operations held: no worker died, nothing should go stale", tl.held)
+	}
+}

@@ -1,0 +1,251 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/integration/replay"
+)
+
+// faultTests reports whether the tests that disturb shared services
+// (broker and database restarts) may run: only in CI's serial fault step.
+func faultTests(t *testing.T) {
+	t.Helper()
+	if os.Getenv("ONCELER_FAULT_TESTS") != "1" {
+		t.Skip("disturbs the shared broker or database: set ONCELER_FAULT_TESTS=1 (CI runs it in a serial step)")
+	}
+}
+
+// operation is one operation of a workload and the calls made for it.
+type operation struct {
+	task, op string
+	msgs     []*celeryproto.Message // one per caller (task id)
+}
+
+// workload sends operations of the demo tasks (and the replayworker's
+// replay.notify) and checks each against its task's guarantee.
+type workload struct {
+	e   *replay.Env
+	ops []*operation
+	by  map[string]*operation
+}
+
+func newWorkload(e *replay.Env) *workload {
+	return &workload{e: e, by: make(map[string]*operation)}
+}
+
+// args returns the Celery arguments of an operation of task.
+func args(task, op string) []any {
+	switch task {
+	case demo.TaskCredit:
+		return []any{"acct-" + op, op, 100}
+	case demo.TaskCharge:
+		return []any{op, 990}
+	case demo.TaskEmail:
+		return []any{op, "someone@example.com", "hello"}
+	case demo.TaskSleep:
+		return []any{op, 0.5}
+	default: // replay.notify, replay.audit
+		return []any{op}
+	}
+}
+
+// send publishes a new call (a new task id) of operation op of task.
+func (w *workload) send(task, op string) *celeryproto.Message {
+	o := w.by[op]
+	if o == nil {
+		o = &operation{task: task, op: op}
+		w.by[op] = o
+		w.ops = append(w.ops, o)
+	}
+	m := w.e.Message(task, replay.NewID(), args(task, op), nil)
+	o.msgs = append(o.msgs, m)
+	w.e.Publish(m)
+	return m
+}
+
+// ids returns every task id sent.
+func (w *workload) ids() []string {
+	var ids []string
+	for _, o := range w.ops {
+		for _, m := range o.msgs {
+			ids = append(ids, m.ID)
+		}
+	}
+	return ids
+}
+
+// answered returns how many task ids have a reply.
+func (w *workload) answered() int {
+	n := 0
+	for _, id := range w.ids() {
+		if len(w.e.Replies(id)) > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// reask re-sends, with the same task id, every call without a reply (as a
+// client does after a timeout when its result was lost with a broker
+// restart), and returns how many.
+func (w *workload) reask() int {
+	n := 0
+	for _, o := range w.ops {
+		for _, m := range o.msgs {
+			if len(w.e.Replies(m.ID)) == 0 && !w.held(o) {
+				w.e.Publish(m)
+				n++
+			}
+		}
+	}
+	return n
+}
+
+func (w *workload) held(o *operation) bool {
+	rec, err := w.e.Store.Get(context.Background(), o.task, o.op)
+	return err == nil && rec.Status == idempotency.StatusHeld
+}
+
+// wait waits until every call not held is answered.
+func (w *workload) wait(timeout time.Duration) bool {
+	return replay.Eventually(timeout, func() bool {
+		for _, o := range w.ops {
+			for _, m := range o.msgs {
+				if len(w.e.Replies(m.ID)) == 0 && !w.held(o) {
+					return false
+				}
+			}
+		}
+		return true
+	})
+}
+
+func effects(ctx context.Context, pool *pgxpool.Pool, task, op string) (int, error) {
+	switch task {
+	case demo.TaskCredit:
+		return demo.CountLedger(ctx, pool, op)
+	case demo.TaskCharge:
+		return demo.CountGatewayCharges(ctx, pool, op)
+	case demo.TaskEmail:
+		return demo.CountEmailSends(ctx, pool, op)
+	case demo.TaskSleep:
+		return demo.CountSleeps(ctx, pool, op)
+	default:
+		return countOwn(task)(ctx, pool, op)
+	}
+}
+
+// tally is what a workload check found.
+type tally struct {
+	ops, calls, answered, lost, duplicates, held, retried, takeovers int
+}
+
+func (tl tally) String() string {
+	return fmt.Sprintf("operations %d, calls %d, answered %d, lost %d, unexpected duplicates %d, held %d, run twice (policy retry) %d",
+		tl.ops, tl.calls, tl.answered, tl.lost, tl.duplicates, tl.held, tl.retried)
+}
+
+// check asserts each operation's guarantee: same-database and charges
+// (lookup) exactly once; email (hold) at most once, held or completed;
+// replay.notify (retry) once or twice. Every call not held is answered,
+// the queue and quarantine are empty, no claim is stale.
+func (w *workload) check(t *testing.T) tally {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var tl tally
+	var problems []string
+	for _, o := range w.ops {
+		tl.ops++
+		n, err := effects(ctx, w.e.Pool, o.task, o.op)
+		if err != nil {
+			t.Fatalf("effects of %s: %v", o.op, err)
+		}
+		rec, err := w.e.Store.Get(ctx, o.task, o.op)
+		if err != nil {
+			tl.lost++
+			tl.calls += len(o.msgs)
+			for _, m := range o.msgs {
+				problems = append(problems, fmt.Sprintf("%s %s: no record (%v); its caller got %v", o.task, o.op, err, w.e.Replies(m.ID)))
+			}
+			continue
+		}
+		held := rec.Status == idempotency.StatusHeld
+		switch {
+		case n == 0 && !held:
+			tl.lost++
+			problems = append(problems, fmt.Sprintf("%s %s: no effect (record %s)", o.task, o.op, rec.Status))
+		case o.task == "replay.notify" && n == 2:
+			tl.retried++
+		case n > 1:
+			tl.duplicates++
+			problems = append(problems, fmt.Sprintf("%s %s: %d effects", o.task, o.op, n))
+		}
+		if held {
+			tl.held++
+			if o.task != demo.TaskEmail {
+				problems = append(problems, fmt.Sprintf("%s %s: held", o.task, o.op))
+			}
+		} else if rec.Status != idempotency.StatusCompleted {
+			problems = append(problems, fmt.Sprintf("%s %s: record %s, want completed", o.task, o.op, rec.Status))
+		}
+		for _, m := range o.msgs {
+			tl.calls++
+			reps := w.e.Replies(m.ID)
+			if len(reps) > 0 {
+				tl.answered++
+			} else if !held {
+				problems = append(problems, fmt.Sprintf("%s %s: caller %s got no result", o.task, o.op, m.ID))
+			}
+			for _, r := range reps {
+				if r.Status != "SUCCESS" {
+					problems = append(problems, fmt.Sprintf("%s %s: caller %s got %s %s", o.task, o.op, m.ID, r.Status, r.Result))
+				}
+			}
+		}
+	}
+	sort.Strings(problems)
+	if len(problems) > 0 {
+		if len(problems) > 30 {
+			problems = append(problems[:30], fmt.Sprintf("... and %d more", len(problems)-30))
+		}
+		t.Errorf("%d problems:\n%s", len(problems), strings.Join(problems, "\n"))
+	}
+	if n, err := w.e.QueueDepth(w.e.Queue); err != nil || n != 0 {
+		t.Errorf("queue: %d messages left (err %v), want 0", n, err)
+	}
+	if q, err := w.e.TakeQuarantined(); err != nil || len(q) != 0 {
+		t.Errorf("quarantine: %d messages %v (err %v), want none", len(q), q, err)
+	}
+	if n, err := w.e.StaleClaims(ctx); err != nil || n != 0 {
+		t.Errorf("stale claims: %d (err %v), want 0", n, err)
+	}
+	return tl
+}
+
+// migrate creates the demo tables before a test counts effects in them.
+func migrate(t *testing.T, e *replay.Env) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := demo.Migrate(ctx, e.Pool); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// opName returns a name for operation i that no other test run uses (the
+// demo tables are shared by every run).
+func opName(prefix string, i int) string {
+	return fmt.Sprintf("%s-%s-%d", prefix, runID, i)
+}
