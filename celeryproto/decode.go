@@ -224,7 +224,7 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 			m.IgnoreResult, err = boolValue(k, v)
 		case "stamps":
 			if v != nil {
-				s, ok := v.(map[string]any)
+				s, ok := asMap(v)
 				if !ok {
 					err = decodeErr(ErrBadHeader, nil, "%s must be a mapping, got %s", k, typeName(v))
 				}

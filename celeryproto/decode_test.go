@@ -166,6 +166,22 @@ func TestDecodeHybrid(t *testing.T) {
 	}
 }
 
+// table is a named map type, as an AMQP client's table type is.
+type table map[string]interface{}
+
+func TestDecodeStamps(t *testing.T) {
+	h := v2Headers()
+	h["stamps"] = table{"on_behalf": "svc"}
+	h["stamped_headers"] = []any{"on_behalf"}
+	m, err := Decode(jsonDelivery(`[[], {}, null]`, h))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Stamps["on_behalf"] != "svc" || !reflect.DeepEqual(m.StampedHeaders, []string{"on_behalf"}) {
+		t.Errorf("stamps %v stamped headers %v", m.Stamps, m.StampedHeaders)
+	}
+}
+
 func TestDecodeHeaderTypes(t *testing.T) {
 	for _, tl := range []any{[]any{int16(30), int64(10)}, []any{uint8(30), 10.0}, []int64{30, 10}, []float64{30, 10}, []any{int32(30), float32(10)}} {
 		h := v2Headers()

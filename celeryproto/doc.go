@@ -35,7 +35,8 @@
 // # Serializers
 //
 // JSON (application/json), msgpack (application/x-msgpack) and YAML
-// (application/x-yaml, safe: plain data only). JSON accepts kombu 5.2's plain
+// (application/x-yaml, safe: plain data only; a tag PyYAML's safe_load
+// would refuse, such as !!python/object, is refused). JSON accepts kombu 5.2's plain
 // form and kombu >= 5.3's {"__type__": T, "__value__": V} envelopes
 // (datetime and date become time.Time; bytes and base64 become []byte;
 // uuid, decimal and time become strings), and Python's NaN and Infinity.
@@ -50,6 +51,9 @@
 // application/x-brotli (brotli) and application/zstd (zstd). The decoded
 // size is bounded by [Limits.MaxBodyBytes] (default 16 MiB), so a
 // decompression bomb gives [ErrTooLarge] after reading at most that much.
+// Memory declared up front by the format is bounded too: an xz body must be
+// one stream whose LZMA2 dictionaries are at most 64 MiB and whose index
+// declares no more than the limit; a zstd window is bounded the same way.
 //
 // # Encoding
 //

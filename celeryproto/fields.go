@@ -3,6 +3,7 @@ package celeryproto
 import (
 	"fmt"
 	"math"
+	"reflect"
 	"time"
 )
 
@@ -267,4 +268,21 @@ func typeName(v any) string {
 		return "time"
 	}
 	return fmt.Sprintf("%T", v)
+}
+
+// asMap accepts map[string]any and named map types with the same layout
+// (an AMQP client's table type).
+func asMap(v any) (map[string]any, bool) {
+	if m, ok := v.(map[string]any); ok {
+		return m, true
+	}
+	rv := reflect.ValueOf(v)
+	if rv.Kind() != reflect.Map || rv.Type().Key().Kind() != reflect.String || rv.Type().Elem().Kind() != reflect.Interface {
+		return nil, false
+	}
+	out := make(map[string]any, rv.Len())
+	for it := rv.MapRange(); it.Next(); {
+		out[it.Key().String()] = it.Value().Interface()
+	}
+	return out, true
 }
