@@ -80,7 +80,9 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
 		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
-		w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
+		if w.cfg.Observer != nil {
+			w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
+		}
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
 			return false
@@ -90,7 +92,9 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	}
 	j.h = h
 	w.m.received.WithLabelValues(h.name).Inc()
-	w.event(ctx, "task-received", j, w.receivedFields(j))
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-received", j, w.receivedFields(j))
+	}
 	args, err := h.bind(msg.Args, msg.Kwargs)
 	if err == nil && h.key != nil {
 		j.key, err = w.operationKey(j, args)
@@ -254,7 +258,9 @@ func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	if ce := w.log.Check(zap.DebugLevel, "duplicate suppressed"); ce != nil {
 		ce.Write(w.fields(j)...)
 	}
-	w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
+	}
 	if !w.replySuccess(ctx, j, stored) {
 		return
 	}

@@ -188,7 +188,9 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		return
 	}
 	w.m.retried.WithLabelValues(j.h.name).Inc()
-	w.event(ctx, "task-retried", j, map[string]any{"exception": fmt.Sprintf("Retry(%q)", rr.Error()), "traceback": ""})
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-retried", j, map[string]any{"exception": fmt.Sprintf("Retry(%q)", rr.Error()), "traceback": ""})
+	}
 	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
 	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
 		return
@@ -205,7 +207,9 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 		msg = "expired"
 	}
 	w.log.Info("task "+msg, w.fields(j)...)
-	w.event(ctx, "task-revoked", j, map[string]any{"terminated": false, "signum": nil, "expired": expired})
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-revoked", j, map[string]any{"terminated": false, "signum": nil, "expired": expired})
+	}
 	exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: msg}
 	if w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {
 		w.ack(j)

@@ -246,7 +246,9 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		if ce := w.log.Check(zap.DebugLevel, "task succeeded"); ce != nil {
 			ce.Write(w.fields(j)...)
 		}
-		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
+		if w.cfg.Observer != nil {
+			w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
+		}
 		if !w.replySuccess(ctx, j, res) {
 			return
 		}
@@ -262,7 +264,9 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrRevoked) {
 		w.m.revoked.WithLabelValues(j.h.name).Inc()
 		w.log.Info("running task terminated by revoke", w.fields(j)...)
-		w.event(ctx, "task-revoked", j, map[string]any{"terminated": true, "signum": 15, "expired": false})
+		if w.cfg.Observer != nil {
+			w.event(ctx, "task-revoked", j, map[string]any{"terminated": true, "signum": 15, "expired": false})
+		}
 		exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: "terminated"}
 		if w.publishResult(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {
 			w.ack(j)
@@ -280,8 +284,10 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrTimeLimit) {
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: w.hardLimit(j).String()}
 	}
-	w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
-		"traceback": taskErr.Error()})
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
+			"traceback": taskErr.Error()})
+	}
 	if !w.replyFailure(ctx, j, exc, taskErr) {
 		return
 	}
