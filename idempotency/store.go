@@ -60,7 +60,7 @@ type BatchConfig struct {
 	// flush. Default 256.
 	MaxSize int
 	// Flushers is the number of flushing goroutines, each using one pool
-	// connection at a time. Default 2.
+	// connection at a time. Default 1.
 	Flushers int
 	// Timeout bounds one flush. Default 30s.
 	Timeout time.Duration
@@ -98,7 +98,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		cfg.Batch.MaxSize = 256
 	}
 	if cfg.Batch.Flushers <= 0 {
-		cfg.Batch.Flushers = 2
+		cfg.Batch.Flushers = 1
 	}
 	if cfg.Batch.Timeout <= 0 {
 		cfg.Batch.Timeout = 30 * time.Second
