@@ -340,6 +340,7 @@ func (d *demo) sleep(ctx context.Context, tx pgx.Tx, c *tasks.Call, a SleepArgs)
 	if a.Seconds < 0 {
 		return nil, tasks.ValueError("seconds must not be negative")
 	}
+	d.log.Info("sleep started", zap.String("task_id", c.TaskID), zap.String("key", c.Key), zap.Float64("seconds", a.Seconds))
 	t := time.NewTimer(time.Duration(a.Seconds * float64(time.Second)))
 	defer t.Stop()
 	select {

@@ -10,8 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -19,7 +17,6 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/demo"
-	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -155,10 +152,6 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		if err := store.Migrate(ctx); err != nil {
 			return fmt.Errorf("migrate the record schema %q: %s", f.db.schema, oneLine(err))
 		}
-	} else if !f.noRecord {
-		if err := checkMigrated(ctx, pool, f.db.schema); err != nil {
-			return err
-		}
 	}
 
 	reg := tasks.NewRegistry()
@@ -291,26 +284,4 @@ func probeBroker(ctx context.Context, cfg amqp.Config, q amqp.QueueSpec) error {
 func isPrecondition(err error) bool {
 	var pe *amqp.PreconditionError
 	return errors.As(err, &pe)
-}
-
-// checkMigrated fails with advice when the record schema is missing or
-// behind this binary's migrations.
-func checkMigrated(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	ms, err := idempotency.Migrations()
-	if err != nil {
-		return err
-	}
-	want := ms[len(ms)-1].Version
-	var have int
-	err = pool.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+pgx.Identifier{schema, "migrations"}.Sanitize()).Scan(&have)
-	if err != nil {
-		if strings.Contains(err.Error(), "42P01") {
-			return fmt.Errorf("the record schema %q does not exist: run 'onceler migrate' first (or start the worker with --migrate)", schema)
-		}
-		return fmt.Errorf("read the record schema version: %s", oneLine(err))
-	}
-	if have < want {
-		return fmt.Errorf("the record schema %q is at version %d, this binary needs %d: run 'onceler migrate'", schema, have, want)
-	}
-	return nil
 }

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	return addr
+}
+
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestWorkerServesMetricsAndHealth checks /healthz, /readyz and /metrics of
+// a running worker, with counters that moved for a task it ran.
+func TestWorkerServesMetricsAndHealth(t *testing.T) {
+	s := newStack(t)
+	addr := freeAddr(t)
+	w := startWorker(t, s.env, "--http-addr", addr)
+	base := "http://" + addr
+	if code, body := httpGet(t, base+"/healthz"); code != 200 || body != "ok\n" {
+		t.Fatalf("/healthz: %d %q", code, body)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, _ := httpGet(t, base+"/readyz")
+		if code == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz still %d", code)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	key := testenv.Name("e")
+	_, replies := s.sendTasks(t, 60*time.Second, call{demo.TaskCredit, []any{key, key, 7}}, call{demo.TaskCredit, []any{key, key, 7}}).replies(90 * time.Second)
+	if len(replies) != 2 || replies[0].Error != "" || replies[1].Error != "" {
+		t.Fatalf("replies %+v", replies)
+	}
+	_, metrics := httpGet(t, base+"/metrics")
+	for _, want := range []string{
+		`onceler_tasks_received_total{task="demo.ledger.credit"} 2`,
+		`onceler_tasks_succeeded_total{task="demo.ledger.credit"}`,
+		"go_goroutines",
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics misses %q", want)
+		}
+	}
+	w.stop()
+}
+
+// TestWorkerGracefulShutdown stops a worker with SIGTERM while a task runs:
+// the task finishes within the grace period, the caller gets its result, the
+// process exits 0. With a grace period shorter than the task, the task is
+// cancelled, its message goes back to the queue, and the next worker runs it
+// once.
+func TestWorkerGracefulShutdown(t *testing.T) {
+	s := newStack(t)
+	ctx := context.Background()
+	pool := testenv.Pool(t)
+
+	op := testenv.Name("op")
+	w := startWorker(t, s.env)
+	sender := s.sendTasks(t, 60*time.Second, call{demo.TaskSleep, []any{op, 2}})
+	w.waitLog("sleep started", 60*time.Second)
+	w.stop()
+	if !strings.Contains(w.stderr.String(), "worker stopped") {
+		t.Fatalf("no clean stop:\n%s", w.stderr.String())
+	}
+	_, replies := sender.replies(60 * time.Second)
+	if len(replies) != 1 || replies[0].Error != "" {
+		t.Fatalf("reply %+v", replies)
+	}
+	n, err := demo.CountSleeps(ctx, pool, op)
+	wantCount(t, "sleeps", n, err, 1)
+
+	op = testenv.Name("op")
+	w = startWorker(t, s.env, "--grace", "500ms")
+	sender = s.sendTasks(t, 90*time.Second, call{demo.TaskSleep, []any{op, 3}})
+	w.waitLog("sleep started", 60*time.Second)
+	w.stop()
+	if n, _ := demo.CountSleeps(ctx, pool, op); n != 0 {
+		t.Fatalf("a task cut by the grace period left its effect (%d)", n)
+	}
+	w = startWorker(t, s.env)
+	_, replies = sender.replies(90 * time.Second)
+	w.stop()
+	if len(replies) != 1 || replies[0].Error != "" {
+		t.Fatalf("reply after redelivery %+v", replies)
+	}
+	n, err = demo.CountSleeps(ctx, pool, op)
+	wantCount(t, "sleeps", n, err, 1)
+}
