@@ -24,7 +24,7 @@ const (
 	pidboxQueueExpires  = int32(10000)  // ms: control_queue_expires 10 s
 	pidboxQueueTTL      = int32(300000) // ms: control_queue_ttl 300 s
 	offlineTimeout      = 2 * time.Second
-	maxEventsPerMessage = 24 // Celery's buffer_limit for task.multi
+	maxEventsPerMessage = 128 // task events per task.multi message
 )
 
 // Controller sends a worker's events on celeryev and answers remote control

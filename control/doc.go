@@ -33,7 +33,8 @@
 //
 // Publishing never slows a task: Event stamps the event and puts it in a
 // bounded buffer (Config.EventBuffer); a single publisher goroutine sends
-// them, batching task events up to 24 per message on routing key
+// them, batching task events (up to 128 per message, gathered for at most
+// Config.EventLinger, 50 ms) on routing key
 // task.multi, the form Celery's own worker uses for buffered task events.
 // When the buffer is full, or the broker is unreachable, events are dropped
 // and counted (inspect stats: events.dropped). Events are transient in Celery
