@@ -65,12 +65,15 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	stop()
 	w.crash(CrashAfterEffect, j)
 	switch {
-	case leaseLost:
-		// Another delivery may own the operation now: do not complete; look
-		// again later, when the record says what happened.
-		w.log.Warn("lease lost while the task ran; not completing", w.fields(j, zap.Error(taskErr))...)
+	case taskErr != nil && leaseLost:
+		// The task stopped because the claim could not be renewed; another
+		// delivery may own the operation now. Record nothing; look again
+		// later, when the record says what happened.
+		w.log.Warn("lease lost while the task ran; outcome not recorded", w.fields(j, zap.Error(taskErr))...)
 		w.deferDelivery(j, time.Time{})
 	case taskErr == nil:
+		// Even after a lost lease: the token fences the completion if
+		// another delivery took the operation over.
 		switch err := w.write(ctx, j, "complete", func(c context.Context) error { return w.store.Complete(c, ref, res) }); {
 		case err == nil:
 			w.finish(ctx, j, res, nil)
