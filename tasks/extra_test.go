@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/idempotency"
 )
 
 // TestPoisonQuorum: a message redelivered more than MaxAttempts times on a
@@ -98,11 +100,37 @@ func TestRetryWithPython(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The same in outside mode: the retry releases the claim, the retried
+	// message claims it again (not a duplicate) and completes it once.
+	fx := &effects{}
+	err = Register(reg, Task[retryArgs]{Name: "t.flaky_outside", Mode: ModeOutside, Retry: RetryPolicy{MaxRetries: 3},
+		Key: func(a retryArgs) (string, error) { return fmt.Sprint("op-", a.N), nil },
+		Run: func(_ context.Context, c *Call, a retryArgs) (any, error) {
+			if int64(c.Retries) < a.N {
+				return nil, c.Retry(100*time.Millisecond, errors.New("not yet"))
+			}
+			fx.add(c.Key)
+			return map[string]any{"retries": c.Retries, "attempt": c.Attempt}, nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	e.start(reg, e.config())
 	res := e.python(2, "json",
 		pyCall{Task: "t.flaky", Args: []any{2}},
 		pyCall{Task: "t.flaky", Args: []any{9}},
+		pyCall{Task: "t.flaky_outside", Args: []any{2}},
 	)
+	if string(res[2].OK) != `{"attempt": 3, "retries": 2}` {
+		t.Errorf("outside-mode retried task: %+v", res[2])
+	}
+	if n := fx.snapshot()["op-2"]; n != 1 {
+		t.Errorf("outside-mode retried operation: %d effects", n)
+	}
+	rec, err := e.store.Get(context.Background(), "t.flaky_outside", "op-2")
+	if err != nil || rec.Status != idempotency.StatusCompleted {
+		t.Errorf("record %+v, %v", rec, err)
+	}
 	if string(res[0].OK) != `{"retries": 2}` {
 		t.Errorf("retried task: %+v", res[0])
 	}
