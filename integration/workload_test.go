@@ -38,6 +38,10 @@ type workload struct {
 	e   *replay.Env
 	ops []*operation
 	by  map[string]*operation
+	// outsideDown accepts, for outside tasks, a failure answered to the
+	// caller when the simulated outside system itself was down (it lives in
+	// the database being restarted): the record says failed, no effect.
+	outsideDown bool
 }
 
 func newWorkload(e *replay.Env) *workload {
@@ -55,6 +59,8 @@ func args(task, op string) []any {
 		return []any{op, "someone@example.com", "hello"}
 	case demo.TaskSleep:
 		return []any{op, 0.5}
+	case demo.TaskAdd:
+		return []any{2, 3}
 	default: // replay.notify, replay.audit
 		return []any{op}
 	}
@@ -148,12 +154,41 @@ func effects(ctx context.Context, pool *pgxpool.Pool, task, op string) (int, err
 
 // tally is what a workload check found.
 type tally struct {
-	ops, calls, answered, lost, duplicates, held, retried, takeovers int
+	ops, calls, answered, lost, duplicates, held, retried, outsideFailed int
 }
 
 func (tl tally) String() string {
-	return fmt.Sprintf("operations %d, calls %d, answered %d, lost %d, unexpected duplicates %d, held %d, run twice (policy retry) %d",
-		tl.ops, tl.calls, tl.answered, tl.lost, tl.duplicates, tl.held, tl.retried)
+	return fmt.Sprintf("operations %d, calls %d, answered %d, lost %d, unexpected duplicates %d, held %d, run twice (policy retry) %d, failed by the outside system %d",
+		tl.ops, tl.calls, tl.answered, tl.lost, tl.duplicates, tl.held, tl.retried, tl.outsideFailed)
+}
+
+func (tl *tally) add(o tally) {
+	tl.ops += o.ops
+	tl.calls += o.calls
+	tl.answered += o.answered
+	tl.lost += o.lost
+	tl.duplicates += o.duplicates
+	tl.held += o.held
+	tl.retried += o.retried
+	tl.outsideFailed += o.outsideFailed
+}
+
+// outsideFailure reports whether every caller of o was told that the
+// outside system failed, and the record says failed.
+func (w *workload) outsideFailure(o *operation, rec idempotency.Record, n int) bool {
+	if !w.outsideDown || o.task == demo.TaskCredit || o.task == demo.TaskSleep || rec.Status != idempotency.StatusFailed || n != 0 {
+		return false
+	}
+	for _, m := range o.msgs {
+		for _, r := range w.e.Replies(m.ID) {
+			msg := string(r.Result)
+			if r.Status != "FAILURE" || !(strings.Contains(msg, "payment gateway") || strings.Contains(msg, "mail service") ||
+				strings.Contains(msg, "outside service")) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // check asserts each operation's guarantee: same-database and charges
@@ -162,12 +197,41 @@ func (tl tally) String() string {
 // the queue and quarantine are empty, no claim is stale.
 func (w *workload) check(t *testing.T) tally {
 	t.Helper()
+	byTask := w.checkByTask(t)
+	var tl tally
+	for _, x := range byTask {
+		tl.add(*x)
+	}
+	return tl
+}
+
+// checkByTask is check, with the tally of each task.
+func (w *workload) checkByTask(t *testing.T) map[string]*tally {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var tl tally
+	byTask := make(map[string]*tally)
 	var problems []string
 	for _, o := range w.ops {
+		tl := byTask[o.task]
+		if tl == nil {
+			tl = &tally{}
+			byTask[o.task] = tl
+		}
 		tl.ops++
+		if o.task == demo.TaskAdd {
+			// Pure: no record, no effect; every caller answered.
+			for _, m := range o.msgs {
+				tl.calls++
+				if len(w.e.Replies(m.ID)) > 0 {
+					tl.answered++
+				} else {
+					tl.lost++
+					problems = append(problems, fmt.Sprintf("%s %s: caller %s got no result", o.task, o.op, m.ID))
+				}
+			}
+			continue
+		}
 		n, err := effects(ctx, w.e.Pool, o.task, o.op)
 		if err != nil {
 			t.Fatalf("effects of %s: %v", o.op, err)
@@ -179,6 +243,12 @@ func (w *workload) check(t *testing.T) tally {
 			for _, m := range o.msgs {
 				problems = append(problems, fmt.Sprintf("%s %s: no record (%v); its caller got %v", o.task, o.op, err, w.e.Replies(m.ID)))
 			}
+			continue
+		}
+		if w.outsideFailure(o, rec, n) {
+			tl.outsideFailed++
+			tl.calls += len(o.msgs)
+			tl.answered += len(o.msgs)
 			continue
 		}
 		held := rec.Status == idempotency.StatusHeld
@@ -231,7 +301,7 @@ func (w *workload) check(t *testing.T) tally {
 	if n, err := w.e.StaleClaims(ctx); err != nil || n != 0 {
 		t.Errorf("stale claims: %d (err %v), want 0", n, err)
 	}
-	return tl
+	return byTask
 }
 
 // migrate creates the demo tables before a test counts effects in them.

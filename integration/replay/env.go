@@ -39,6 +39,9 @@ type Config struct {
 	Env []string
 	// Lease is the claim lease (ONCELER_LEASE). Default DefaultLease.
 	Lease time.Duration
+	// DatabaseURL is the PostgreSQL server of the record (and of the pool
+	// handed to Effects). Default: the test database (internal/testenv).
+	DatabaseURL string
 	// DurableReplies declares the reply queue durable, so that results
 	// survive a broker restart (Celery's own reply queue does not).
 	DurableReplies bool
@@ -98,13 +101,18 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 	}
 	e := &Env{
 		t: t, cfg: cfg,
-		AMQPURL: testenv.AMQPURL(t), DatabaseURL: testenv.DatabaseURL(t),
+		AMQPURL: testenv.AMQPURL(t), DatabaseURL: cfg.DatabaseURL,
 		Queue:   testenv.Name("replay"),
 		replies: make(map[string][]Reply),
 	}
 	e.Quarantine = e.Queue + ".quarantine"
-	e.Pool = testenv.Pool(t)
-	e.Schema = testenv.Schema(t, e.Pool)
+	if e.DatabaseURL == "" {
+		e.DatabaseURL = testenv.DatabaseURL(t)
+		e.Pool = testenv.Pool(t)
+		e.Schema = testenv.Schema(t, e.Pool)
+	} else {
+		e.Pool, e.Schema = ownSchema(t, e.DatabaseURL)
+	}
 	store, err := idempotency.New(e.Pool, idempotency.Config{Schema: e.Schema})
 	if err != nil {
 		t.Fatalf("open record: %v", err)
@@ -122,6 +130,29 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 		t.Fatalf("broker: %v", err)
 	}
 	return e
+}
+
+// ownSchema opens a pool on url and a fresh schema in it, both gone when
+// the test ends.
+func ownSchema(t testing.TB, url string) (*pgxpool.Pool, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatalf("open pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	name := testenv.Name("t")
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatalf("create schema: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE")
+	})
+	return pool, name
 }
 
 // Reconnect opens the harness's broker connection again (after a broker

@@ -1,0 +1,177 @@
+package integration
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/integration/replay"
+)
+
+// The TestFault tests restart or disconnect services. Those that touch the
+// shared broker run only with ONCELER_FAULT_TESTS=1 (CI's serial fault
+// step); the PostgreSQL restarts use a private server of their own but run
+// in the same step, for time.
+
+// mixed sends n operations over the demo tasks of every mode and the
+// replayworker's replay.notify (policy retry).
+func mixed(wl *workload, prefix string, n int) {
+	kinds := []string{demo.TaskCredit, demo.TaskCharge, demo.TaskCredit, demo.TaskEmail, "replay.notify", demo.TaskSleep}
+	for i := range n {
+		task := kinds[i%len(kinds)]
+		if task == demo.TaskSleep && i%12 != 5 {
+			task = demo.TaskCredit // few slow ones
+		}
+		wl.send(task, opName(prefix, i))
+	}
+}
+
+// finish waits for every call to be answered, re-asking (same task id)
+// those whose result may have been lost with the broker, then stops the
+// workers and checks every operation's guarantee.
+func finish(t *testing.T, e *replay.Env, wl *workload, reask bool) tally {
+	t.Helper()
+	if !wl.wait(90 * time.Second) {
+		if !reask {
+			t.Errorf("%d of %d calls answered", wl.answered(), len(wl.ids()))
+		} else {
+			n := wl.reask()
+			t.Logf("re-asked %d calls whose result did not arrive (as a client does after its timeout)", n)
+			if !wl.wait(90 * time.Second) {
+				t.Errorf("%d of %d calls answered after re-asking", wl.answered(), len(wl.ids()))
+			}
+		}
+	}
+	e.StopAll()
+	return wl.check(t)
+}
+
+func rabbitmqctl(t *testing.T, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "rabbitmqctl", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// closeWorkerConnections closes, from the broker, the connections of the
+// given workers only (by connection name), and returns how many.
+func closeWorkerConnections(t *testing.T, workers ...*replay.Worker) int {
+	t.Helper()
+	out := rabbitmqctl(t, "-q", "list_connections", "client_properties", "pid")
+	n := 0
+	for _, line := range strings.Split(out, "\n") {
+		i := strings.LastIndexByte(line, '\t')
+		if i < 0 {
+			continue
+		}
+		props, pid := line[:i], line[i+1:]
+		for _, w := range workers {
+			// The connection name is a client property.
+			if strings.Contains(props, `{"connection_name","`+w.Name) {
+				rabbitmqctl(t, "-q", "close_connection", pid, "onceler fault test")
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// TestBrokerResetWorkerConnections closes the workers' broker connections
+// (theirs only) in the middle of a mixed stream: they reconnect; nothing is
+// lost or done twice; every caller is answered.
+func TestBrokerResetWorkerConnections(t *testing.T) {
+	e := ownEnv(t)
+	w1 := e.StartWorker(replay.WorkerOptions{})
+	w2 := e.StartWorker(replay.WorkerOptions{})
+	wl := newWorkload(e)
+	mixed(wl, "reset", 300)
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
+	n := closeWorkerConnections(t, w1, w2)
+	if n < 2 {
+		t.Fatalf("closed %d connections, want the workers' (at least 2)", n)
+	}
+	tl := finish(t, e, wl, false)
+	t.Logf("closed %d connections; %s", n, tl)
+}
+
+// TestFaultBrokerCloseAllConnections closes every connection of the broker
+// (rabbitmqctl close_all_connections) mid-stream.
+func TestFaultBrokerCloseAllConnections(t *testing.T) {
+	faultTests(t)
+	e := ownEnv(t)
+	e.StartWorker(replay.WorkerOptions{})
+	e.StartWorker(replay.WorkerOptions{})
+	wl := newWorkload(e)
+	mixed(wl, "closeall", 400)
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+	rabbitmqctl(t, "-q", "close_all_connections", "onceler fault test")
+	if err := e.Reconnect(); err != nil {
+		t.Fatal(err)
+	}
+	tl := finish(t, e, wl, true)
+	t.Logf("%s", tl)
+}
+
+// TestFaultBrokerRestart stops the broker application (rabbitmqctl
+// stop_app) for a few seconds mid-stream, then starts it again: durable
+// queues and persistent messages survive; the workers reconnect and finish
+// every operation once. Results in flight when the broker stopped are
+// transient (as Celery's): their callers re-ask with the same task id and
+// are answered from the record.
+func TestFaultBrokerRestart(t *testing.T) {
+	faultTests(t)
+	e := replay.NewEnv(t, replay.Config{Binary: ownBin, DurableReplies: true})
+	migrate(t, e)
+	e.StartWorker(replay.WorkerOptions{})
+	e.StartWorker(replay.WorkerOptions{})
+	wl := newWorkload(e)
+	mixed(wl, "restart", 400)
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+	rabbitmqctl(t, "stop_app")
+	stopped := true
+	defer func() {
+		if stopped {
+			rabbitmqctl(t, "start_app")
+		}
+	}()
+	time.Sleep(5 * time.Second)
+	rabbitmqctl(t, "start_app")
+	stopped = false
+	rabbitmqctl(t, "await_startup")
+	if err := e.Reconnect(); err != nil {
+		t.Fatal(err)
+	}
+	tl := finish(t, e, wl, true)
+	t.Logf("%s", tl)
+}
+
+// TestFaultPostgresRestart restarts PostgreSQL (a private server) in the
+// middle of a mixed stream, fast (clean shutdown) and immediate (crash
+// recovery): claims in flight are lost with their transactions or kept
+// committed; nothing is lost, nothing done twice beyond the policy.
+func TestFaultPostgresRestart(t *testing.T) {
+	faultTests(t)
+	for _, mode := range []string{"fast", "immediate"} {
+		t.Run(mode, func(t *testing.T) {
+			pg := startPostgres(t)
+			e := replay.NewEnv(t, replay.Config{Binary: ownBin, DatabaseURL: pg.url})
+			migrate(t, e)
+			e.StartWorker(replay.WorkerOptions{})
+			e.StartWorker(replay.WorkerOptions{})
+			wl := newWorkload(e)
+			wl.outsideDown = true
+			mixed(wl, "pg"+mode, 400)
+			replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+			took := pg.restart(t, mode)
+			tl := finish(t, e, wl, false)
+			t.Logf("restart -m %s took %s; %s", mode, took.Round(time.Millisecond), tl)
+		})
+	}
+}
