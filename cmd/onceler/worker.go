@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/tasks"
 )
@@ -40,6 +41,8 @@ type workerFlags struct {
 	demo         bool
 	noRecord     bool
 	migrate      bool
+	events       bool
+	noControl    bool
 }
 
 func (f *workerFlags) defineLog(fs *flagSet) {
@@ -71,7 +74,9 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency")
 			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
 			fs.Duration(&f.grace, "grace", 30*time.Second, "on shutdown, how long running tasks may take to finish before they are cancelled")
-			fs.String(&f.hostname, "hostname", "NAME", "", "node name; default onceler@<host>")
+			fs.String(&f.hostname, "hostname", "NAME", "onceler@%h", "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; give each worker on a host its own")
+			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
+			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
 			f.defineLog(fs)
 			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
@@ -135,7 +140,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s or %s", crash.At,
 			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck)
 	}
-	broker := f.broker.config(f.hostname)
+	node, err := control.NodeName(f.hostname)
+	if err != nil {
+		return usagef("worker", "invalid --hostname %q: %v", f.hostname, err)
+	}
+	broker := f.broker.config(node)
 	broker.MaxBackoff = 0
 	broker.Logger = logger
 
@@ -179,6 +188,25 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		logger.Warn("!!! --no-record: running every task WITHOUT the idempotency record; duplicate and redelivered messages WILL repeat their effects. Never do this in production. !!!")
 	}
 
+	runCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
+	var ctl *control.Controller
+	if !f.noControl {
+		ctl, err = control.New(nil, control.Config{
+			URL:         f.broker.url,
+			NodeName:    node,
+			TaskEvents:  f.events,
+			Queues:      control.QueuesFrom(queues),
+			Concurrency: f.concurrency,
+			Prefetch:    f.prefetch,
+			Shutdown:    stopRun,
+			Logger:      logger.Named("control"),
+		})
+		if err != nil {
+			return fmt.Errorf("remote control: %w", err)
+		}
+	}
+
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	w, err := tasks.NewWorker(reg, tasks.Config{
@@ -190,17 +218,18 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Prefetch:     f.prefetch,
 		Lease:        f.lease,
 		Grace:        f.grace,
-		Hostname:     f.hostname,
+		Hostname:     node,
 		Logger:       logger,
 		Metrics:      metrics,
 		NoRecord:     f.noRecord,
 		Crash:        crash,
 		LogArguments: f.logArguments,
+		Observer:     observer(ctl),
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
-	logger.Info("starting worker", zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema),
+	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema),
 		zap.Strings("queues", strings.Split(f.queues, ",")))
 
 	var wg sync.WaitGroup
@@ -219,12 +248,33 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 			serveHTTP(httpCtx, ln, metrics, w.Ready, logger)
 		}()
 	}
-	err = w.Run(ctx)
+	ctlCtx, stopCtl := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopCtl()
+	if ctl != nil {
+		ctl.SetWorker(control.FromTasks(w))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := ctl.Run(ctlCtx); err != nil {
+				logger.Error("remote control stopped", zap.Error(err))
+			}
+		}()
+	}
+	err = w.Run(runCtx)
+	stopCtl() // worker-offline once the tasks are done
 	stopHTTP()
 	if err != nil {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
+}
+
+// observer returns ctl as the worker's event observer, or none.
+func observer(ctl *control.Controller) tasks.Observer {
+	if ctl == nil {
+		return nil
+	}
+	return ctl
 }
 
 // serveHTTP serves metrics and health until ctx is done.

@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -35,12 +38,23 @@ func httpGet(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// inspectPy asks one node, as "celery inspect" does, for ping and registered.
+const inspectPy = `
+import json, os, sys
+from celery import Celery
+app = Celery("inspect", broker=os.environ["ONCELER_BROKER_URL"])
+i = app.control.inspect(destination=[sys.argv[1]], timeout=3)
+print(json.dumps({"ping": i.ping(), "registered": i.registered()}))
+`
+
 // TestWorkerServesMetricsAndHealth checks /healthz, /readyz and /metrics of
-// a running worker, with counters that moved for a task it ran.
+// a running worker, with counters that moved for a task it ran, and that it
+// answers Celery's remote control under its --hostname.
 func TestWorkerServesMetricsAndHealth(t *testing.T) {
 	s := newStack(t)
 	addr := freeAddr(t)
-	w := startWorker(t, s.env, "--http-addr", addr)
+	name := testenv.Name("w")
+	w := startWorker(t, s.env, "--http-addr", addr, "--hostname", name+"@%h", "--events")
 	base := "http://" + addr
 	if code, body := httpGet(t, base+"/healthz"); code != 200 || body != "ok\n" {
 		t.Fatalf("/healthz: %d %q", code, body)
@@ -60,6 +74,19 @@ func TestWorkerServesMetricsAndHealth(t *testing.T) {
 	_, replies := s.sendTasks(t, 60*time.Second, call{demo.TaskCredit, []any{key, key, 7}}, call{demo.TaskCredit, []any{key, key, 7}}).replies(90 * time.Second)
 	if len(replies) != 2 || replies[0].Error != "" || replies[1].Error != "" {
 		t.Fatalf("replies %+v", replies)
+	}
+	host, _ := os.Hostname()
+	node := name + "@" + host
+	ping := start(t, "celery inspect", s.env, testenv.Python(t), "-c", inspectPy, node)
+	if err := ping.wait(60 * time.Second); err != nil {
+		t.Fatalf("inspect: %v\n%s", err, ping.stderr.String())
+	}
+	var got map[string]map[string]any
+	if err := json.Unmarshal([]byte(ping.stdout.String()), &got); err != nil {
+		t.Fatalf("inspect output %q: %v", ping.stdout.String(), err)
+	}
+	if fmt.Sprint(got["ping"][node]) != "map[ok:pong]" || !strings.Contains(fmt.Sprint(got["registered"][node]), "demo.ledger.credit") {
+		t.Fatalf("celery inspect ping/registered of %s: %v", node, got)
 	}
 	_, metrics := httpGet(t, base+"/metrics")
 	for _, want := range []string{
