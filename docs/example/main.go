@@ -1,5 +1,5 @@
-// Command example serves one Celery task written in Go, billing.refund, sent
-// by Python with app.send_task("billing.refund", args=[order_id, cents]).
+// Command example serves one Celery task written in Go: billing.refund,
+// which Python sends with app.send_task("billing.refund", args=[order_id, cents]).
 package main
 
 import (
@@ -34,7 +34,7 @@ func main() {
 		Name: "billing.refund",
 		Mode: tasks.ModeSameDB, // the effect commits in the record's transaction
 		Key:  func(a RefundArgs) (string, error) { return a.OrderID, nil },
-		RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a RefundArgs) (any, error) {
+		RunTx: func(ctx context.Context, tx pgx.Tx, _ *tasks.Call, a RefundArgs) (any, error) {
 			_, err := tx.Exec(ctx, "INSERT INTO refunds (order_id, cents) VALUES ($1, $2)", a.OrderID, a.Cents)
 			return map[string]any{"refunded": a.Cents}, err
 		},
