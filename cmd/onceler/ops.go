@@ -120,6 +120,9 @@ full (result, error, reason). --json prints JSON instead of a table.`,
 					return nil
 				}
 				printRecords(a.stdout, recs)
+				if len(recs) == limit {
+					fmt.Fprintf(a.stdout, "(the first %d; --limit shows more)\n", limit)
+				}
 				return nil
 			}
 		},
