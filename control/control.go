@@ -193,6 +193,7 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 	if err != nil {
 		return fmt.Errorf("control: open event channel: %w", err)
 	}
+	evClosed := evCh.NotifyClose(make(chan *amqp091.Error, 1))
 	if err := evCh.ExchangeDeclare(EventExchange, "topic", true, false, false, false, nil); err != nil {
 		return fmt.Errorf("control: declare exchange %s: %w", EventExchange, err)
 	}
@@ -227,6 +228,8 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 				return errors.New("control: connection closed")
 			}
 			return fmt.Errorf("control: connection closed: %w", err)
+		case err := <-evClosed:
+			return fmt.Errorf("control: event channel closed: %w", err)
 		case <-tick.C:
 			c.sendWorkerEvent("worker-heartbeat")
 		case d, ok := <-deliveries:

@@ -49,7 +49,8 @@
 // with the request's routing key and ticket. A request is handled when its
 // destination names the node, or its pattern matches (glob or pcre), or it
 // names no one. Commands: ping, stats, active, reserved, scheduled,
-// registered, active_queues, revoke (one id or a list; terminate cancels the
+// registered, active_queues, query_task, conf, revoke (one id or a list;
+// terminate cancels the
 // running task's context), terminate, revoked, enable_events,
 // disable_events, heartbeat, clock, hello (Celery's mingle: revoked ids are
 // exchanged) and shutdown (Config.Shutdown). Inspect active lists argsrepr

@@ -113,41 +113,36 @@ func (c *Controller) sendWorkerEvent(typ string) {
 }
 
 // publishLoop publishes queued events until ctx is done: worker events one
-// by one, task events in batches of up to maxEventsPerMessage gathered for
-// at most Config.EventLinger (a task.multi message, as Celery's worker
-// buffers task events). Events queued while there is no connection are
-// dropped and counted: events are not durable in Celery either.
+// by one as they come, task events every Config.EventLinger in batches of up
+// to maxEventsPerMessage (a task.multi message, as Celery's worker buffers
+// task events). Task events are collected by draining the buffer on a
+// ticker, so that Event never wakes this goroutine: a task pays for a
+// channel send only. Events queued while there is no connection are dropped
+// and counted: events are not durable in Celery either.
 func (c *Controller) publishLoop(ctx context.Context) {
-	buf := make([]byte, 0, 16<<10)
-	linger := time.NewTimer(time.Hour)
-	linger.Stop()
+	buf := make([]byte, 0, 32<<10)
+	batch := make([]queuedEvent, 0, maxEventsPerMessage)
+	tick := time.NewTicker(c.cfg.EventLinger)
+	defer tick.Stop()
 	for {
-		var batch [maxEventsPerMessage]queuedEvent
-		n := 0
 		select {
 		case <-ctx.Done():
 			return
 		case ev := <-c.sys:
-			batch[0], n = ev, 1
-		case ev := <-c.events:
-			batch[0], n = ev, 1
-			linger.Reset(c.cfg.EventLinger)
-		gather:
-			for n < maxEventsPerMessage {
-				select {
-				case ev := <-c.events:
-					batch[n] = ev
-					n++
-				case <-linger.C:
-					break gather
-				case <-ctx.Done():
-					break gather
+			buf = c.publishBatch(ctx, buf[:0], []queuedEvent{ev})
+			c.pending.Add(-1)
+		case <-tick.C:
+			for n := len(c.events); n > 0; n = min(n, len(c.events)) {
+				batch = batch[:0]
+				for range min(n, maxEventsPerMessage) {
+					batch = append(batch, <-c.events)
 				}
+				n -= len(batch)
+				buf = c.publishBatch(ctx, buf[:0], batch)
+				c.pending.Add(-int64(len(batch)))
+				clear(batch) // let the fields maps go
 			}
-			linger.Stop()
 		}
-		buf = c.publishBatch(ctx, buf[:0], batch[:n])
-		c.pending.Add(-int64(n))
 	}
 }
 

@@ -138,6 +138,17 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 	case "heartbeat":
 		c.sendWorkerEvent("worker-heartbeat")
 		return nil, nil
+	case "query_task":
+		return c.queryTask(req.Arguments["ids"]), nil
+	case "conf":
+		return map[string]any{
+			"broker_url":                 redactURL(c.cfg.URL),
+			"worker_concurrency":         c.cfg.Concurrency,
+			"worker_send_task_events":    c.TaskEvents(),
+			"event_exchange":             EventExchange,
+			"control_exchange":           "celery",
+			"worker_prefetch_multiplier": 1,
+		}, nil
 	case "clock":
 		return map[string]any{"clock": c.clock.Load()}, nil
 	case "hello":
@@ -204,6 +215,32 @@ func (c *Controller) revoke(arg any, terminate bool) map[string]any {
 		return ok("terminate: " + join(running))
 	}
 	return ok("tasks " + join(ids) + " flagged as revoked")
+}
+
+// queryTask answers Celery's query_task: {id: [state, request]} for the
+// given ids the worker holds ("active" or "reserved").
+func (c *Controller) queryTask(arg any) map[string]any {
+	want := map[string]bool{}
+	switch v := arg.(type) {
+	case string:
+		want[v] = true
+	case []any:
+		for _, x := range v {
+			if s, ok := x.(string); ok {
+				want[s] = true
+			}
+		}
+	}
+	out := map[string]any{}
+	w, node := c.worker(), c.cfg.NodeName
+	for state, list := range map[string][]TaskInfo{"reserved": w.Reserved(), "active": w.Active()} {
+		for _, t := range list {
+			if want[t.ID] {
+				out[t.ID] = []any{state, t.request(node)}
+			}
+		}
+	}
+	return out
 }
 
 func join(ids []string) string {

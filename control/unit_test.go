@@ -133,6 +133,15 @@ func TestDispatch(t *testing.T) {
 	if res, _ := c.dispatch(&celeryproto.ControlRequest{Method: "enable_events"}); !jsonEqual(res, ok("task events already enabled")) {
 		t.Errorf("enable_events again = %v", res)
 	}
+	w.active["a1"] = &running{info: TaskInfo{ID: "a1", Name: "demo.add"}}
+	w.reserved["r1"] = TaskInfo{ID: "r1", Name: "demo.add"}
+	res, _ = c.dispatch(&celeryproto.ControlRequest{Method: "query_task", Arguments: map[string]any{"ids": []any{"a1", "r1", "zz"}}})
+	if q, _ := res.(map[string]any); len(q) != 2 || q["a1"].([]any)[0] != "active" || q["r1"].([]any)[0] != "reserved" {
+		t.Errorf("query_task = %v", res)
+	}
+	if conf, _ := c.dispatch(&celeryproto.ControlRequest{Method: "conf"}); strings.Contains(mustJSONAny(conf), "secret") {
+		t.Errorf("conf leaks the password: %v", conf)
+	}
 	stats, _ := c.dispatch(&celeryproto.ControlRequest{Method: "stats"})
 	if s := mustJSONAny(stats); strings.Contains(s, "secret") || !strings.Contains(s, "xxxxx") {
 		t.Errorf("stats leak or miss the broker URL: %s", s)
