@@ -1,6 +1,7 @@
 package control
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net/url"
@@ -30,9 +31,15 @@ const (
 
 // Config configures a Controller. Zero values take the documented defaults.
 type Config struct {
-	// URL is the broker, amqp:// or amqps:// (a Celery-style "//" vhost is
-	// accepted). Required.
+	// URL is the broker, amqp:// or amqps:// (pyamqp:// and a Celery-style
+	// "//" vhost are accepted). Required.
 	URL string
+	// TLS is the client TLS configuration for an amqps:// URL (CA, client
+	// certificate). Nil: the system roots, no client certificate.
+	TLS *tls.Config
+	// DialTimeout bounds connecting (TCP, TLS and AMQP handshakes). Default
+	// 30 s.
+	DialTimeout time.Duration
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "onceler control <node>".
 	ConnectionName string
@@ -93,6 +100,9 @@ func (c *Config) setDefaults() error {
 	c.NodeName = name
 	if c.ConnectionName == "" {
 		c.ConnectionName = "onceler control " + c.NodeName
+	}
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = 30 * time.Second
 	}
 	if c.Heartbeat <= 0 {
 		c.Heartbeat = DefaultHeartbeat
@@ -182,8 +192,13 @@ func redactURL(raw string) string {
 	return u.String()
 }
 
-// dialURL adapts a Celery-style URL for amqp091: "host//" names vhost "/".
+// dialURL adapts a Celery-style URL for amqp091: pyamqp:// is amqp://, and
+// "host//" names vhost "/".
 func dialURL(raw string) string {
+	raw = strings.TrimSpace(raw)
+	if rest, ok := strings.CutPrefix(raw, "py"); ok && (strings.HasPrefix(rest, "amqp://") || strings.HasPrefix(rest, "amqps://")) {
+		raw = rest
+	}
 	if strings.HasSuffix(raw, "//") {
 		return strings.TrimSuffix(raw, "//") + "/%2f"
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -153,7 +154,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	online := false
 	backoff := c.cfg.MinBackoff
 	for {
-		conn, err := c.dial()
+		conn, err := c.dial(ctx)
 		if err == nil {
 			backoff = c.cfg.MinBackoff
 			err = c.session(ctx, conn, &online)
@@ -175,12 +176,49 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 }
 
-func (c *Controller) dial() (*amqp091.Connection, error) {
+// dial opens the controller's connection, bounded by ctx and DialTimeout.
+func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 	props := amqp091.NewConnectionProperties()
 	props.SetClientConnectionName(c.cfg.ConnectionName)
-	conn, err := amqp091.DialConfig(dialURL(c.cfg.URL), amqp091.Config{Properties: props, Heartbeat: 10 * time.Second})
+	dctx, cancel := context.WithTimeout(ctx, c.cfg.DialTimeout)
+	defer cancel()
+	var (
+		mu      sync.Mutex
+		netConn net.Conn
+	)
+	stop := context.AfterFunc(dctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if netConn != nil {
+			_ = netConn.SetDeadline(time.Unix(1, 0)) // unblocks the handshake
+		}
+	})
+	defer stop()
+	conn, err := amqp091.DialConfig(dialURL(c.cfg.URL), amqp091.Config{
+		Properties:      props,
+		Heartbeat:       10 * time.Second,
+		TLSClientConfig: c.cfg.TLS,
+		Dial: func(network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			nc, err := d.DialContext(dctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			if dl, ok := dctx.Deadline(); ok {
+				_ = nc.SetDeadline(dl) // amqp091 clears it once open
+			}
+			mu.Lock()
+			netConn = nc
+			mu.Unlock()
+			return nc, nil
+		},
+	})
 	if err != nil {
 		return nil, fmt.Errorf("control: dial %s: %w", redactURL(c.cfg.URL), err)
+	}
+	if !stop() {
+		_ = conn.Close()
+		return nil, fmt.Errorf("control: dial %s: %w", redactURL(c.cfg.URL), dctx.Err())
 	}
 	return conn, nil
 }
