@@ -1,3 +1,57 @@
 // Package integration holds the end-to-end, replay and fault-injection tests
 // that run onceler against real RabbitMQ, PostgreSQL and Python Celery.
+//
+// TestMain builds the onceler binary and integration/testdata/replayworker
+// (a worker binary "of your own": the demo tasks plus replay.notify, policy
+// retry, replay.audit, policy skip, and replay.slow) once per run; the tests
+// start, stop, kill -9 and SIGSTOP them as separate processes, each test on
+// its own queue, record schema and worker names (package replay).
+//
+// # Replay suite (main test step)
+//
+//   - TestReplayDemo: every scenario of package replay for every demo task
+//     (demo.ledger.credit, demo.payments.charge, demo.email.send,
+//     demo.sleep, demo.add), with the record (the guarantee must hold) and
+//     with --no-record (the duplicate must show).
+//   - TestReplaySkipPolicy: the same for replay.audit (policy skip); the
+//     replay package's TestOwnBinary does it for replay.notify (retry).
+//
+// # Fault injection on the test's own processes (main test step)
+//
+//   - TestKillMidTaskFullPrefetch: kill -9 with tasks running and the
+//     prefetch window full; every message comes back, none lost, none done
+//     twice.
+//   - TestStopPastLeaseSameDB, TestStopPastLeaseOutside: SIGSTOP past the
+//     lease (and the broker heartbeat), a second worker takes over, SIGCONT:
+//     the old owner's completion is refused (fenced) and its ack went with
+//     its channel; one effect for same-database tasks, at most two for
+//     policy retry.
+//   - TestPoisonAlwaysFails, TestPoisonCrashLoop: a task that always fails
+//     is answered FAILURE after a bounded number of attempts; one that kills
+//     its worker every time is quarantined as poison after the bounded
+//     number of claims.
+//   - TestDuplicateIDDifferentArguments: one task id, one operation key, two
+//     argument sets at once: one runs, the other is a fingerprint mismatch
+//     (FAILURE to its caller, quarantined), no second effect.
+//   - TestTerminateWorkerBackends: pg_terminate_backend of the workers'
+//     connections (their application_name) mid-stream.
+//   - TestBrokerResetWorkerConnections: the broker closes the workers'
+//     connections mid-stream.
+//   - TestBlackhole: a TCP proxy between the workers and PostgreSQL or
+//     RabbitMQ stops passing bytes: dead connections are detected, nothing
+//     is lost.
+//
+// # Faults on services, and the soak (serial step, ONCELER_FAULT_TESTS=1)
+//
+// These restart or disconnect services, so CI runs them after the main
+// step, one package at a time: go test -p 1 -run 'Fault|Soak'.
+//
+//   - TestFaultBrokerCloseAllConnections: rabbitmqctl close_all_connections.
+//   - TestFaultBrokerRestart: rabbitmqctl stop_app, start_app.
+//   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate of a
+//     private PostgreSQL server (initdb in a temporary directory).
+//   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
+//     them duplicates, through 3 workers, kill -9 of a random worker every
+//     few seconds, a reset of the workers' broker connections and a
+//     PostgreSQL restart; it prints a table of what it did and found.
 package integration

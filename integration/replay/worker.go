@@ -25,6 +25,10 @@ type WorkerOptions struct {
 	// Concurrency and Prefetch (ONCELER_CONCURRENCY, ONCELER_PREFETCH);
 	// default 4 and 8.
 	Concurrency, Prefetch int
+	// BrokerURL and DatabaseURL replace the Env's for this worker (e.g. a
+	// proxy in front of the service); the node name is still added to the
+	// database URL as application_name.
+	BrokerURL, DatabaseURL string
 	// Env holds extra environment variables for this worker.
 	Env []string
 	// NoWait returns without waiting for the worker to consume.
@@ -73,9 +77,16 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 			env = append(env, kv)
 		}
 	}
+	broker, db := e.AMQPURL, e.DatabaseURL
+	if o.BrokerURL != "" {
+		broker = o.BrokerURL
+	}
+	if o.DatabaseURL != "" {
+		db = o.DatabaseURL
+	}
 	env = append(env,
-		"ONCELER_BROKER_URL="+e.AMQPURL,
-		"ONCELER_DATABASE_URL="+databaseURL(e.DatabaseURL, name),
+		"ONCELER_BROKER_URL="+broker,
+		"ONCELER_DATABASE_URL="+databaseURL(db, name),
 		"ONCELER_SCHEMA="+e.Schema,
 		"ONCELER_QUEUES="+e.Queue,
 		"ONCELER_LEASE="+e.cfg.Lease.String(),
