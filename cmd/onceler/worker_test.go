@@ -143,3 +143,43 @@ func TestWorkerGracefulShutdown(t *testing.T) {
 	n, err = demo.CountSleeps(ctx, pool, op)
 	wantCount(t, "sleeps", n, err, 1)
 }
+
+// TestWorkerQuorumQueues starts a worker on quorum queues, sends it a task,
+// then shows that a worker declaring the same queue as classic fails with
+// one line that names the mismatch.
+func TestWorkerQuorumQueues(t *testing.T) {
+	s := newStack(t)
+	w := startWorker(t, s.env, "--quorum")
+	_, replies := s.sendQuorumTask(t, call{demo.TaskAdd, []any{20, 22}}).replies(90 * time.Second)
+	w.stop()
+	if len(replies) != 1 || fmt.Sprint(replies[0].OK) != "42" {
+		t.Fatalf("replies %+v", replies)
+	}
+	r := runBin(t, s.env, "worker", "--demo")
+	line := oneLineError(t, r, 1)
+	if !strings.Contains(line, "queue "+s.queue+" exists on") || !strings.Contains(line, "check --quorum") {
+		t.Fatalf("classic worker on a quorum queue: %q", line)
+	}
+}
+
+// quorumSendPy sends one task to a quorum queue declared as kombu does.
+const quorumSendPy = `
+import json, os, sys
+from celery import Celery
+from kombu import Queue
+queue, name, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+app = Celery("sender", broker=os.environ["ONCELER_BROKER_URL"], backend="rpc://")
+app.conf.task_queues = [Queue(queue, queue_arguments={"x-queue-type": "quorum"})]
+r = app.send_task(name, args=args, queue=queue)
+print(json.dumps({"id": r.id}), flush=True)
+try:
+    print(json.dumps({"ok": r.get(timeout=60)}), flush=True)
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
+`
+
+func (s *stack) sendQuorumTask(t *testing.T, c call) *proc {
+	t.Helper()
+	b, _ := json.Marshal(c.Args)
+	return start(t, "python quorum sender", s.env, testenv.Python(t), "-c", quorumSendPy, s.queue, c.Task, string(b))
+}
