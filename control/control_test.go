@@ -259,6 +259,19 @@ func TestCeleryTerminate(t *testing.T) {
 
 func TestCeleryEvents(t *testing.T) {
 	n := newNode(t, false)
+	checkCeleryEvents(t, n, func() { n.start(t) }, "5")
+	// worker-offline at stop
+	n.stop()
+	if n.ctl.TaskEvents() {
+		t.Error("task events still on after disable_events")
+	}
+}
+
+// checkCeleryEvents runs testdata/events.py against node n: start must start
+// the node once the receiver listens. wantResult is the repr of 2 + 3 the
+// node's task events carry.
+func checkCeleryEvents(t *testing.T, n *node, start func(), wantResult string) {
+	t.Helper()
 	cmd := exec.Command(n.py, "events.py", n.name)
 	cmd.Dir, cmd.Env = "testdata", n.env()
 	stdout, err := cmd.StdoutPipe()
@@ -276,7 +289,7 @@ func TestCeleryEvents(t *testing.T) {
 		_ = cmd.Wait()
 		t.Fatalf("events.py did not start: %q %s", lines.Text(), stderr.String())
 	}
-	n.start(t) // worker-online goes to the receiver's queue
+	start() // worker-online goes to the receiver's queue
 	var out map[string]any
 	if lines.Scan() {
 		_ = json.Unmarshal(lines.Bytes(), &out)
@@ -311,7 +324,7 @@ func TestCeleryEvents(t *testing.T) {
 		t.Errorf("alive workers = %v, want %s", alive, n.name)
 	}
 	task, _ := out["task"].(map[string]any)
-	if task["state"] != "SUCCESS" || task["name"] != "demo.add" || task["worker"] != n.name || task["result"] != "5" || task["args"] != "(2, 3)" {
+	if task["state"] != "SUCCESS" || task["name"] != "demo.add" || task["worker"] != n.name || task["result"] != wantResult || task["args"] != "(2, 3)" {
 		t.Errorf("State's task = %v", task)
 	}
 	w, _ := out["worker"].(map[string]any)
@@ -321,12 +334,7 @@ func TestCeleryEvents(t *testing.T) {
 	if !strings.Contains(mustJSON(t, out["enable"]), "task events enabled") || !strings.Contains(mustJSON(t, out["disable"]), "task events disabled") {
 		t.Errorf("enable/disable replies: %v %v", out["enable"], out["disable"])
 	}
-
-	// worker-offline at stop
-	n.stop()
-	if n.ctl.TaskEvents() {
-		t.Error("task events still on after disable_events")
-	}
+	t.Logf("events seen from %s: %v", n.name, types)
 }
 
 func count(xs []string, x string) int {

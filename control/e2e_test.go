@@ -20,6 +20,15 @@ import (
 // controller as Observer, until the test ends.
 func startTasksNode(t *testing.T, taskEvents bool) *node {
 	t.Helper()
+	n, start := prepareTasksNode(t, taskEvents)
+	start()
+	return n
+}
+
+// prepareTasksNode makes the worker and its controller; start runs them
+// until the test ends and waits until they are ready.
+func prepareTasksNode(t *testing.T, taskEvents bool) (*node, func()) {
+	t.Helper()
 	url := testenv.AMQPURL(t)
 	py := testenv.Python(t)
 	pool := testenv.Pool(t)
@@ -62,30 +71,32 @@ func startTasksNode(t *testing.T, taskEvents bool) *node {
 	}
 	ctl.SetWorker(FromTasks(w))
 	n.ctl, n.name = ctl, name
-	runCtx, stop := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		if err := w.Run(runCtx); err != nil {
-			t.Errorf("worker: %v", err)
+	start := func() {
+		runCtx, stop := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			if err := w.Run(runCtx); err != nil {
+				t.Errorf("worker: %v", err)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			if err := ctl.Run(runCtx); err != nil {
+				t.Errorf("controller: %v", err)
+			}
+		}()
+		t.Cleanup(func() { stop(); wg.Wait() })
+		deadline := time.Now().Add(20 * time.Second)
+		for !w.Ready() || !ctl.connected.Load() {
+			if time.Now().After(deadline) {
+				t.Fatal("worker or controller not ready")
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
-	}()
-	go func() {
-		defer wg.Done()
-		if err := ctl.Run(runCtx); err != nil {
-			t.Errorf("controller: %v", err)
-		}
-	}()
-	t.Cleanup(func() { stop(); wg.Wait() })
-	deadline := time.Now().Add(20 * time.Second)
-	for !w.Ready() || !ctl.connected.Load() {
-		if time.Now().After(deadline) {
-			t.Fatal("worker or controller not ready")
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
-	return n
+	return n, start
 }
 
 func TestTasksWorkerInspectAndRevoke(t *testing.T) {
@@ -127,4 +138,9 @@ func TestTasksWorkerInspectAndRevoke(t *testing.T) {
 			t.Fatalf("terminated task: %v", res)
 		}
 	})
+}
+
+func TestTasksWorkerEvents(t *testing.T) {
+	n, start := prepareTasksNode(t, false)
+	checkCeleryEvents(t, n, start, "5")
 }
