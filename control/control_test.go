@@ -362,3 +362,40 @@ func mustJSON(t *testing.T, v any) string {
 	}
 	return string(b)
 }
+
+func TestCeleryShutdownAndPattern(t *testing.T) {
+	n := startNode(t, false)
+	// a pattern that does not match this node: no reply, no shutdown
+	cmd := exec.Command(n.py, "-c", `
+import json, sys
+sys.path.insert(0, '.')
+from app import app
+other = app.control.broadcast('ping', reply=True, timeout=1, pattern='celery@*', matcher='glob')
+mine = app.control.broadcast('ping', reply=True, timeout=1, pattern=sys.argv[1].split('@')[0] + '@*', matcher='glob')
+print(json.dumps({'other': other, 'mine': mine}))
+`, n.name)
+	cmd.Dir, cmd.Env = "testdata", n.env()
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("pattern ping: %v", err)
+	}
+	var got struct{ Other, Mine []map[string]any }
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("%s: %v", out, err)
+	}
+	for _, r := range got.Other {
+		if _, ok := r[n.name]; ok {
+			t.Errorf("answered a pattern that does not match it: %v", got.Other)
+		}
+	}
+	if len(got.Mine) != 1 || !jsonEqual(got.Mine[0][n.name], map[string]any{"ok": "pong"}) {
+		t.Errorf("pattern ping = %v", got.Mine)
+	}
+
+	n.celery(t, "control", "shutdown", "-d", n.name)
+	select {
+	case <-n.shutdown:
+	case <-time.After(5 * time.Second):
+		t.Fatal("celery control shutdown did not reach Config.Shutdown")
+	}
+}
