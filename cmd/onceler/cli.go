@@ -220,6 +220,10 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 func cleanFlagErr(err error) string {
 	s := err.Error()
 	s = strings.Replace(s, "flag provided but not defined: -", "unknown flag --", 1)
+	s = strings.Replace(s, " for flag -", " for --", 1)
+	if name, ok := strings.CutPrefix(s, "flag needs an argument: -"); ok {
+		s = "--" + name + " needs a value"
+	}
 	return s
 }
 
