@@ -1,6 +1,7 @@
 package tasks
 
 import (
+	"math/rand/v2"
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
@@ -30,17 +31,16 @@ type Call struct {
 	retry RetryPolicy
 }
 
-// Retry returns a request to run the task again after countdown (0 means
-// the task's RetryPolicy.Countdown, default 180 s), as Celery's self.retry.
+// Retry returns a request to run the task again after countdown, as
+// Celery's self.retry; 0 means the task's RetryPolicy: its backoff when
+// Backoff is set, else its Countdown (default 180 s). cause is what the
+// caller sees if the retries are used up (nil: MaxRetriesExceededError).
 // Return it from Run:
 //
 //	return nil, c.Retry(10*time.Second, err)
 func (c *Call) Retry(countdown time.Duration, cause error) error {
 	if countdown <= 0 {
-		countdown = c.retry.Countdown
-		if countdown <= 0 {
-			countdown = 180 * time.Second
-		}
+		countdown = c.retry.delay(c.Retries, rand.Int64N)
 	}
 	return &RetryRequest{Countdown: countdown, Cause: cause}
 }

@@ -64,6 +64,12 @@ type Config struct {
 	Crash CrashConfig
 	// Observer receives task events (task-received, task-started, ...).
 	Observer Observer
+	// Routes maps task names to the queue their workflow steps (chain steps,
+	// link callbacks, errbacks) are published to when the step's signature
+	// names no queue, exchange or routing key, as Celery's task_routes.
+	// Unlisted tasks go to the queue of the delivery that publishes them
+	// when this worker serves them, else to Celery's default queue "celery".
+	Routes map[string]string
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool

@@ -47,6 +47,13 @@ func TypeError(msg string) error { return PyError("TypeError", "builtins", msg) 
 // PythonError anywhere in the chain as given, anything else as a generic
 // builtins.Exception with the error text.
 func exceptionFor(err error) *celeryproto.Exception {
+	var me *maxRetriesError
+	if errors.As(err, &me) {
+		return me.exception()
+	}
+	if errors.Is(err, ErrTimeLimit) {
+		return &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: err.Error()}
+	}
 	var pe *PythonError
 	if errors.As(err, &pe) {
 		return &celeryproto.Exception{Type: pe.Type, Module: pe.Module, Message: pe.Message}

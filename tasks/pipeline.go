@@ -113,6 +113,10 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		return false
 	}
 	j.args = args
+	if why := unsupportedWorkflow(msg); why != "" {
+		w.refuseWorkflow(ctx, j, why)
+		return false
+	}
 	if h.mode != ModePure && !w.cfg.NoRecord && !h.allowMismatch {
 		fp, err := celeryproto.Fingerprint(msg.Args, msg.Kwargs)
 		if err != nil {
@@ -191,9 +195,22 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
 		w.crash(CrashAfterClaim, j)
 		ran = true
+		ttx := tx
+		var guard *txGuard
+		if w.hardLimit(j) > 0 {
+			// The task may be abandoned at its hard time limit while it still
+			// holds tx: the guard keeps it off the connection from then on.
+			guard = newTxGuard()
+			ttx = &guardedTx{g: guard, tx: tx}
+		}
 		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
-			return j.h.runTx(ctx, tx, c, j.args)
+			return j.h.runTx(ctx, ttx, c, j.args)
 		})
+		if j.abandoned && guard != nil {
+			if guard.abandon(tx, time.Second) {
+				w.log.Warn("abandoned task kept its query running: connection closed to roll its transaction back", w.fields(j)...)
+			}
+		}
 		if err != nil {
 			taskErr = err
 			return nil, err
@@ -261,7 +278,7 @@ func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	if w.cfg.Observer != nil {
 		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
 	}
-	if !w.replySuccess(ctx, j, stored) {
+	if !w.followUp(ctx, j, stored) || !w.replySuccess(ctx, j, stored) {
 		return
 	}
 	w.ack(j)

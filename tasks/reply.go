@@ -54,7 +54,12 @@ func final(ctx context.Context) (context.Context, context.CancelFunc) {
 // retrying while the worker runs. It reports whether the delivery may now be
 // acknowledged (false: leave it unacknowledged).
 func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Result) bool {
-	replyTo := j.msg.ReplyTo
+	return w.publishResultTo(ctx, j, j.msg.ReplyTo, r)
+}
+
+// publishResultTo is publishResult to the reply queue replyTo (a chain
+// step's, when a failure is carried along the chain).
+func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r *celeryproto.Result) bool {
 	if replyTo == "" {
 		return true
 	}
@@ -156,24 +161,10 @@ func (w *Worker) ack(j *job) {
 }
 
 // retry republishes a task that asked for a Celery retry (same id,
-// retries+1, eta = now + countdown), tells the caller RETRY and acks.
+// retries+1, eta = now + countdown, everything else copied) with a confirm,
+// tells the caller RETRY and acks. settle has already turned a retry past
+// the task's MaxRetries into a failure.
 func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
-	maxRetries := j.h.retry.MaxRetries
-	if maxRetries == 0 {
-		maxRetries = 3
-	}
-	if j.msg.Retries >= maxRetries {
-		w.m.failed.WithLabelValues(j.h.name).Inc()
-		msg := fmt.Sprintf("Can't retry %s[%s] args:%s kwargs:%s", j.h.name, j.msg.ID, j.msg.ArgsRepr, j.msg.KwargsRepr)
-		exc := &celeryproto.Exception{Type: "MaxRetriesExceededError", Module: "celery.exceptions", Message: msg}
-		if rr.Cause != nil {
-			exc = exceptionFor(rr.Cause)
-		}
-		if w.replyFailure(ctx, j, exc, rr) {
-			w.ack(j)
-		}
-		return
-	}
 	next := *j.msg
 	next.Retries++
 	next.ETA = time.Now().Add(rr.Countdown)

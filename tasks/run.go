@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -81,6 +82,12 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
 			w.deferDelivery(j, time.Time{})
 		}
+	case j.abandoned:
+		// The task still runs: its outcome is unknown. The claim is not
+		// renewed any more and lapses into the task's stale-claim policy;
+		// the caller gets TimeLimitExceeded and the delivery is acknowledged.
+		w.log.Warn("outside claim left to lapse after the hard time limit", w.fields(j)...)
+		w.finish(ctx, j, nil, taskErr)
 	case w.shutdownCut(ctx, taskErr):
 		fctx, cancel := final(ctx)
 		if err := w.store.Release(fctx, ref); err != nil {
@@ -171,7 +178,11 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 }
 
 // execute runs the task function with its time limits, revocation and panic
-// recovery, and encodes its result as JSON.
+// recovery, settles retries (settle) and encodes its result as JSON. At the
+// hard time limit the task's context is cancelled (cause ErrTimeLimit); a
+// task that has not returned hardLimitSettle later is abandoned: execute
+// returns an ErrTimeLimit error and marks j.abandoned while the task's
+// goroutine runs on until it returns (Run waits for it).
 func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error)) (res []byte, err error) {
 	tctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -180,7 +191,8 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		tctx, stop = context.WithTimeoutCause(tctx, soft, ErrSoftTimeLimit)
 		defer stop()
 	}
-	if hard := w.hardLimit(j); hard > 0 {
+	hard := w.hardLimit(j)
+	if hard > 0 {
 		var stop context.CancelFunc
 		tctx, stop = context.WithTimeoutCause(tctx, hard, ErrTimeLimit)
 		defer stop()
@@ -201,16 +213,72 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		j.runtime = time.Since(rs.started)
 		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(j.runtime.Seconds())
 	}()
-	v, err := protect(tctx, c, fn)
+	var v any
+	if hard > 0 {
+		v, err = w.runLimited(tctx, j, c, fn, hard)
+	} else {
+		v, err = protect(tctx, c, fn)
+	}
 	if err != nil {
-		if cause := context.Cause(tctx); errors.Is(cause, ErrRevoked) || errors.Is(cause, ErrTimeLimit) || errors.Is(cause, ErrSoftTimeLimit) {
+		cause := context.Cause(tctx)
+		if errors.Is(cause, ErrRevoked) || errors.Is(cause, ErrTimeLimit) || errors.Is(cause, ErrSoftTimeLimit) {
 			if !errors.Is(err, cause) {
 				err = fmt.Errorf("%w: %w", cause, err)
 			}
 		}
-		return nil, err
+		return nil, settle(j, cause, err)
 	}
 	return encodeResult(v)
+}
+
+// hardLimitSettle is how long a task may take to return after its hard time
+// limit cancelled its context before it is abandoned.
+const hardLimitSettle = 100 * time.Millisecond
+
+// runLimited calls fn on a goroutine of its own, so that the task can be
+// abandoned at its hard time limit. Go cannot stop a goroutine: an abandoned
+// task runs on (its context cancelled) until it returns; its result is then
+// discarded. w.tasks counts these goroutines; Run waits for them.
+func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error), hard time.Duration) (any, error) {
+	type outcome struct {
+		v   any
+		err error
+	}
+	done := make(chan outcome, 1)
+	var abandoned atomic.Bool
+	w.tasks.Add(1)
+	go func() {
+		defer w.tasks.Done()
+		start := time.Now()
+		v, err := protect(tctx, c, fn)
+		if abandoned.Load() {
+			w.log.Warn("abandoned task returned; its outcome is discarded",
+				w.fields(j, zap.Duration("ran", time.Since(start)), zap.NamedError("task_error", err))...)
+		}
+		done <- outcome{v, err}
+	}()
+	select {
+	case o := <-done:
+		return o.v, o.err
+	case <-tctx.Done():
+	}
+	if !errors.Is(context.Cause(tctx), ErrTimeLimit) {
+		// Revocation, lease loss, shutdown: the task is asked to stop and
+		// waited for.
+		o := <-done
+		return o.v, o.err
+	}
+	settle := time.NewTimer(hardLimitSettle)
+	defer settle.Stop()
+	select {
+	case o := <-done:
+		return o.v, o.err
+	case <-settle.C:
+	}
+	abandoned.Store(true)
+	j.abandoned = true
+	w.log.Error("hard time limit: task abandoned while it still runs", w.fields(j, zap.Duration("time_limit", hard))...)
+	return nil, fmt.Errorf("%w: task abandoned at its hard time limit (%s)", ErrTimeLimit, hard)
 }
 
 // protect calls fn, turning a panic into a PanicError.
@@ -242,9 +310,6 @@ func (w *Worker) hardLimit(j *job) time.Duration {
 func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
 	msg := j.msg
 	if taskErr == nil {
-		// Workflow steps (chain, link callbacks) are to be published here,
-		// with a confirm, before the result: Celery publishes the next step
-		// before it stores SUCCESS.
 		w.m.succeeded.WithLabelValues(j.h.name).Inc()
 		if ce := w.log.Check(zap.DebugLevel, "task succeeded"); ce != nil {
 			ce.Write(w.fields(j)...)
@@ -252,7 +317,10 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		if w.cfg.Observer != nil {
 			w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
 		}
-		if !w.replySuccess(ctx, j, res) {
+		// Workflow steps (link callbacks, the chain's next step) go out, with
+		// a confirm, before the result: Celery publishes them before it
+		// stores SUCCESS.
+		if !w.followUp(ctx, j, res) || !w.replySuccess(ctx, j, res) {
 			return
 		}
 		w.crash(CrashBeforeAck, j)
@@ -291,7 +359,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
 			"traceback": taskErr.Error()})
 	}
-	if !w.replyFailure(ctx, j, exc, taskErr) {
+	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
 		return
 	}
 	w.crash(CrashBeforeAck, j)

@@ -82,16 +82,70 @@ func (p Policy) String() string {
 	}
 }
 
-// RetryPolicy bounds Celery-style retries requested with Call.Retry.
+// RetryPolicy sets a task's Celery-style retries: those it asks for with
+// Call.Retry (Celery's self.retry) and those AutoRetry starts for it
+// (Celery's autoretry_for).
 type RetryPolicy struct {
-	// MaxRetries is the number of retries allowed before the task fails with
-	// MaxRetriesExceededError. 0 means Celery's default, 3; negative means no
-	// retries.
+	// MaxRetries is the number of retries allowed; past it the task fails
+	// with the retry's cause, or MaxRetriesExceededError when it has none.
+	// 0 means Celery's default, 3; negative means no retries.
 	MaxRetries int
-	// Countdown is the delay used when Call.Retry is given 0. Default 180 s,
-	// as Celery.
+	// Countdown is the delay of a retry when Call.Retry is given 0 and
+	// Backoff is not set. Default 180 s, as Celery's default_retry_delay.
 	Countdown time.Duration
+	// Backoff, when set, makes the delay of retry n (n = the retries so far)
+	// Backoff × 2^n, at most BackoffMax, as Celery's retry_backoff; with
+	// jitter (the default, as Celery's retry_jitter) a uniformly random delay
+	// between 0 and that. It applies to automatic retries and to
+	// Call.Retry(0, ...).
+	Backoff time.Duration
+	// BackoffMax caps the backoff delay. Default 10 minutes (Celery's
+	// retry_backoff_max).
+	BackoffMax time.Duration
+	// NoJitter turns the backoff jitter off.
+	NoJitter bool
+	// AutoRetry reports whether an error returned by the task asks for a
+	// retry by itself, as Celery's autoretry_for: the task is retried with
+	// the error as the cause (and the caller sees that error once the retries
+	// are used up). Nil: no automatic retries. Time limits, revocation and
+	// shutdown are never retried automatically.
+	AutoRetry func(err error) bool
 }
+
+// delay is the countdown of the retry after retries retries.
+func (p RetryPolicy) delay(retries int, rnd func(n int64) int64) time.Duration {
+	if p.Backoff <= 0 {
+		if p.Countdown > 0 {
+			return p.Countdown
+		}
+		return defaultCountdown
+	}
+	ceiling := p.BackoffMax
+	if ceiling <= 0 {
+		ceiling = defaultBackoffMax
+	}
+	d := ceiling
+	if retries < 62 && p.Backoff <= ceiling>>min(retries, 62) {
+		d = p.Backoff << retries
+	}
+	if !p.NoJitter && d > 0 {
+		d = time.Duration(rnd(int64(d) + 1))
+	}
+	return d
+}
+
+// maxRetries is MaxRetries with its default applied.
+func (p RetryPolicy) maxRetries() int {
+	if p.MaxRetries == 0 {
+		return 3
+	}
+	return p.MaxRetries
+}
+
+const (
+	defaultCountdown  = 180 * time.Second
+	defaultBackoffMax = 10 * time.Minute
+)
 
 // Task declares one Celery task implemented in Go. A is the argument type: a
 // struct whose exported fields bind the Celery args by position (declaration
@@ -241,7 +295,7 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	if t.Fallback == PolicyLookup || t.Fallback < PolicyHold || t.Fallback > PolicyLookup {
 		return nil, invalid(t.Name, "fallback policy must be hold, retry or skip")
 	}
-	if t.Lease < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 {
+	if t.Lease < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 || t.Retry.Countdown < 0 || t.Retry.Backoff < 0 || t.Retry.BackoffMax < 0 {
 		return nil, invalid(t.Name, "negative duration")
 	}
 	h := &handler{

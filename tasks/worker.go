@@ -42,6 +42,7 @@ type Worker struct {
 	running   atomic.Bool // Run is running
 	draining  atomic.Bool
 	workCause context.CancelCauseFunc // cancels task contexts after the grace period
+	tasks     sync.WaitGroup          // task goroutines of time-limited runs, abandoned ones included
 
 	mu        sync.Mutex
 	stopping  bool                 // no more timers or queueing
@@ -71,6 +72,9 @@ type job struct {
 	waiting  bool // deferred because the operation was in progress elsewhere
 	runtime  time.Duration
 	attempt  int // the record's attempt of the claim this delivery runs under
+	// abandoned: the task did not return by its hard time limit and runs on
+	// unwatched; its outcome is unknown.
+	abandoned bool
 }
 
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens
@@ -231,11 +235,27 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 		break
 	}
+	w.waitAbandoned()
 	if err := <-consDone; err != nil && runErr == nil {
 		runErr = fmt.Errorf("tasks: consumer: %w", err)
 	}
 	w.log.Info("worker stopped")
 	return runErr
+}
+
+// waitAbandoned waits for the goroutines of tasks abandoned at their hard
+// time limit (their contexts are cancelled), at most Config.Grace: Go cannot
+// stop a goroutine that ignores its context.
+func (w *Worker) waitAbandoned() {
+	done := make(chan struct{})
+	go func() { w.tasks.Wait(); close(done) }()
+	t := time.NewTimer(w.cfg.Grace)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		w.log.Error("abandoned tasks still running after the grace period; leaving them behind")
+	}
 }
 
 // watchReconnects counts the consumer's returns to consuming after a loss.

@@ -1,0 +1,85 @@
+"""Celery workflows over onceler workers, with a Python task beside them.
+
+The same module is the Celery app of the Python worker the tests start:
+
+    /usr/bin/python3 -m celery -A wf worker -Q <py queue> --pool solo ...
+
+and, run as a script, the client:
+
+    wf.py scenario [scenario ...]
+
+Environment: ONCELER_WF_BROKER (broker URL), ONCELER_WF_GOQ (queue of the
+Go tasks t.*), ONCELER_WF_PYQ (queue of the Python task py.mul).
+
+Prints one JSON object: {scenario: {"ok": value} or {"exc_type",
+"exc_module", "message"}}.
+"""
+import json
+import os
+import sys
+
+from celery import Celery, chain, chord, group
+
+GOQ = os.environ["ONCELER_WF_GOQ"]
+PYQ = os.environ["ONCELER_WF_PYQ"]
+
+app = Celery("wf", broker=os.environ["ONCELER_WF_BROKER"], backend="rpc://")
+app.conf.task_default_queue = GOQ
+app.conf.task_routes = {"py.*": {"queue": PYQ}, "t.*": {"queue": GOQ}}
+app.conf.accept_content = ["json"]
+app.conf.result_accept_content = ["json"]
+app.conf.worker_hijack_root_logger = False
+
+
+@app.task(name="py.mul")
+def mul(x, y):
+    return x * y
+
+
+def s(name, *args, **kwargs):
+    return app.signature(name, args=args, kwargs=kwargs)
+
+
+TIMEOUT = 30
+
+
+def run(name):
+    if name == "chain_go":
+        return chain(s("t.add", 1, 2), s("t.add", 10), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_mixed":
+        # add(1, 2) = 3 in Go, mul(3, 10) = 30 in Python, add(30, 100) = 130 in Go
+        return chain(s("t.add", 1, 2), s("py.mul", 10), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_immutable":
+        return chain(s("t.add", 1, 2), app.signature("t.add", args=(5, 5), immutable=True)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_fail":
+        return chain(s("t.add", 1, 2), s("t.fail", "boom"), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
+    if name == "link":
+        r = app.send_task("t.add", args=(1, 2), link=s("t.record", "callback"))
+        return {"id": r.id, "result": r.get(timeout=TIMEOUT)}
+    if name == "link_error":
+        r = app.send_task("t.fail", args=(7, "errback please"), link_error=s("t.record", "errback"))
+        try:
+            r.get(timeout=TIMEOUT)
+        except Exception as e:
+            return {"id": r.id, "exc_type": type(e).__name__}
+        return {"id": r.id, "exc_type": None}
+    if name == "group":
+        return group(s("t.add", 1, 1), s("t.add", 2, 2), s("py.mul", 3, 3)).apply_async().get(timeout=TIMEOUT)
+    if name == "chord":
+        return chord([s("t.add", 1, 1)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
+    raise ValueError("unknown scenario " + name)
+
+
+def main():
+    out = {}
+    for name in sys.argv[1:]:
+        try:
+            out[name] = {"ok": run(name)}
+        except Exception as e:  # report the class the client built
+            out[name] = {"exc_type": type(e).__name__, "exc_module": type(e).__module__,
+                         "message": str(e.args[0]) if e.args else str(e)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+package tasks
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// ReasonUnsupported is the quarantine reason of a message whose workflow
+// onceler cannot carry out: a chord part (chord counters need a result
+// backend other than rpc) or a chain, link or errback step that is itself a
+// group, chain or chord.
+const ReasonUnsupported = "unsupported_workflow"
+
+// step is one workflow message to publish: a chain's next step, a link
+// callback or a link_error errback.
+type step struct {
+	kind       string // "chain", "link" or "errback"
+	msg        *celeryproto.Message
+	exchange   string
+	routingKey string
+	queue      string // the queue routingKey names on the default exchange, "" otherwise
+}
+
+// unsupportedWorkflow says why the message's workflow cannot be carried
+// out, or "" when it can.
+func unsupportedWorkflow(m *celeryproto.Message) string {
+	if m.Chord != nil {
+		return "chord parts are not supported: chord counters need a result backend other than rpc, which onceler does not have"
+	}
+	for _, l := range []struct {
+		name string
+		sigs []celeryproto.Signature
+	}{{"chain", m.Chain}, {"link", m.Callbacks}, {"link_error", m.Errbacks}} {
+		for _, s := range l.sigs {
+			if s.SubtaskType != "" {
+				return fmt.Sprintf("a %s step of type %q is not supported (only plain task signatures)", l.name, s.SubtaskType)
+			}
+		}
+	}
+	return ""
+}
+
+// successSteps are the steps to publish after j succeeded with result, as
+// Celery's worker does (celery/app/trace.py): each link callback with
+// (result,) prepended, then the chain's next step (the last element) with
+// (result,) prepended unless immutable and the rest of the chain.
+func (w *Worker) successSteps(j *job, result any) ([]step, error) {
+	m := j.msg
+	var out []step
+	for i, sig := range m.Callbacks {
+		s, err := w.buildStep(j, "link", i, sig, []any{result}, nil)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	if n := len(m.Chain); n > 0 {
+		s, err := w.buildStep(j, "chain", 0, m.Chain[n-1], []any{result}, m.Chain[:n-1])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// errbackSteps are the link_error errbacks of a failed j, each with the
+// failed task's id prepended (Celery's old-style errback call, the one it
+// uses for errbacks it cannot call in-process).
+func (w *Worker) errbackSteps(j *job) ([]step, error) {
+	var out []step
+	for i, sig := range j.msg.Errbacks {
+		s, err := w.buildStep(j, "errback", i, sig, []any{j.msg.ID}, nil)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// buildStep turns a signature into the task message Celery's
+// Signature.apply_async would send from the worker: the task id and
+// reply_to from the frozen options (a stable id derived from this task's id
+// when the signature was not frozen, so that a repeat publishes the same
+// message), parent_id = this task, root_id = this task's root.
+func (w *Worker) buildStep(j *job, kind string, index int, sig celeryproto.Signature, prepend []any,
+	chain []celeryproto.Signature) (step, error) {
+	parent := j.msg
+	o := sig.Options
+	id := sig.TaskID()
+	if id == "" {
+		id = stepID(parent.ID, kind, index)
+	}
+	args := sig.Args
+	if !sig.Immutable && len(prepend) > 0 {
+		args = append(slices.Clip(prepend), sig.Args...)
+	}
+	kwargs := sig.Kwargs
+	if kwargs == nil {
+		kwargs = map[string]any{}
+	}
+	root := parent.RootID
+	if root == "" {
+		root = parent.ID
+	}
+	m := &celeryproto.Message{
+		Protocol: 2, Task: sig.Task, ID: id, Args: args, Kwargs: kwargs,
+		Chain: chain, RootID: root, ParentID: parent.ID,
+		ReplyTo: optString(o, "reply_to"), CorrelationID: id, Origin: w.cfg.Hostname,
+		GroupID: optString(o, "group_id"), Shadow: optString(o, "shadow"), Priority: parent.Priority,
+		ArgsRepr: pyRepr(args, true), KwargsRepr: pyRepr(kwargs, false),
+	}
+	if v, ok := optNumber(o, "group_index"); ok {
+		gi := int(v)
+		m.GroupIndex = &gi
+	}
+	if v, ok := optNumber(o, "priority"); ok && v >= 0 && v <= 255 {
+		m.Priority = uint8(v)
+	}
+	if v, ok := o["ignore_result"].(bool); ok {
+		m.IgnoreResult = v
+	}
+	if v, ok := optNumber(o, "time_limit"); ok {
+		m.TimeLimit.Hard = seconds(v)
+	}
+	if v, ok := optNumber(o, "soft_time_limit"); ok {
+		m.TimeLimit.Soft = seconds(v)
+	}
+	now := time.Now()
+	if v, ok := optNumber(o, "countdown"); ok {
+		m.ETA = now.Add(seconds(v))
+	} else if s := optString(o, "eta"); s != "" {
+		t, err := celeryproto.ParseTime(s)
+		if err != nil {
+			return step{}, fmt.Errorf("%s step %s: eta: %w", kind, sig.Task, err)
+		}
+		m.ETA = t
+	}
+	if v, ok := optNumber(o, "expires"); ok {
+		m.Expires = now.Add(seconds(v))
+	} else if s := optString(o, "expires"); s != "" {
+		t, err := celeryproto.ParseTime(s)
+		if err != nil {
+			return step{}, fmt.Errorf("%s step %s: expires: %w", kind, sig.Task, err)
+		}
+		m.Expires = t
+	}
+	if h, ok := o["headers"].(map[string]any); ok {
+		m.Headers = h
+	}
+	var err error
+	if m.Callbacks, err = optSignatures(o, "link"); err != nil {
+		return step{}, fmt.Errorf("%s step %s: %w", kind, sig.Task, err)
+	}
+	if m.Errbacks, err = optSignatures(o, "link_error"); err != nil {
+		return step{}, fmt.Errorf("%s step %s: %w", kind, sig.Task, err)
+	}
+	if c, ok := o["chord"].(map[string]any); ok {
+		s, err := sigFrom(c)
+		if err != nil {
+			return step{}, fmt.Errorf("%s step %s: chord: %w", kind, sig.Task, err)
+		}
+		m.Chord = &s
+	}
+	s := step{kind: kind, msg: m}
+	s.exchange, s.routingKey, s.queue = w.route(j, sig.Task, o)
+	return s, nil
+}
+
+// route decides where a step goes: the signature's exchange and routing
+// key, else its queue, else Config.Routes, else the queue this delivery
+// came from for a task this worker serves, else Celery's default queue
+// "celery". A queue is reached through the default exchange.
+func (w *Worker) route(j *job, task string, o map[string]any) (exchange, routingKey, queue string) {
+	if ex, rk := optString(o, "exchange"), optString(o, "routing_key"); ex != "" || rk != "" {
+		if ex == "" && rk != "" {
+			return "", rk, rk
+		}
+		return ex, rk, ""
+	}
+	if q := optString(o, "queue"); q != "" {
+		return "", q, q
+	}
+	if q := w.cfg.Routes[task]; q != "" {
+		return "", q, q
+	}
+	if _, ok := w.reg.get(task); ok && j.d.Queue != "" {
+		return "", j.d.Queue, j.d.Queue
+	}
+	return "", "celery", "celery"
+}
+
+// publishSteps publishes steps in order, each with a confirm. A step to a
+// queue that does not exist yet (returned as unroutable) gets the queue
+// declared as kombu declares it, and is published again.
+func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
+	for _, s := range steps {
+		p, err := celeryproto.EncodeTask(s.msg, celeryproto.EncodeOptions{Protocol: 2})
+		if err != nil {
+			return fmt.Errorf("encode %s step %s: %w", s.kind, s.msg.Task, err)
+		}
+		err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
+		if errors.Is(err, amqp.ErrReturned) && s.queue != "" {
+			dctx, cancel := context.WithTimeout(ctx, opTimeout)
+			derr := w.pub.Declare(dctx, amqp.CeleryQueue(s.queue))
+			cancel()
+			if derr != nil {
+				return fmt.Errorf("declare queue %s for %s step %s: %w", s.queue, s.kind, s.msg.Task, derr)
+			}
+			err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
+		}
+		if err != nil {
+			return fmt.Errorf("publish %s step %s: %w", s.kind, s.msg.Task, err)
+		}
+		if ce := w.log.Check(zap.DebugLevel, "workflow step published"); ce != nil {
+			ce.Write(w.fields(j, zap.String("step", s.kind), zap.String("step_task", s.msg.Task),
+				zap.String("step_id", s.msg.ID))...)
+		}
+	}
+	return nil
+}
+
+// followUp publishes the workflow steps of a successful operation before
+// its result goes to the caller. With a record, the steps already published
+// for the operation (idempotency Followups) are not published again, and
+// those published now are recorded: a duplicate delivery of a completed
+// chain step does not start the rest of the chain twice. Without a record
+// (pure tasks) every successful run publishes its steps, as Celery does. It
+// reports whether the delivery may go on to its reply; on false the
+// delivery was given back or is looked at again later.
+func (w *Worker) followUp(ctx context.Context, j *job, res []byte) bool {
+	m := j.msg
+	if len(m.Callbacks) == 0 && len(m.Chain) == 0 {
+		return true
+	}
+	v, err := jsonValue(res)
+	if err != nil {
+		w.log.Error("result is not JSON; workflow steps get null", w.fields(j, zap.Error(err))...)
+	}
+	steps, err := w.successSteps(j, v)
+	if err != nil {
+		// A malformed step can never be published; the caller hears of it.
+		w.log.Error("workflow step cannot be built", w.fields(j, zap.Error(err))...)
+		return true
+	}
+	recorded := j.key != "" && w.store != nil && !w.cfg.NoRecord
+	if recorded {
+		done, err := w.store.Followups(ctx, j.h.name, j.key)
+		if err != nil {
+			w.recordTrouble(ctx, j, "read published workflow steps", err)
+			return false
+		}
+		steps = slices.DeleteFunc(steps, func(s step) bool { return slices.Contains(done, s.msg.ID) })
+		if len(steps) == 0 {
+			return true
+		}
+	}
+	if err := w.publishSteps(ctx, j, steps); err != nil {
+		w.recordTrouble(ctx, j, "publish workflow steps", err)
+		return false
+	}
+	if recorded {
+		ids := make([]string, len(steps))
+		for i, s := range steps {
+			ids[i] = s.msg.ID
+		}
+		fctx, cancel := final(ctx)
+		err := w.store.AddFollowups(fctx, j.h.name, j.key, ids)
+		cancel()
+		if err != nil {
+			// Published but not recorded: a later duplicate publishes the same
+			// messages (same task ids) again.
+			w.log.Warn("workflow steps published but not recorded", w.fields(j, zap.Error(err))...)
+		}
+	}
+	return true
+}
+
+// failWorkflow carries a failure along the workflow, as Celery's
+// Backend.mark_as_failure does: FAILURE with the same exception to every
+// remaining chain step that has a task id (so that chain.get() raises),
+// then the link_error errbacks. It reports whether the delivery may be
+// acknowledged.
+func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exception, traceback string) bool {
+	m := j.msg
+	for _, sig := range m.Chain {
+		id, replyTo := sig.TaskID(), sig.ReplyTo()
+		if id == "" || replyTo == "" {
+			continue
+		}
+		r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: traceback}
+		if !w.publishResultTo(ctx, j, replyTo, r) {
+			return false
+		}
+	}
+	if len(m.Errbacks) == 0 {
+		return true
+	}
+	steps, err := w.errbackSteps(j)
+	if err != nil {
+		w.log.Error("errback cannot be built", w.fields(j, zap.Error(err))...)
+		return true
+	}
+	if err := w.publishSteps(ctx, j, steps); err != nil {
+		w.log.Warn("errbacks not published; delivery requeued", w.fields(j, zap.Error(err))...)
+		w.giveBack(j)
+		return false
+	}
+	return true
+}
+
+// stepID derives the task id of an unfrozen signature from the id of the
+// task that publishes it: the same delivery always publishes the same id.
+// It has the form of a version 4 UUID.
+func stepID(parent, kind string, index int) string {
+	sum := sha256.Sum256([]byte("onceler step\x00" + parent + "\x00" + kind + "\x00" + strconv.Itoa(index)))
+	b := sum[:16]
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+func optString(o map[string]any, k string) string {
+	s, _ := o[k].(string)
+	return s
+}
+
+func optNumber(o map[string]any, k string) (float64, bool) {
+	switch v := o[k].(type) {
+	case int64:
+		return float64(v), true
+	case float64:
+		return v, true
+	case int:
+		return float64(v), true
+	}
+	return 0, false
+}
+
+func seconds(v float64) time.Duration { return time.Duration(v * float64(time.Second)) }
+
+// optSignatures reads options.link / options.link_error: a signature or a
+// list of them.
+func optSignatures(o map[string]any, k string) ([]celeryproto.Signature, error) {
+	switch v := o[k].(type) {
+	case nil:
+		return nil, nil
+	case map[string]any:
+		s, err := sigFrom(v)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", k, err)
+		}
+		return []celeryproto.Signature{s}, nil
+	case []any:
+		out := make([]celeryproto.Signature, 0, len(v))
+		for _, e := range v {
+			m, ok := e.(map[string]any)
+			if !ok {
+				return nil, fmt.Errorf("%s: element is not a signature", k)
+			}
+			s, err := sigFrom(m)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", k, err)
+			}
+			out = append(out, s)
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("%s: not a signature", k)
+}
+
+func sigFrom(m map[string]any) (celeryproto.Signature, error) {
+	var s celeryproto.Signature
+	var ok bool
+	if s.Task, ok = m["task"].(string); !ok || s.Task == "" {
+		return s, errors.New("signature without a task name")
+	}
+	if v, present := m["args"]; present && v != nil {
+		if s.Args, ok = v.([]any); !ok {
+			return s, errors.New("signature args is not a list")
+		}
+	}
+	if v, present := m["kwargs"]; present && v != nil {
+		if s.Kwargs, ok = v.(map[string]any); !ok {
+			return s, errors.New("signature kwargs is not a mapping")
+		}
+	}
+	if v, present := m["options"]; present && v != nil {
+		if s.Options, ok = v.(map[string]any); !ok {
+			return s, errors.New("signature options is not a mapping")
+		}
+	}
+	s.SubtaskType, _ = m["subtask_type"].(string)
+	s.Immutable, _ = m["immutable"].(bool)
+	return s, nil
+}
+
+// pyRepr writes a Celery argsrepr/kwargsrepr: Python's repr of the args
+// tuple (tuple) or kwargs dict, truncated to 1024 characters as Celery's
+// saferepr does.
+func pyRepr(v any, tuple bool) string {
+	var b strings.Builder
+	if args, ok := v.([]any); ok && tuple {
+		b.WriteByte('(')
+		for i, a := range args {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(&b, a, 0)
+		}
+		if len(args) == 1 {
+			b.WriteByte(',')
+		}
+		b.WriteByte(')')
+	} else {
+		reprValue(&b, v, 0)
+	}
+	s := b.String()
+	if len(s) > 1024 {
+		s = s[:1021] + "..."
+	}
+	return s
+}
+
+func reprValue(b *strings.Builder, v any, depth int) {
+	if depth > 8 || b.Len() > 1100 {
+		b.WriteString("...")
+		return
+	}
+	switch x := v.(type) {
+	case nil:
+		b.WriteString("None")
+	case bool:
+		if x {
+			b.WriteString("True")
+		} else {
+			b.WriteString("False")
+		}
+	case string:
+		b.WriteString("'" + strings.ReplaceAll(strings.ReplaceAll(x, `\`, `\\`), "'", `\'`) + "'")
+	case []any:
+		b.WriteByte('[')
+		for i, e := range x {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(b, e, depth+1)
+		}
+		b.WriteByte(']')
+	case map[string]any:
+		keys := make([]string, 0, len(x))
+		for k := range x {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		b.WriteByte('{')
+		for i, k := range keys {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(b, k, depth+1)
+			b.WriteString(": ")
+			reprValue(b, x[k], depth+1)
+		}
+		b.WriteByte('}')
+	default:
+		fmt.Fprint(b, x)
+	}
+}
+
+// refuseWorkflow answers a message whose workflow cannot be carried out
+// before anything runs: FAILURE NotImplementedError to the caller and along
+// the chain, errbacks, then the quarantine (the message is kept).
+func (w *Worker) refuseWorkflow(ctx context.Context, j *job, why string) {
+	w.m.failed.WithLabelValues(j.h.name).Inc()
+	w.log.Error("workflow not supported; message refused", w.fields(j, zap.String("why", why))...)
+	err := errors.New("onceler: " + why)
+	exc := &celeryproto.Exception{Type: "NotImplementedError", Module: "builtins", Message: err.Error()}
+	if w.cfg.Observer != nil {
+		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
+			"traceback": err.Error()})
+	}
+	if !w.replyFailure(ctx, j, exc, err) || !w.failWorkflow(ctx, j, exc, err.Error()) {
+		return
+	}
+	w.quarantine(ctx, j, ReasonUnsupported, err)
+}
