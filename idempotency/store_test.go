@@ -397,3 +397,58 @@ func TestBatchIsolatesABadCall(t *testing.T) {
 		t.Fatal("accepted a key with NUL")
 	}
 }
+
+// TestCancelQueuedCall: a call still queued behind a busy flush gives up
+// with its context's error (it was never written); the flush in flight
+// finishes and answers its own caller.
+func TestCancelQueuedCall(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{Flushers: 1})
+	ctx := context.Background()
+	a := params("slow", "a")
+	ca := mustClaim(t, e.store, a, idempotency.OutcomeFirst)
+	if err := e.store.Complete(ctx, a.Ref(ca.Token), nil); err != nil {
+		t.Fatal(err)
+	}
+	// Hold the row so the next flush (a duplicate claim of a) waits.
+	tx, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM `+e.schema+`.records WHERE key = 'a' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	leaderDone := make(chan idempotency.Claim, 1)
+	go func() {
+		c, err := e.store.Claim(ctx, a)
+		if err != nil {
+			t.Error(err)
+		}
+		leaderDone <- c
+	}()
+	// Wait until the leader's statement is blocked on the lock.
+	deadline := time.Now().Add(10 * time.Second)
+	for e.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, e.schema) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the leader's claim never waited on the lock")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	qctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err = e.store.Claim(qctx, params("slow", "b"))
+	if !errors.Is(err, context.DeadlineExceeded) || idempotency.IsUnknownOutcome(err) {
+		t.Fatalf("queued claim: %v, want its deadline and a definite outcome", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if c := <-leaderDone; c.Outcome != idempotency.OutcomeCompleted {
+		t.Fatalf("leader %+v", c)
+	}
+	if _, err := e.store.Get(ctx, "slow", "b"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Fatalf("cancelled claim was written: %v", err)
+	}
+	// The store still works.
+	mustClaim(t, e.store, params("slow", "c"), idempotency.OutcomeFirst)
+}
