@@ -63,11 +63,20 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		if err != nil {
 			return fmt.Errorf("reply channel: %w", err)
 		}
-		defer func() { _ = ch.Close() }()
 		in, err := ch.ConsumeWithContext(replyCtx, reply, "bench-replies", true, false, false, false, nil)
 		if err != nil {
+			_ = ch.Close()
 			return fmt.Errorf("consume replies: %w", err)
 		}
+		// amqp091 blocks closing a channel whose deliveries are not drained:
+		// cancel the consumer, drain, then close.
+		defer func() {
+			stopReplies()
+			replies.Wait()
+			for range in {
+			}
+			_ = ch.Close()
+		}()
 		replies.Go(func() { readReplies(replyCtx, in, index, arrived, n) })
 	}
 
