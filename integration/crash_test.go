@@ -223,52 +223,60 @@ func hasStatus(rs []replay.Reply, s string) bool {
 
 // TestPoisonCrashLoop sends a task that kills its worker every time (crash
 // injection after the claim, a new worker started after each death): after
-// a bounded number of attempts the message is quarantined as poison and its
-// record failed; no endless redelivery loop, no effect.
+// a bounded number of attempts the message is quarantined as poison; no
+// endless redelivery loop, no effect. An outside task is counted by its
+// record's claims (classic queue); a same-database task, whose claim dies
+// with its transaction, by the quorum queue's delivery count.
 func TestPoisonCrashLoop(t *testing.T) {
-	e := demoEnv(t)
-	op := opName(replay.NewID()[:8], 0)
-	m := e.Message(demo.TaskCharge, replay.NewID(), []any{op, 500}, nil)
-	e.Publish(m)
-	crashes := 0
-	deadline := time.Now().Add(3 * time.Minute)
-	for time.Now().Before(deadline) {
-		w := e.StartWorker(replay.WorkerOptions{CrashAt: tasks.CrashAfterClaim, CrashTask: demo.TaskCharge, Concurrency: 1, Prefetch: 1})
-		done := replay.Eventually(30*time.Second, func() bool {
-			if w.Exited() {
-				return true
+	cases := []struct {
+		name, task string
+		quorum     bool
+		effects    func(context.Context, demo.Querier, string) (int, error)
+	}{
+		{"outside_classic", demo.TaskCharge, false, demo.CountGatewayCalls},
+		{"samedb_quorum", demo.TaskCredit, true, demo.CountLedger},
+		{"samedb_classic", demo.TaskCredit, false, demo.CountLedger},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			e := replay.NewEnv(t, replay.Config{Binary: ownBin, Quorum: c.quorum})
+			migrate(t, e)
+			op := opName(replay.NewID()[:8], 0)
+			m := e.Message(c.task, replay.NewID(), args(c.task, op), nil)
+			e.Publish(m)
+			crashes := 0
+			for {
+				w := e.StartWorker(replay.WorkerOptions{CrashAt: tasks.CrashAfterClaim, CrashTask: c.task, Concurrency: 1, Prefetch: 1, NoWait: true})
+				quarantined := func() bool { n, err := e.QueueDepth(e.Quarantine); return err == nil && n > 0 }
+				if !replay.Eventually(30*time.Second, func() bool { return w.Exited() || quarantined() }) {
+					t.Fatalf("worker %s neither crashed nor quarantined the message", w.Name)
+				}
+				if !w.Exited() {
+					break
+				}
+				crashes++
+				if crashes > 10 {
+					t.Fatalf("%d crashes: the poison message loops", crashes)
+				}
 			}
-			rec, err := e.Store.Get(context.Background(), demo.TaskCharge, op)
-			return err == nil && rec.Status == idempotency.StatusFailed
+			time.Sleep(time.Second)
+			e.StopAll()
+			q, err := e.TakeQuarantined()
+			if err != nil || len(q) != 1 || q[0].Reason != tasks.ReasonPoison || q[0].TaskID != m.ID {
+				t.Errorf("quarantine %v (err %v), want the message as poison", q, err)
+			}
+			if n, err := c.effects(context.Background(), e.Pool, op); err != nil || n != 0 {
+				t.Errorf("%d effects (err %v), want 0", n, err)
+			}
+			if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+				t.Errorf("queue depth %d (err %v)", d, err)
+			}
+			if n, err := e.StaleClaims(context.Background()); err != nil || n != 0 {
+				t.Errorf("stale claims %d (err %v)", n, err)
+			}
+			t.Logf("quarantined after %d crashes", crashes)
 		})
-		if !done {
-			t.Fatalf("worker %s neither crashed nor failed the operation", w.Name)
-		}
-		if !w.Exited() {
-			break
-		}
-		crashes++
-		if crashes > 10 {
-			t.Fatalf("%d crashes: the poison message loops", crashes)
-		}
 	}
-	time.Sleep(time.Second)
-	e.StopAll()
-	q, err := e.TakeQuarantined()
-	if err != nil || len(q) != 1 || q[0].Reason != "poison" || q[0].TaskID != m.ID {
-		t.Errorf("quarantine %v (err %v), want the message as poison", q, err)
-	}
-	rec, err := e.Store.Get(context.Background(), demo.TaskCharge, op)
-	if err != nil || rec.Status != idempotency.StatusFailed {
-		t.Errorf("record %s (err %v), want failed", rec.Status, err)
-	}
-	if n, _ := demo.CountGatewayCalls(context.Background(), e.Pool, op); n != 0 {
-		t.Errorf("%d gateway calls, want 0", n)
-	}
-	if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
-		t.Errorf("queue depth %d (err %v)", d, err)
-	}
-	t.Logf("quarantined after %d crashes (record attempt %d)", crashes, rec.Attempt)
 }
 
 // TestDuplicateIDDifferentArguments sends two messages with the same task

@@ -60,6 +60,7 @@ func TestSoak(t *testing.T) {
 		msgs = append(msgs, wl.add(kinds[rng.IntN(len(kinds))], opName("soak", i)))
 	}
 	dups := len(msgs) - len(wl.ops)
+	again := len(msgs) - len(wl.ids())
 
 	start := time.Now()
 	var published atomic.Int64
@@ -136,8 +137,9 @@ func TestSoak(t *testing.T) {
 	byTask := wl.checkByTask(t)
 
 	var b strings.Builder
-	fmt.Fprintf(&b, "\nsoak: %d calls (%d operations, %d duplicates) through 3 workers in %s (%.0f calls/s)\n",
-		len(msgs), len(wl.ops), dups, elapsed.Round(time.Second), float64(len(msgs))/elapsed.Seconds())
+	fmt.Fprintf(&b, "\nsoak: %d messages, %d operations, %d duplicates (%d re-sent with a new task id, %d the same message again),\n"+
+		"through 3 workers in %s (%.0f messages/s)\n",
+		len(msgs), len(wl.ops), dups, dups-again, again, elapsed.Round(time.Second), float64(len(msgs))/elapsed.Seconds())
 	fmt.Fprintf(&b, "faults: %d kill -9 (each restarted), %d broker connection reset, %d PostgreSQL restart\n\n", kills, resets, restarts)
 	fmt.Fprintf(&b, "%-22s %6s %6s %8s %5s %10s %5s %9s %9s\n", "task", "ops", "calls", "answered", "lost", "unexp.dup", "held", "retry x2", "outside✗")
 	names := make([]string, 0, len(byTask))
@@ -152,7 +154,7 @@ func TestSoak(t *testing.T) {
 		fmt.Fprintf(&b, "%-22s %6d %6d %8d %5d %10d %5d %9d %9d\n", n, x.ops, x.calls, x.answered, x.lost, x.duplicates, x.held, x.retried, x.outsideFailed)
 	}
 	fmt.Fprintf(&b, "%-22s %6d %6d %8d %5d %10d %5d %9d %9d\n", "total", sum.ops, sum.calls, sum.answered, sum.lost, sum.duplicates, sum.held, sum.retried, sum.outsideFailed)
-	b.WriteString("\nlost: an operation with no effect and no hold; unexp.dup: more effects than its mode allows;\n" +
+	b.WriteString("\ncalls: task ids; answered: calls with a result; lost: an operation with no effect and no hold; unexp.dup: more effects than its mode allows;\n" +
 		"held: email (policy hold) whose worker died mid-send, kept for a person; retry x2: replay.notify\n" +
 		"(policy retry) run twice after a kill; outside✗: the simulated outside system (in the restarted\n" +
 		"database) failed the call and the caller was told.\n")

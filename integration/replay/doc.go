@@ -34,6 +34,7 @@
 //	ONCELER_HOSTNAME       a unique node name, also the broker connection name
 //	ONCELER_CONCURRENCY, ONCELER_PREFETCH
 //	ONCELER_NO_RECORD      true when Target.NoRecord
+//	ONCELER_QUORUM         true when Config.Quorum (a quorum queue)
 //	ONCELER_CRASH_AT, ONCELER_CRASH_TASK   crash injection (tasks.CrashConfig)
 //	ONCELER_GRACE, ONCELER_LOG_FORMAT=json
 //

@@ -42,6 +42,10 @@ type Config struct {
 	// DatabaseURL is the PostgreSQL server of the record (and of the pool
 	// handed to Effects). Default: the test database (internal/testenv).
 	DatabaseURL string
+	// Quorum declares the queue a quorum queue (as kombu does with
+	// queue_arguments={"x-queue-type": "quorum"}) and starts the workers
+	// with ONCELER_QUORUM=true.
+	Quorum bool
 	// DurableReplies declares the reply queue durable, so that results
 	// survive a broker restart (Celery's own reply queue does not).
 	DurableReplies bool
@@ -199,7 +203,11 @@ func (e *Env) openBroker() error {
 	if err := ch.ExchangeDeclare(e.Queue, "direct", true, false, false, false, nil); err != nil {
 		return fmt.Errorf("declare exchange: %w", err)
 	}
-	if _, err := ch.QueueDeclare(e.Queue, true, false, false, false, nil); err != nil {
+	var qargs amqp091.Table
+	if e.cfg.Quorum {
+		qargs = amqp091.Table{"x-queue-type": "quorum"}
+	}
+	if _, err := ch.QueueDeclare(e.Queue, true, false, false, false, qargs); err != nil {
 		return fmt.Errorf("declare queue: %w", err)
 	}
 	if err := ch.QueueBind(e.Queue, e.Queue, e.Queue, false, nil); err != nil {
@@ -394,24 +402,33 @@ func Eventually(timeout time.Duration, cond func() bool) bool {
 // QueueDepth returns the number of messages ready in the queue (not
 // counting those delivered and not yet acknowledged).
 func (e *Env) QueueDepth(name string) (int, error) {
-	e.pubMu.Lock()
-	defer e.pubMu.Unlock()
-	q, err := e.inspect.QueueDeclarePassive(name, true, false, false, false, nil)
-	if err != nil {
-		return 0, fmt.Errorf("inspect queue %s: %w", name, err)
-	}
-	return q.Messages, nil
+	q, err := e.inspectQueue(name)
+	return q.Messages, err
 }
 
 // Consumers returns the number of consumers of the queue.
 func (e *Env) Consumers() (int, error) {
+	q, err := e.inspectQueue(e.Queue)
+	return q.Consumers, err
+}
+
+// inspectQueue declares a queue passively. A missing queue closes the
+// channel: it is opened again for the next call.
+func (e *Env) inspectQueue(name string) (amqp091.Queue, error) {
 	e.pubMu.Lock()
 	defer e.pubMu.Unlock()
-	q, err := e.inspect.QueueDeclarePassive(e.Queue, true, false, false, false, nil)
-	if err != nil {
-		return 0, fmt.Errorf("inspect queue %s: %w", e.Queue, err)
+	if e.inspect == nil || e.inspect.IsClosed() {
+		ch, err := e.conn.Channel()
+		if err != nil {
+			return amqp091.Queue{}, fmt.Errorf("inspect queue %s: %w", name, err)
+		}
+		e.inspect = ch
 	}
-	return q.Consumers, nil
+	q, err := e.inspect.QueueDeclarePassive(name, true, false, false, false, nil)
+	if err != nil {
+		return q, fmt.Errorf("inspect queue %s: %w", name, err)
+	}
+	return q, nil
 }
 
 // Quarantined is a message a worker moved to the quarantine queue.
@@ -423,15 +440,9 @@ type Quarantined struct {
 // queue (none when the queue was never declared).
 func (e *Env) TakeQuarantined() ([]Quarantined, error) {
 	if n, err := e.QueueDepth(e.Quarantine); err != nil || n == 0 {
-		if err != nil && strings.Contains(err.Error(), "NOT_FOUND") {
-			// The channel closed on the failed passive declare: reopen it.
-			e.pubMu.Lock()
-			e.inspect, err = e.conn.Channel()
-			e.pubMu.Unlock()
-			if err != nil {
-				return nil, fmt.Errorf("reopen channel: %w", err)
-			}
-			return nil, nil
+		var aerr *amqp091.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp091.NotFound {
+			return nil, nil // never declared: nothing quarantined
 		}
 		return nil, err
 	}

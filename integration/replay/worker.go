@@ -96,6 +96,7 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 		"ONCELER_GRACE=5s",
 		"ONCELER_LOG_FORMAT=json",
 		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
+		"ONCELER_QUORUM="+strconv.FormatBool(e.cfg.Quorum),
 	)
 	if o.CrashAt != "" {
 		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)

@@ -3,7 +3,7 @@
 // takes its settings from the environment variables the suite sets
 // (ONCELER_BROKER_URL, ONCELER_DATABASE_URL, ONCELER_SCHEMA, ONCELER_QUEUES,
 // ONCELER_LEASE, ONCELER_HOSTNAME, ONCELER_CONCURRENCY, ONCELER_PREFETCH,
-// ONCELER_NO_RECORD, ONCELER_CRASH_AT, ONCELER_CRASH_TASK; see
+// ONCELER_NO_RECORD, ONCELER_QUORUM, ONCELER_CRASH_AT, ONCELER_CRASH_TASK; see
 // integration/replay). Its own tasks:
 //
 //   - replay.notify(op): calls an outside service that keeps every call (a row
@@ -112,6 +112,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	noRecord, _ := strconv.ParseBool(env("ONCELER_NO_RECORD", "false"))
+	quorum, _ := strconv.ParseBool(env("ONCELER_QUORUM", "false"))
 
 	pool, err := pgxpool.New(ctx, env("ONCELER_DATABASE_URL", ""))
 	if err != nil {
@@ -174,7 +175,9 @@ func run(ctx context.Context) error {
 
 	var queues []amqp.QueueSpec
 	for _, q := range strings.Split(env("ONCELER_QUEUES", "celery"), ",") {
-		queues = append(queues, amqp.CeleryQueue(q))
+		spec := amqp.CeleryQueue(q)
+		spec.Quorum = quorum
+		queues = append(queues, spec)
 	}
 	hostname := env("ONCELER_HOSTNAME", "")
 	w, err := tasks.NewWorker(reg, tasks.Config{
