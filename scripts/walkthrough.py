@@ -24,6 +24,7 @@ from celery import Celery
 import psycopg2
 
 TIMEOUT = 60.0
+CRASH_TIMEOUT = 300.0
 
 
 def parse_args():
@@ -33,9 +34,12 @@ def parse_args():
     p.add_argument("--queue", default="celery", help="queue the worker consumes (default: celery)")
     p.add_argument("--prefix", default="",
                    help="prefix for every operation key, to keep runs apart (not printed)")
-    p.add_argument("--timeout", type=float, default=TIMEOUT,
-                   help="seconds to wait for each result (default: %(default)s)")
-    return p.parse_args()
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for each result (default: 60; crash: 300, time to restart the worker)")
+    opts = p.parse_args()
+    if opts.timeout is None:
+        opts.timeout = CRASH_TIMEOUT if opts.part == "crash" else TIMEOUT
+    return opts
 
 
 class Walk:
