@@ -82,6 +82,13 @@ func TestReadmeWalkthrough(t *testing.T) {
 		t.Fatalf("walkthrough.py crash: %v\n%s", err, crash.stderr.String())
 	}
 	sameOutput(t, "crash", crash.stdout.String(), want["crash"])
+
+	// Again: every answer with an effect comes from the record.
+	again := script()
+	if err := again.wait(3 * time.Minute); err != nil {
+		t.Fatalf("walkthrough.py again: %v\n%s", err, again.stderr.String())
+	}
+	sameOutput(t, "walkthrough (again)", again.stdout.String(), want["walkthrough"])
 	w.stop()
 
 	r = runBin(t, s.env, "repeats", "--since", "1h", "--json")
