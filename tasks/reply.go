@@ -208,26 +208,78 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 }
 
 // schedule holds a delivery unacknowledged until its ETA, growing the
-// prefetch window so that held deliveries do not starve the others.
+// prefetch window by one for each held delivery so that they do not starve
+// the others (as Celery does).
 func (w *Worker) schedule(j *job, wait time.Duration) {
 	w.mu.Lock()
+	w.held[j] = struct{}{}
 	w.scheduled++
-	n := w.scheduled
 	w.mu.Unlock()
 	w.m.scheduled.Inc()
-	if err := w.consumer.SetPrefetch(w.cfg.Prefetch + n); err != nil {
-		w.log.Warn("grow prefetch for an ETA task", zap.Error(err))
-	}
+	w.applyPrefetch()
 	w.laterThen(j, wait, func() {
-		w.mu.Lock()
-		w.scheduled--
-		n := w.scheduled
-		w.mu.Unlock()
-		w.m.scheduled.Dec()
-		if err := w.consumer.SetPrefetch(w.cfg.Prefetch + n); err != nil {
-			w.log.Warn("shrink prefetch after an ETA task", zap.Error(err))
+		if w.unhold(j) {
+			w.applyPrefetch()
 		}
 	})
+}
+
+// unhold removes j from the held set; it reports whether j was there.
+func (w *Worker) unhold(j *job) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, ok := w.held[j]; !ok {
+		return false
+	}
+	delete(w.held, j)
+	w.scheduled--
+	w.m.scheduled.Dec()
+	return true
+}
+
+// applyPrefetch sets the consumer's prefetch to Config.Prefetch plus the
+// deliveries held for their ETA. Calls are serialized and each applies the
+// count of its time, so the last one wins with the latest count.
+func (w *Worker) applyPrefetch() {
+	w.qosMu.Lock()
+	defer w.qosMu.Unlock()
+	w.mu.Lock()
+	n := w.cfg.Prefetch + w.scheduled
+	w.mu.Unlock()
+	if n > 65535 {
+		n = 65535
+	}
+	if err := w.consumer.SetPrefetch(n); err != nil {
+		w.log.Warn("set prefetch for ETA deliveries", zap.Int("prefetch", n), zap.Error(err))
+	}
+}
+
+// dropStaleHeld forgets deliveries held for their ETA whose channel is gone
+// (a reconnect, or the broker closing the channel at its consumer_timeout):
+// the broker redelivers them, and their copies are held instead; the
+// prefetch window shrinks back.
+func (w *Worker) dropStaleHeld() {
+	dropped := 0
+	w.mu.Lock()
+	for j := range w.held {
+		if !j.d.Stale() {
+			continue
+		}
+		if t, ok := w.timers[j]; ok {
+			t.Stop()
+			delete(w.timers, j)
+		}
+		delete(w.held, j)
+		delete(w.reserved, j)
+		w.scheduled--
+		w.m.scheduled.Dec()
+		dropped++
+	}
+	w.mu.Unlock()
+	if dropped > 0 {
+		w.log.Info("held ETA deliveries lost with their channel; the broker redelivers them", zap.Int("count", dropped))
+		w.applyPrefetch()
+	}
 }
 
 // fields are the log fields of a delivery: task name, id, operation key,

@@ -47,7 +47,9 @@ type Worker struct {
 	mu        sync.Mutex
 	stopping  bool                 // no more timers or queueing
 	timers    map[*job]*time.Timer // deferred and scheduled deliveries
-	scheduled int                  // deliveries held until their ETA
+	scheduled int                  // deliveries held until their ETA: len(held)
+	held      map[*job]struct{}    // deliveries held until their ETA
+	qosMu     sync.Mutex           // serializes prefetch changes
 	active    map[*job]*runState   // tasks running now
 	reserved  map[*job]struct{}    // received, not yet running
 	revoked   revokedSet
@@ -93,6 +95,7 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		dec:      celeryproto.NewDecoder(celeryproto.Limits{}),
 		kill:     func() { _ = syscall.Kill(os.Getpid(), syscall.SIGKILL) },
 		timers:   make(map[*job]*time.Timer),
+		held:     make(map[*job]struct{}),
 		active:   make(map[*job]*runState),
 		reserved: make(map[*job]struct{}),
 		revoked:  newRevokedSet(50000),
@@ -258,17 +261,21 @@ func (w *Worker) waitAbandoned() {
 	}
 }
 
-// watchReconnects counts the consumer's returns to consuming after a loss.
+// watchReconnects counts the consumer's returns to consuming after a loss,
+// and every second drops held ETA deliveries whose channel is gone.
 func (w *Worker) watchReconnects(ctx context.Context) {
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	was := false
 	lost := false
-	for {
+	for tick := 0; ; tick++ {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if tick%4 == 0 {
+			w.dropStaleHeld()
 		}
 		now := w.consumer.Ready()
 		switch {

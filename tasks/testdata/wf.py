@@ -11,12 +11,16 @@ and, run as a script, the client:
 Environment: ONCELER_WF_BROKER (broker URL), ONCELER_WF_GOQ (queue of the
 Go tasks t.*), ONCELER_WF_PYQ (queue of the Python task py.mul).
 
+A scenario may also be a JSON call spec (see call): {"name", "task", "args",
+"kwargs", "options", "ready_at"}.
+
 Prints one JSON object: {scenario: {"ok": value} or {"exc_type",
 "exc_module", "message"}}.
 """
 import json
 import os
 import sys
+import time
 
 from celery import Celery, chain, chord, group
 
@@ -70,9 +74,36 @@ def run(name):
     raise ValueError("unknown scenario " + name)
 
 
+def call(spec):
+    """A single task call: {"task", "args", "kwargs", "options", "ready_at"}.
+
+    Returns {"result", "elapsed"} (seconds from sending to the result) and,
+    with ready_at, "ready_early": whether the result was ready ready_at
+    seconds after sending.
+    """
+    start = time.monotonic()
+    r = app.send_task(spec["task"], args=spec.get("args", []), kwargs=spec.get("kwargs", {}),
+                      **spec.get("options", {}))
+    out = {"id": r.id}
+    if spec.get("ready_at"):
+        time.sleep(max(0, spec["ready_at"] - (time.monotonic() - start)))
+        out["ready_early"] = r.ready()
+    try:
+        out["result"] = r.get(timeout=TIMEOUT)
+    except Exception as e:  # report the class the client built
+        out.update({"exc_type": type(e).__name__, "exc_module": type(e).__module__,
+                    "message": str(e.args[0]) if e.args else str(e)})
+    out["elapsed"] = time.monotonic() - start
+    return out
+
+
 def main():
     out = {}
     for name in sys.argv[1:]:
+        if name.startswith("{"):
+            spec = json.loads(name)
+            out[spec["name"]] = {"ok": call(spec)}
+            continue
         try:
             out[name] = {"ok": run(name)}
         except Exception as e:  # report the class the client built

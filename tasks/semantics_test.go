@@ -1,0 +1,426 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// wfCall is a wf.py call spec.
+type wfCall struct {
+	Name    string         `json:"name"`
+	Task    string         `json:"task"`
+	Args    []any          `json:"args,omitempty"`
+	Kwargs  map[string]any `json:"kwargs,omitempty"`
+	Options map[string]any `json:"options,omitempty"`
+	ReadyAt float64        `json:"ready_at,omitempty"`
+}
+
+// wfOutcome is what wf.py reports for a call spec.
+type wfOutcome struct {
+	ID         string          `json:"id"`
+	Result     json.RawMessage `json:"result"`
+	ExcType    string          `json:"exc_type"`
+	ExcModule  string          `json:"exc_module"`
+	Message    string          `json:"message"`
+	Elapsed    float64         `json:"elapsed"`
+	ReadyEarly *bool           `json:"ready_early"`
+}
+
+// calls sends call specs with real Celery (testdata/wf.py) and returns
+// their outcomes by name.
+func (e *env) calls(calls ...wfCall) map[string]wfOutcome {
+	e.t.Helper()
+	args := make([]string, len(calls))
+	for i, c := range calls {
+		b, err := json.Marshal(c)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		args[i] = string(b)
+	}
+	res := e.workflows(testenv.Name("unused"), args...)
+	out := make(map[string]wfOutcome, len(res))
+	for name, r := range res {
+		var o wfOutcome
+		if err := json.Unmarshal(r.OK, &o); err != nil {
+			e.t.Fatalf("%s: %s: %v", name, r.OK, err)
+		}
+		out[name] = o
+	}
+	return out
+}
+
+type flakyArgs struct {
+	Failures int64  `celery:"failures"`
+	Op       string `celery:"op,optional"`
+}
+
+var errTemporary = errors.New("temporary trouble")
+
+// TestRetriesWithPython: Celery-style retries seen from a real Celery
+// caller: the retries count reaches the task and the result comes back;
+// past max retries the caller gets MaxRetriesExceededError (no cause) or the
+// cause; automatic retries with backoff; an outside-mode operation past its
+// retries is recorded failed.
+func TestRetriesWithPython(t *testing.T) {
+	e := newEnv(t)
+	reg := NewRegistry()
+	for _, err := range []error{
+		Register(reg, Task[flakyArgs]{Name: "t.flaky", Retry: RetryPolicy{MaxRetries: 3},
+			Run: func(_ context.Context, c *Call, a flakyArgs) (any, error) {
+				if int64(c.Retries) < a.Failures {
+					return nil, c.Retry(50*time.Millisecond, ValueError("not yet"))
+				}
+				return map[string]any{"retries": c.Retries}, nil
+			}}),
+		Register(reg, Task[flakyArgs]{Name: "t.nocause", Retry: RetryPolicy{MaxRetries: 2, Countdown: 50 * time.Millisecond},
+			Run: func(_ context.Context, c *Call, _ flakyArgs) (any, error) {
+				return nil, c.Retry(0, nil)
+			}}),
+		Register(reg, Task[flakyArgs]{Name: "t.auto",
+			Retry: RetryPolicy{MaxRetries: 3, Backoff: 100 * time.Millisecond, NoJitter: true,
+				AutoRetry: func(err error) bool { return errors.Is(err, errTemporary) }},
+			Run: func(_ context.Context, c *Call, a flakyArgs) (any, error) {
+				if int64(c.Retries) < a.Failures {
+					return nil, fmt.Errorf("attempt %d: %w", c.Retries, errTemporary)
+				}
+				if a.Failures < 0 {
+					return nil, errors.New("permanent trouble")
+				}
+				return c.Retries, nil
+			}}),
+		Register(reg, Task[flakyArgs]{Name: "t.outside_retry", Mode: ModeOutside, Retry: RetryPolicy{MaxRetries: 1},
+			Key: func(a flakyArgs) (string, error) { return a.Op, nil },
+			Run: func(_ context.Context, c *Call, _ flakyArgs) (any, error) {
+				return nil, c.Retry(50*time.Millisecond, KeyError("still missing"))
+			}}),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.start(reg, e.config())
+	res := e.calls(
+		wfCall{Name: "flaky", Task: "t.flaky", Args: []any{2}},
+		wfCall{Name: "nocause", Task: "t.nocause", Args: []any{0}},
+		wfCall{Name: "auto", Task: "t.auto", Args: []any{2}},
+		wfCall{Name: "auto_exhausted", Task: "t.auto", Args: []any{9}},
+		wfCall{Name: "auto_other", Task: "t.auto", Args: []any{-1}},
+		wfCall{Name: "outside", Task: "t.outside_retry", Args: []any{0, "op-r"}},
+	)
+	if r := res["flaky"]; string(r.Result) != `{"retries": 2}` {
+		t.Errorf("flaky: %+v", r)
+	}
+	if r := res["nocause"]; r.ExcType != "MaxRetriesExceededError" || r.ExcModule != "celery.exceptions" ||
+		!strings.HasPrefix(r.Message, "Can't retry t.nocause["+r.ID+"]") {
+		t.Errorf("past max retries without a cause: %+v", r)
+	}
+	// Backoff 100 ms × 2^n without jitter: 100 + 200 ms before the third run.
+	if r := res["auto"]; string(r.Result) != `2` || r.Elapsed < 0.3 {
+		t.Errorf("automatic retries: %+v", r)
+	}
+	if r := res["auto_exhausted"]; r.ExcType != "Exception" || !strings.Contains(r.Message, "attempt 3: temporary trouble") {
+		t.Errorf("automatic retries used up: %+v", r)
+	}
+	if r := res["auto_other"]; r.ExcType != "Exception" || r.Message != "permanent trouble" || r.Elapsed > 2 {
+		t.Errorf("error not retried automatically: %+v", r)
+	}
+	if r := res["outside"]; r.ExcType != "KeyError" {
+		t.Errorf("outside past max retries: %+v", r)
+	}
+	rec, err := e.store.Get(context.Background(), "t.outside_retry", "op-r")
+	if err != nil || rec.Status != idempotency.StatusFailed || rec.Attempt != 2 {
+		t.Errorf("outside record after max retries: %+v, %v (want failed, attempt 2)", rec, err)
+	}
+}
+
+func TestRetryDelay(t *testing.T) {
+	fixed := func(n int64) int64 { return n - 1 } // the top of the jitter range
+	cases := []struct {
+		p       RetryPolicy
+		retries int
+		want    time.Duration
+	}{
+		{RetryPolicy{}, 0, 180 * time.Second},
+		{RetryPolicy{Countdown: time.Second}, 5, time.Second},
+		{RetryPolicy{Backoff: time.Second, NoJitter: true}, 0, time.Second},
+		{RetryPolicy{Backoff: time.Second, NoJitter: true}, 3, 8 * time.Second},
+		{RetryPolicy{Backoff: time.Second, NoJitter: true}, 20, 10 * time.Minute},
+		{RetryPolicy{Backoff: time.Second, BackoffMax: 5 * time.Second, NoJitter: true}, 3, 5 * time.Second},
+		{RetryPolicy{Backoff: time.Second, NoJitter: true}, 200, 10 * time.Minute},
+		{RetryPolicy{Backoff: time.Second}, 2, 4 * time.Second},
+	}
+	for _, c := range cases {
+		if got := c.p.delay(c.retries, fixed); got != c.want {
+			t.Errorf("%+v retries %d: delay %s, want %s", c.p, c.retries, got, c.want)
+		}
+	}
+	p := RetryPolicy{Backoff: time.Second}
+	for range 100 {
+		if d := p.delay(3, rand.Int64N); d < 0 || d > 8*time.Second {
+			t.Fatalf("jittered delay %s outside [0, 8s]", d)
+		}
+	}
+}
+
+// TestCountdownAndExpiresWithPython: countdown=3 is not ready before 3 s and
+// is right after; an expires that passes while the task waits for its
+// countdown makes AsyncResult.get() raise TaskRevokedError.
+func TestCountdownAndExpiresWithPython(t *testing.T) {
+	e := newEnv(t)
+	rec := &callRecorder{}
+	e.start(workflowRegistry(t, rec), e.config())
+	res := e.calls(
+		wfCall{Name: "countdown", Task: "t.add", Args: []any{2, 3}, Options: map[string]any{"countdown": 3}, ReadyAt: 2.5},
+		wfCall{Name: "expires", Task: "t.add", Args: []any{2, 3}, Options: map[string]any{"countdown": 2, "expires": 1}},
+	)
+	if r := res["countdown"]; string(r.Result) != "5" || r.ReadyEarly == nil || *r.ReadyEarly || r.Elapsed < 3 || r.Elapsed > 4.5 {
+		t.Errorf("countdown=3: %+v", r)
+	}
+	if r := res["expires"]; r.ExcType != "TaskRevokedError" || r.Message != "expired" {
+		t.Errorf("expired before it ran: %+v", r)
+	}
+}
+
+// TestETADoesNotStarve: many deliveries held for their ETA do not block
+// immediate ones behind them, on a classic queue (global QoS grows with the
+// held set) and on a quorum queue (per-consumer QoS, consumers restarted
+// under the grown limit).
+func TestETADoesNotStarve(t *testing.T) {
+	for _, quorum := range []bool{false, true} {
+		t.Run(fmt.Sprintf("quorum=%v", quorum), func(t *testing.T) {
+			e := newEnv(t)
+			cfg := e.config()
+			cfg.Concurrency, cfg.Prefetch = 2, 4
+			if quorum {
+				q := e.queue + "_qq"
+				if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() {
+					_, _ = e.ch.QueueDelete(q, false, false, false)
+					_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
+				})
+				e.queue = q
+				cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
+			}
+			fx := &effects{}
+			r := e.start(testRegistry(t, fx), cfg)
+			replyTo, replies := e.replyQueue()
+			const held, quick = 40, 10
+			due := time.Now().Add(5 * time.Second)
+			for i := range held {
+				m := payMessage("t.pay", i, fmt.Sprintf("eta-%d", i), replyTo)
+				m.ETA = due
+				e.publish(m)
+			}
+			waitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
+			waitFor(t, "prefetch grown by the held set", 5*time.Second, func() bool { return r.w.consumer.Prefetch() == cfg.Prefetch+held })
+			sent := time.Now()
+			for i := range quick {
+				e.publish(payMessage("t.pay", held+i, fmt.Sprintf("now-%d", i), replyTo))
+			}
+			got := results(t, replies, quick, 10*time.Second)
+			took := time.Since(sent)
+			for i := range quick {
+				if len(got[taskID(held+i)]) != 1 {
+					t.Fatalf("immediate tasks answered: %v", got)
+				}
+			}
+			if !time.Now().Before(due) {
+				t.Errorf("immediate tasks answered only after the ETAs were due (%s)", took)
+			}
+			t.Logf("%d immediate tasks answered in %s behind %d held ETA deliveries (prefetch %d)", quick, took, held, r.w.consumer.Prefetch())
+			got = results(t, replies, held, 20*time.Second)
+			if len(got) != held || time.Now().Before(due) {
+				t.Errorf("ETA tasks: %d answered, at %s before due", len(got), time.Until(due))
+			}
+			checkExactlyOnce(t, fx, held+quick, func(i int) string {
+				if i < held {
+					return fmt.Sprintf("eta-%d", i)
+				}
+				return fmt.Sprintf("now-%d", i-held)
+			})
+		})
+	}
+}
+
+type stubbornArgs struct {
+	Ms int64  `celery:"ms"`
+	Op string `celery:"op"`
+}
+
+// TestHardTimeLimitWithPython: a task that ignores its context is abandoned
+// at its hard time limit: the caller gets TimeLimitExceeded then, not when
+// the task returns; a same-database task's transaction is rolled back (also
+// when its query ignores the context: the connection is closed under it);
+// an outside-mode claim is left to lapse; the soft limit cancels the
+// context with ErrSoftTimeLimit.
+func TestHardTimeLimitWithPython(t *testing.T) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	table := pgx.Identifier{e.schema, "effects"}.Sanitize()
+	if _, err := pool.Exec(context.Background(), "CREATE TABLE "+table+" (op text)"); err != nil {
+		t.Fatal(err)
+	}
+	ignore := func(ms int64) { time.Sleep(time.Duration(ms) * time.Millisecond) }
+	var lateErr = make(chan error, 1)
+	reg := NewRegistry()
+	for _, err := range []error{
+		Register(reg, Task[stubbornArgs]{Name: "t.stubborn", Run: func(_ context.Context, _ *Call, a stubbornArgs) (any, error) {
+			ignore(a.Ms)
+			return "done", nil
+		}}),
+		Register(reg, Task[stubbornArgs]{Name: "t.stubborn_default", TimeLimit: 300 * time.Millisecond,
+			Run: func(_ context.Context, _ *Call, a stubbornArgs) (any, error) {
+				ignore(a.Ms)
+				return "done", nil
+			}}),
+		Register(reg, Task[stubbornArgs]{Name: "t.soft_default", SoftTimeLimit: 200 * time.Millisecond,
+			Run: func(ctx context.Context, _ *Call, a stubbornArgs) (any, error) {
+				if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+					return nil, context.Cause(ctx)
+				}
+				return "done", nil
+			}}),
+		Register(reg, Task[stubbornArgs]{Name: "t.stubborn_db", Mode: ModeSameDB,
+			Key: func(a stubbornArgs) (string, error) { return a.Op, nil },
+			RunTx: func(ctx context.Context, tx pgx.Tx, _ *Call, a stubbornArgs) (any, error) {
+				if _, err := tx.Exec(ctx, "INSERT INTO "+table+" VALUES ($1)", a.Op); err != nil {
+					return nil, err
+				}
+				ignore(a.Ms)
+				_, err := tx.Exec(context.Background(), "INSERT INTO "+table+" VALUES ($1)", a.Op+"-late")
+				lateErr <- err
+				return "done", err
+			}}),
+		Register(reg, Task[stubbornArgs]{Name: "t.stubborn_query", Mode: ModeSameDB,
+			Key: func(a stubbornArgs) (string, error) { return a.Op, nil },
+			RunTx: func(_ context.Context, tx pgx.Tx, _ *Call, a stubbornArgs) (any, error) {
+				// A query that ignores the task's context.
+				_, err := tx.Exec(context.Background(), "INSERT INTO "+table+" SELECT $1 FROM pg_sleep($2::float8 / 1000)", a.Op, a.Ms)
+				return "done", err
+			}}),
+		Register(reg, Task[stubbornArgs]{Name: "t.stubborn_out", Mode: ModeOutside,
+			Key: func(a stubbornArgs) (string, error) { return a.Op, nil },
+			Run: func(_ context.Context, _ *Call, a stubbornArgs) (any, error) {
+				ignore(a.Ms)
+				return "done", nil
+			}}),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := e.config()
+	cfg.Pool = pool
+	r := e.start(reg, cfg)
+	hard := map[string]any{"time_limit": 0.3}
+	res := e.calls(
+		wfCall{Name: "pure", Task: "t.stubborn", Args: []any{1500, "p"}, Options: hard},
+		wfCall{Name: "default", Task: "t.stubborn_default", Args: []any{1500, "d"}},
+		wfCall{Name: "soft", Task: "t.soft_default", Args: []any{1500, "s"}},
+		wfCall{Name: "db", Task: "t.stubborn_db", Args: []any{1500, "db-1"}, Options: hard},
+		wfCall{Name: "query", Task: "t.stubborn_query", Args: []any{5000, "db-2"}, Options: hard},
+		wfCall{Name: "outside", Task: "t.stubborn_out", Args: []any{1500, "out-1"}, Options: hard},
+		wfCall{Name: "in_time", Task: "t.stubborn", Args: []any{10, "q"}, Options: hard},
+	)
+	for _, name := range []string{"pure", "default", "db", "outside"} {
+		if o := res[name]; o.ExcType != "TimeLimitExceeded" || o.ExcModule != "billiard.exceptions" || o.Elapsed > 1.2 {
+			t.Errorf("%s: %+v, want TimeLimitExceeded within 1.2 s", name, o)
+		}
+	}
+	if o := res["query"]; o.ExcType != "TimeLimitExceeded" || o.Elapsed > 2.5 {
+		t.Errorf("query ignoring its context: %+v, want TimeLimitExceeded within 2.5 s", o)
+	}
+	if o := res["soft"]; o.ExcType != "SoftTimeLimitExceeded" || o.Elapsed > 1.2 {
+		t.Errorf("task soft limit: %+v", o)
+	}
+	if o := res["in_time"]; string(o.Result) != `"done"` {
+		t.Errorf("task within its limit: %+v", o)
+	}
+	select {
+	case err := <-lateErr:
+		if !errors.Is(err, pgx.ErrTxClosed) {
+			t.Errorf("abandoned task's later query: %v, want ErrTxClosed", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("abandoned same-database task did not return")
+	}
+	var n int
+	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n); err != nil || n != 0 {
+		t.Errorf("rows written by abandoned same-database tasks: %d, %v", n, err)
+	}
+	for _, op := range []string{"db-1", "db-2"} {
+		if _, err := e.store.Get(context.Background(), "t.stubborn_db", op); !errors.Is(err, idempotency.ErrNotFound) {
+			t.Errorf("record of rolled-back %s: %v", op, err)
+		}
+	}
+	rec, err := e.store.Get(context.Background(), "t.stubborn_out", "out-1")
+	if err != nil || rec.Status != idempotency.StatusClaimed {
+		t.Errorf("outside claim after abandonment: %+v, %v (want claimed, left to lapse)", rec, err)
+	}
+	r.stop(t) // waits for the abandoned goroutines
+}
+
+// TestETAHeldThroughChannelClose: deliveries held for their ETA when the
+// broker closes the consumer's connection (as it does at its
+// consumer_timeout) are not lost: the broker redelivers them, the stale
+// copies are dropped (the prefetch window shrinks back), and each runs once
+// when due.
+func TestETAHeldThroughChannelClose(t *testing.T) {
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 4
+	fx := &effects{}
+	r := e.start(testRegistry(t, fx), cfg)
+	replyTo, replies := e.replyQueue()
+	const held = 6
+	due := time.Now().Add(6 * time.Second)
+	for i := range held {
+		m := payMessage("t.pay", i, fmt.Sprintf("eta-%d", i), replyTo)
+		m.ETA = due
+		e.publish(m)
+	}
+	waitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
+	pids := connectionPIDs(t, cfg.Broker.Name+" consume")
+	if len(pids) == 0 {
+		t.Fatal("consumer connection not found")
+	}
+	closeConnections(t, pids)
+	waitFor(t, "held copies replaced by redeliveries after the reconnect", 10*time.Second, func() bool {
+		s := r.w.Scheduled()
+		for _, ti := range s {
+			if !ti.Redelivered {
+				return false
+			}
+		}
+		return len(s) == held && r.w.consumer.Prefetch() == cfg.Prefetch+held
+	})
+	got := results(t, replies, held, 20*time.Second)
+	if time.Now().Before(due) {
+		t.Errorf("ETA tasks answered %s before due", time.Until(due))
+	}
+	for i := range held {
+		if len(got[taskID(i)]) != 1 || got[taskID(i)][0]["status"] != "SUCCESS" {
+			t.Errorf("task %d: %v", i, got[taskID(i)])
+		}
+	}
+	checkExactlyOnce(t, fx, held, func(i int) string { return fmt.Sprintf("eta-%d", i) })
+	waitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
+		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == cfg.Prefetch
+	})
+}
