@@ -90,7 +90,10 @@
 // anywhere leaves either nothing or everything. Outside tasks after a crash
 // between claim and completion: lookup asks the outside system by the
 // operation's reference (exactly one); hold keeps the record for a person
-// (at most one; callers get no result until "onceler resolve"); retry takes
+// (at most one; callers get no result until "onceler resolve": the suite
+// then resolves as a person would, completed when the effect happened,
+// retry when it did not, and asserts the effect is then exactly one and
+// the replayed message's caller answered); retry takes
 // the stale claim over and runs again (at most two, the takeover counted in
 // "onceler repeats"); skip records it skipped (at most one; callers get
 // FAILURE OperationSkipped). Pure tasks have no record and no effects to

@@ -355,6 +355,28 @@ func (e *Env) TryPublish(ctx context.Context, m *celeryproto.Message) error {
 	return nil
 }
 
+// PublishRaw sends an encoded message to an exchange with a routing key,
+// persistent, and waits for the broker's confirm (e.g. a held message
+// replayed by "onceler resolve --retry").
+func (e *Env) PublishRaw(ctx context.Context, exchange, routingKey string, p *celeryproto.Publishing) error {
+	e.pubMu.Lock()
+	defer e.pubMu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	conf, err := e.pub.PublishWithDeferredConfirmWithContext(ctx, exchange, routingKey, false, false, amqp091.Publishing{
+		ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: amqp091.Table(p.Headers),
+		Body: p.Body, CorrelationId: p.CorrelationID, ReplyTo: p.ReplyTo, DeliveryMode: amqp091.Persistent,
+		Priority: p.Priority, Expiration: p.Expiration,
+	})
+	if err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	if ok, err := conf.WaitContext(ctx); err != nil || !ok {
+		return fmt.Errorf("confirm: ok %v: %w", ok, err)
+	}
+	return nil
+}
+
 // Replies returns the results received so far for a task id.
 func (e *Env) Replies(id string) []Reply {
 	e.mu.Lock()

@@ -313,6 +313,7 @@ func (r *runner) check() {
 		// and for the re-sent delivery to find it held.
 		Eventually(timeout, func() bool { return r.statusIs(ctx, want.Status) })
 		time.Sleep(r.e.cfg.Lease + 3*time.Second)
+		defer r.resolveHeld(ctx, want)
 	}
 	if r.tg.Effects != nil && want.Answered {
 		// A duplicate that answers from the record may answer before a
@@ -429,4 +430,65 @@ func (r *runner) checkNoRecord(counts map[string]int) {
 	}
 	r.t.Logf("without the record, as expected: %d of %d operations had their effect more than once (max %d)",
 		dup, len(r.ops), slices.Max(vals))
+}
+
+// resolveHeld does what a person does with a held operation, once its
+// scenario's checks passed: looks at the outside system (the effect count)
+// and runs "onceler resolve": --completed when the effect happened, --retry
+// (release the record, republish the kept message) when it did not. Then
+// the operation has its effect exactly once, the record says completed,
+// and the caller of a replayed message gets its result.
+func (r *runner) resolveHeld(ctx context.Context, want Expectation) {
+	t := r.t
+	if t.Failed() || r.tg.Effects == nil {
+		return
+	}
+	for _, op := range r.ops {
+		key := r.tg.Key(op)
+		rec, err := r.e.Store.Get(ctx, r.tg.Task, key)
+		if err != nil {
+			t.Fatalf("operation %s: record: %v", op, err)
+		}
+		n, err := r.tg.Effects(ctx, r.e.Pool, op)
+		if err != nil {
+			t.Fatalf("count effects of %s: %v", op, err)
+		}
+		if n > 0 {
+			if err := r.e.Store.ResolveCompleted(ctx, r.tg.Task, key, nil); err != nil {
+				t.Fatalf("resolve completed: %v", err)
+			}
+			t.Logf("operation %s held with its effect done: resolved completed", op)
+			continue
+		}
+		exchange, routingKey, p, err := tasks.DecodeHeld(rec.Message)
+		if err != nil {
+			t.Fatalf("held message of %s: %v", op, err)
+		}
+		if _, err := r.e.Store.ResolveRetry(ctx, r.tg.Task, key); err != nil {
+			t.Fatalf("resolve retry: %v", err)
+		}
+		before := len(r.e.Replies(p.CorrelationID))
+		r.worker(WorkerOptions{})
+		if err := r.e.PublishRaw(ctx, exchange, routingKey, p); err != nil {
+			t.Fatalf("republish held message: %v", err)
+		}
+		if !r.e.WaitReplies([]string{p.CorrelationID}, before+1, time.Minute) {
+			t.Errorf("operation %s: the replayed held message got no result", op)
+		}
+		t.Logf("operation %s held before its effect: resolved retry, replayed, answered %v", op, r.e.Replies(p.CorrelationID))
+		r.e.StopAll()
+	}
+	for _, op := range r.ops {
+		n, err := r.tg.Effects(ctx, r.e.Pool, op)
+		if err != nil || n != 1 {
+			t.Errorf("operation %s after resolving: %d effects (err %v), want 1", op, n, err)
+		}
+		rec, err := r.e.Store.Get(ctx, r.tg.Task, r.tg.Key(op))
+		if err != nil || rec.Status != idempotency.StatusCompleted {
+			t.Errorf("operation %s after resolving: record %s (err %v), want completed", op, rec.Status, err)
+		}
+	}
+	if n, err := r.e.QueueDepth(r.e.Queue); err != nil || n != 0 {
+		t.Errorf("after resolving: queue %d messages (err %v), want 0", n, err)
+	}
 }
