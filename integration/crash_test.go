@@ -134,7 +134,7 @@ func TestStopPastLeaseOutside(t *testing.T) {
 	if err != nil || rec.Status != idempotency.StatusCompleted || rec.Owner != w2.Name {
 		t.Fatalf("record %+v (err %v), want completed by %s", rec.Status, err, w2.Name)
 	}
-	if time.Since(start) < e2Lease() {
+	if time.Since(start) < replay.DefaultLease {
 		t.Errorf("taken over after %s, before the lease lapsed", time.Since(start))
 	}
 	if err := w1.Signal(syscall.SIGCONT); err != nil {
@@ -169,8 +169,6 @@ func TestStopPastLeaseOutside(t *testing.T) {
 	}
 	t.Logf("effects %d; takeover after %s", n, time.Since(start).Round(time.Millisecond))
 }
-
-func e2Lease() time.Duration { return replay.DefaultLease }
 
 // TestPoisonAlwaysFails sends a task that always fails and one that asks
 // for a retry every time: each is answered FAILURE after a bounded number of
