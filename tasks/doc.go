@@ -64,6 +64,7 @@
 //	decode            undecodable or pickle   -> quarantine, ack
 //	registry          unknown task            -> FAILURE NotRegistered to reply_to, quarantine, ack
 //	bind arguments    bad arguments           -> FAILURE TypeError to reply_to, quarantine, ack
+//	workflow          chord, complex step     -> FAILURE NotImplementedError, quarantine, ack
 //	revoked/expired                           -> REVOKED (TaskRevokedError) to reply_to, ack
 //	eta in the future                         -> held unacknowledged until due (prefetch grows)
 //	claim             completed               -> stored result to this reply_to, ack (duplicate)
@@ -72,6 +73,7 @@
 //	                  stale                   -> the task's policy
 //	                  fingerprint mismatch    -> FAILURE ValueError, quarantine, ack
 //	                  first                   -> run (lease renewed), Complete or Fail
+//	workflow          chain step, callbacks (success; once per operation), errbacks (failure)
 //	reply             SUCCESS / FAILURE / RETRY to reply_to (confirmed publish)
 //	ack
 //
@@ -99,24 +101,124 @@
 // Each consumed queue q has a durable queue "q.quarantine". A quarantined
 // message keeps its body, properties and headers, and gets HeaderReason
 // (x-onceler-reason: undecodable, unknown_task, bad_arguments,
-// fingerprint_mismatch, poison), HeaderDetail, HeaderQueue, HeaderTime and,
+// fingerprint_mismatch, poison, unsupported_workflow), HeaderDetail, HeaderQueue, HeaderTime and,
 // for undecodable messages, HeaderDecodeReason. A message delivered more than
 // Config.MaxAttempts times (x-delivery-count on quorum queues; on classic
 // queues, a redelivered message whose operation was claimed that often) is
 // quarantined as poison instead of crashing workers forever.
 //
-// # Retries, ETA, expiry, time limits
+// # Retries and the record
 //
-// Call.Retry returns a RetryRequest: the claim is released, the message is
-// republished with the same id, retries+1 and an eta, RETRY goes to the
-// caller, and the original is acknowledged; past RetryPolicy.MaxRetries
-// (default 3) the task fails with MaxRetriesExceededError (or the retry's
-// cause). Messages with an ETA are held unacknowledged until due, and the
-// prefetch window grows by one for each. Expired messages are REVOKED.
-// The soft time limit (Task.SoftTimeLimit or the message's) cancels the
-// task's context with cause ErrSoftTimeLimit; the hard limit cancels it with
-// ErrTimeLimit and the caller gets billiard.exceptions.TimeLimitExceeded.
-// Go cannot kill a goroutine: tasks must watch their context.
+// A task asks for a Celery retry by returning Call.Retry(countdown, cause)
+// (Celery's self.retry); RetryPolicy.AutoRetry turns chosen errors into
+// retries by themselves (autoretry_for), with RetryPolicy.Backoff giving
+// exponential delays (Backoff × 2^retries, capped by BackoffMax, with full
+// jitter unless NoJitter), as retry_backoff, retry_backoff_max and
+// retry_jitter. For a retry the worker:
+//
+//  1. releases the claim (outside mode: idempotency Release, so the retried
+//     message claims the operation again as a first claim, not a duplicate;
+//     same-database mode: the transaction is rolled back, nothing is kept);
+//  2. republishes the message with a confirm: same task id, retries+1,
+//     eta = now + countdown, everything else (args, chain, callbacks,
+//     errbacks, time limits, expires, reply_to, headers) copied;
+//  3. sends RETRY to the caller, then acknowledges.
+//
+// Call.Retries (the message's retries) reaches the task. When the retries
+// are used up (RetryPolicy.MaxRetries, default 3; negative: none) the task
+// fails instead, decided before anything is written: the record is failed,
+// not released, and the caller gets the retry's cause, or
+// celery.exceptions.MaxRetriesExceededError when it has none. Time limits,
+// revocation, lease loss and shutdown are never retried automatically.
+//
+// # ETA, countdown and prefetch
+//
+// A message with an eta (countdown) in the future is held unacknowledged in
+// memory until due (Worker.Scheduled lists them). The prefetch window grows
+// by one for each held delivery and shrinks when it is released, as
+// Celery's worker does, so that held deliveries never take the slots of
+// immediate ones. On classic queues the window is the channel's global
+// basic.qos, changed at once. Quorum queues have no global QoS: the worker
+// restarts its consumers under the new per-consumer limit (the consumer's
+// held deliveries stay unacknowledged on the channel); changes are
+// serialized and the last one applies the latest count.
+//
+// RabbitMQ closes a channel whose oldest unacknowledged delivery is older
+// than its consumer_timeout (30 minutes by default since 3.8.17). A delivery
+// held longer than that, as an ETA more than 30 minutes away, costs a
+// channel close: every delivery unacknowledged on the channel returns to
+// the queue and is redelivered; the held copies of the closed channel are
+// dropped (the window shrinks back) and the redeliveries are held again.
+// Nothing is lost, and an operation that was running is answered from the
+// record on its redelivery (a pure task runs again). With ETAs beyond 30
+// minutes, raise consumer_timeout in rabbitmq.conf (or per queue, RabbitMQ
+// 3.12 and later) above the longest ETA.
+//
+// # Expires and revocation
+//
+// expires is checked on receipt and again before the task runs (after an
+// ETA wait, or a wait in the pool): an expired message gets REVOKED with
+// celery.exceptions.TaskRevokedError("expired") to the caller and is
+// acknowledged without running. A revoked id (Worker.Revoke) is answered the
+// same way with "revoked".
+//
+// # Time limits
+//
+// The soft time limit (Task.SoftTimeLimit, else the message's timelimit[1])
+// cancels the task's context with cause ErrSoftTimeLimit; a task that
+// returns the cause gives the caller billiard.exceptions.SoftTimeLimitExceeded
+// (an ordinary failure: AutoRetry may retry it). At the hard limit
+// (Task.TimeLimit, else timelimit[0]) the context is cancelled with cause
+// ErrTimeLimit; a task that has not returned 100 ms later is abandoned: the
+// caller gets FAILURE billiard.exceptions.TimeLimitExceeded and the delivery
+// is acknowledged, as Celery does after killing the process. Go cannot stop
+// a goroutine: the abandoned one runs on with its context cancelled, its
+// result discarded, outside the Concurrency bound; Run waits for it, at most
+// Config.Grace. By mode:
+//
+//   - Pure: nothing more.
+//   - Same-database: the transaction is rolled back. The task's pgx.Tx is
+//     guarded: from the abandonment on, its calls fail with pgx.ErrTxClosed
+//     without touching the connection; a call in progress that ignores the
+//     cancelled context is given a second, then the connection's socket is
+//     closed under it (the server rolls back). Tx.Conn and Tx.LargeObjects
+//     are outside the guard.
+//   - Outside: the claim is no longer renewed and is neither completed nor
+//     failed (the effect may still happen): it lapses into the task's
+//     stale-claim policy, applied by the next delivery of the operation.
+//
+// # Workflows
+//
+// Chains, link callbacks and link_error errbacks are carried out as
+// Celery's worker does (celery/app/trace.py, Backend.mark_as_failure):
+//
+//   - After a success, before SUCCESS goes to the caller: each link
+//     callback is published with (result,) prepended; then the chain's next
+//     step, embed.chain's last element, with (result,) prepended unless it
+//     is immutable, the rest of the chain, its task id and reply_to from its
+//     frozen options (so the final result reaches the original caller),
+//     parent_id = this task and root_id = this task's root. Steps go to the
+//     queue, exchange or routing key in their options, else Config.Routes,
+//     else this delivery's queue for a task this worker serves, else
+//     "celery"; a queue missing on the broker is declared as kombu does.
+//   - After a failure: FAILURE with the same exception to every remaining
+//     chain step with a task id (so that chain.get() raises), then each
+//     errback is published with the failed task's id prepended.
+//   - Published once: with a record, the ids of the steps published for a
+//     completed operation are recorded (idempotency AddFollowups). A
+//     duplicate delivery of the step (a redelivery, or the same operation
+//     under a new task id) publishes only steps not recorded, so the rest of
+//     a chain does not run twice. A crash between the publish and the
+//     recording publishes the same messages (same task ids) again. Pure
+//     tasks publish their steps on every run, as Celery does.
+//
+// A Go task runs as a member of a group: its result goes to its reply_to
+// with its own id, which is all a group needs. Chord parts are refused (the
+// chord counter needs a result backend other than rpc, which onceler does
+// not have), and so are chain, link and errback steps that are themselves
+// groups, chains or chords: before the task runs, the caller and the rest
+// of the chain get FAILURE NotImplementedError with the reason, errbacks
+// are published, and the message is quarantined (ReasonUnsupported).
 //
 // # Shutdown
 //
