@@ -84,7 +84,8 @@ func (s *Store) checkFenced(ctx context.Context, ref Ref, done Status) error {
 	return fmt.Errorf("%w (record is %s)", ErrFenced, status)
 }
 
-// exec runs a fencing write that returns its count of changed rows.
+// fenced runs a fencing write that returns its count of changed rows, and
+// explains a zero count (nil for a repeat of the same call).
 func (s *Store) fenced(ctx context.Context, op string, ref Ref, done Status, sql string, args ...any) error {
 	var n int64
 	if err := s.pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
