@@ -1,7 +1,9 @@
 package celeryproto
 
 import (
+	"bytes"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
 	"math"
 	"reflect"
@@ -14,7 +16,8 @@ import (
 // appendJSONValue writes v as JSON the way Python's json module reads it:
 // keys sorted (so the output is canonical), integral floats with ".0" so they
 // stay floats, NaN/Infinity as Python writes them, time.Time as FormatTime,
-// []byte as a kombu >= 5.3 base64 envelope.
+// []byte as a kombu >= 5.3 base64 envelope, json.RawMessage as the JSON it
+// holds (empty: null).
 func appendJSONValue(b []byte, v any, depth int) ([]byte, error) {
 	if depth > maxDepth {
 		return nil, fmt.Errorf("value nested deeper than %d", maxDepth)
@@ -54,6 +57,16 @@ func appendJSONValue(b []byte, v any, depth int) ([]byte, error) {
 		b = append(b, '"')
 		b = appendTime(b, x)
 		return append(b, '"'), nil
+	case json.RawMessage:
+		// Already JSON (e.g. a stored result): written as it is, compacted.
+		if len(x) == 0 {
+			return append(b, "null"...), nil
+		}
+		var buf bytes.Buffer
+		if err := json.Compact(&buf, x); err != nil {
+			return nil, fmt.Errorf("raw JSON value: %w", err)
+		}
+		return append(b, buf.Bytes()...), nil
 	case []byte:
 		b = append(b, `{"__type__": "base64", "__value__": "`...)
 		b = base64.StdEncoding.AppendEncode(b, x)
