@@ -102,17 +102,15 @@ func AppendEvent(dst []byte, s EventStamp, fields map[string]any) ([]byte, error
 	b = append(b, `,"utcoffset":`...)
 	b = strconv.AppendInt(b, int64(s.UTCOffset), 10)
 	ts := s.Timestamp
-	if v, ok := fields["timestamp"].(float64); ok {
-		ts = v
-	}
-	b = append(b, `,"timestamp":`...)
 	var err error
-	if b, err = appendEventFloat(b, ts); err != nil {
-		return dst, fmt.Errorf("append event %s: timestamp: %w", s.Type, err)
-	}
 	for k, v := range fields {
 		switch k {
-		case "type", "hostname", "pid", "clock", "utcoffset", "timestamp":
+		case "type", "hostname", "pid", "clock", "utcoffset":
+			continue
+		case "timestamp":
+			if f, ok := v.(float64); ok {
+				ts = f
+			}
 			continue
 		}
 		b = append(b, ',')
@@ -121,6 +119,10 @@ func AppendEvent(dst []byte, s EventStamp, fields map[string]any) ([]byte, error
 		if b, err = appendEventJSON(b, v); err != nil {
 			return dst, fmt.Errorf("append event %s: field %q: %w", s.Type, k, err)
 		}
+	}
+	b = append(b, `,"timestamp":`...)
+	if b, err = appendEventFloat(b, ts); err != nil {
+		return dst, fmt.Errorf("append event %s: timestamp: %w", s.Type, err)
 	}
 	return append(b, '}'), nil
 }
