@@ -15,6 +15,8 @@
 //     with --no-record (the duplicate must show).
 //   - TestReplaySkipPolicy: the same for replay.audit (policy skip); the
 //     replay package's TestOwnBinary does it for replay.notify (retry).
+//   - TestPythonProducerDuplicates: real Python Celery (testdata/producer.py)
+//     sends the duplicates and reads the results with its rpc backend.
 //
 // # Fault injection on the test's own processes (main test step)
 //
