@@ -21,20 +21,63 @@ import (
 )
 
 // BenchmarkWorkerEvents measures the real tasks.Worker draining b.N
-// pre-published tasks with task events off and on (published through a
-// Controller, and consumed by a celeryev listener as Flower would). Run it
-// with a fixed count, e.g.
+// pre-published tasks with events off (no controller) and on (a Controller
+// as Observer with task events enabled, its events routed to a celeryev
+// queue as Flower binds one). Run it with a fixed count, e.g.
 //
 //	go test -run '^$' -bench WorkerEvents -benchtime 20000x ./control/
 func BenchmarkWorkerEvents(b *testing.B) {
 	for _, task := range []string{demo.TaskAdd, demo.TaskCredit} {
 		for _, events := range []bool{false, true} {
-			b.Run(fmt.Sprintf("%s/events=%v", task, events), func(b *testing.B) { benchWorker(b, task, events) })
+			b.Run(fmt.Sprintf("%s/events=%v", task, events), func(b *testing.B) {
+				w := newBenchWorker(b, task, events, b.N)
+				b.ResetTimer()
+				cpu0 := cpuTime()
+				elapsed := w.run(b)
+				cpu := cpuTime() - cpu0
+				b.StopTimer()
+				b.ReportMetric(float64(b.N)/elapsed.Seconds(), "tasks/s")
+				b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/task")
+				w.report(b)
+			})
 		}
 	}
 }
 
-func benchWorker(b *testing.B, task string, events bool) {
+// BenchmarkWorkerEventsAB runs two workers at the same time on the same
+// machine, one with events off and one with events on, each draining b.N
+// tasks of its own queue, so that the load of the machine weighs on both
+// alike; it reports each one's throughput and their ratio (on / off).
+func BenchmarkWorkerEventsAB(b *testing.B) {
+	off := newBenchWorker(b, demo.TaskAdd, false, b.N)
+	on := newBenchWorker(b, demo.TaskAdd, true, b.N)
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	var tOff, tOn time.Duration
+	wg.Add(2)
+	go func() { defer wg.Done(); tOff = off.run(b) }()
+	go func() { defer wg.Done(); tOn = on.run(b) }()
+	wg.Wait()
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/tOff.Seconds(), "off-tasks/s")
+	b.ReportMetric(float64(b.N)/tOn.Seconds(), "on-tasks/s")
+	b.ReportMetric(tOff.Seconds()/tOn.Seconds(), "on/off")
+	on.report(b)
+}
+
+type benchWorker struct {
+	events    bool
+	n         int
+	node, evq string
+	ch        *amqp091.Channel
+	ctl       *Controller
+	w         *tasks.Worker
+}
+
+// newBenchWorker makes a worker (and, with events, its controller) for a
+// queue holding n tasks named task; everything is removed when b ends.
+func newBenchWorker(b *testing.B, task string, events bool, n int) *benchWorker {
+	b.Helper()
 	url := testenv.AMQPURL(b)
 	pool := testenv.Pool(b)
 	schema := testenv.Schema(b, pool)
@@ -43,7 +86,7 @@ func benchWorker(b *testing.B, task string, events bool) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer store.Close()
+	b.Cleanup(store.Close)
 	if err := store.Migrate(ctx); err != nil {
 		b.Fatal(err)
 	}
@@ -56,18 +99,18 @@ func benchWorker(b *testing.B, task string, events bool) {
 	}
 	suffix := strings.TrimPrefix(testenv.Name("t"), "t_")
 	queue := "onceler_ctl_bench_" + suffix
-	node := "onceler-bench-" + suffix + "@h"
+	bw := &benchWorker{events: events, n: n, node: "onceler-bench-" + suffix + "@h"}
 
 	conn, err := amqp091.Dial(url)
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer conn.Close()
+	b.Cleanup(func() { _ = conn.Close() })
 	ch, err := conn.Channel()
 	if err != nil {
 		b.Fatal(err)
 	}
-	spec := amqp.CeleryQueue(queue)
+	bw.ch = ch
 	if err := ch.ExchangeDeclare(queue, "direct", true, false, false, false, nil); err != nil {
 		b.Fatal(err)
 	}
@@ -77,12 +120,12 @@ func benchWorker(b *testing.B, task string, events bool) {
 	if err := ch.QueueBind(queue, queue, queue, false, nil); err != nil {
 		b.Fatal(err)
 	}
-	defer func() {
+	b.Cleanup(func() {
 		_, _ = ch.QueueDelete(queue, false, false, false)
 		_, _ = ch.QueueDelete(queue+".quarantine", false, false, false)
 		_ = ch.ExchangeDelete(queue, false, false)
-	}()
-	for i := range b.N {
+	})
+	for i := range n {
 		m := &celeryproto.Message{Task: task, ID: fmt.Sprintf("%s-%d", suffix, i), Args: []any{}, Kwargs: map[string]any{"x": int64(i), "y": int64(1)}}
 		if task == demo.TaskCredit {
 			m.Kwargs = map[string]any{"account": "bench-" + suffix, "entry_id": m.ID, "cents": int64(1)}
@@ -100,12 +143,11 @@ func benchWorker(b *testing.B, task string, events bool) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		if q.Messages >= b.N {
+		if q.Messages >= n {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-
 	// a celeryev queue, as Flower binds one; read after the measurement so
 	// that the listener's CPU is not counted as the worker's
 	evq, err := ch.QueueDeclare("", false, true, true, false, nil)
@@ -115,47 +157,58 @@ func benchWorker(b *testing.B, task string, events bool) {
 	if err := ch.QueueBind(evq.Name, "task.#", EventExchange, false, nil); err != nil {
 		b.Fatal(err)
 	}
+	bw.evq = evq.Name
 
-	ctl, err := New(nil, Config{URL: url, NodeName: node, TaskEvents: events, Logger: zap.NewNop()})
-	if err != nil {
-		b.Fatal(err)
-	}
 	cfg := tasks.Config{
-		Broker: amqp.Config{URL: url, Name: "onceler bench " + node}, Queues: []amqp.QueueSpec{spec},
-		Store: store, Pool: pool, Hostname: node, Logger: zap.NewNop(),
+		Broker: amqp.Config{URL: url, Name: "onceler bench " + bw.node}, Queues: []amqp.QueueSpec{amqp.CeleryQueue(queue)},
+		Store: store, Pool: pool, Hostname: bw.node, Logger: zap.NewNop(),
 	}
 	if events {
-		cfg.Observer = ctl
+		bw.ctl, err = New(nil, Config{URL: url, NodeName: bw.node, TaskEvents: true, Logger: zap.NewNop()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		cfg.Observer = bw.ctl
 	}
-	w, err := tasks.NewWorker(reg, cfg)
-	if err != nil {
+	if bw.w, err = tasks.NewWorker(reg, cfg); err != nil {
 		b.Fatal(err)
 	}
-	ctl.SetWorker(FromTasks(w))
-	runCtx, stop := context.WithCancel(ctx)
+	if bw.ctl != nil {
+		bw.ctl.SetWorker(FromTasks(bw.w))
+	}
+	return bw
+}
+
+// run starts the worker (and controller), waits until it has processed all
+// n tasks, stops it and returns how long that took.
+func (bw *benchWorker) run(b *testing.B) time.Duration {
+	ctx, stop := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Add(2)
-	b.ResetTimer()
-	cpu0 := cpuTime()
 	start := time.Now()
-	go func() { defer wg.Done(); _ = ctl.Run(runCtx) }()
-	go func() { defer wg.Done(); _ = w.Run(runCtx) }()
-	for processed(w.Stats()) < int64(b.N) {
+	if bw.ctl != nil {
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = bw.ctl.Run(ctx) }()
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = bw.w.Run(ctx) }()
+	for processed(bw.w.Stats()) < int64(bw.n) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
-	cpu := cpuTime() - cpu0
-	b.StopTimer()
 	stop()
 	wg.Wait()
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "tasks/s")
-	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/task")
-	if events {
-		sent, dropped, _ := ctl.Counters()
-		b.ReportMetric(float64(sent), "events-sent")
-		b.ReportMetric(float64(dropped), "events-dropped")
-		b.ReportMetric(float64(countEvents(b, ch, evq.Name, node)), "events-received")
+	return elapsed
+}
+
+// report adds the event counters of an events-on worker.
+func (bw *benchWorker) report(b *testing.B) {
+	if bw.ctl == nil {
+		return
 	}
+	sent, dropped, _ := bw.ctl.Counters()
+	b.ReportMetric(float64(sent), "events-sent")
+	b.ReportMetric(float64(dropped), "events-dropped")
+	b.ReportMetric(float64(countEvents(b, bw.ch, bw.evq, bw.node)), "events-received")
 }
 
 // countEvents reads the events of node queued in q.
