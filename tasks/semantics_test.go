@@ -176,13 +176,35 @@ func TestRetryDelay(t *testing.T) {
 	}
 }
 
-// TestCountdownAndExpiresWithPython: countdown=3 is not ready before 3 s and
-// is right after; an expires that passes while the task waits for its
+// TestCountdownAndExpiresWithPython: 40 countdown tasks held at once do not
+// block 10 immediate ones sent behind them (prefetch 4); countdown=3 is not
+// ready before 3 s and is right after; an expires that passes while the task waits for its
 // countdown makes AsyncResult.get() raise TaskRevokedError.
 func TestCountdownAndExpiresWithPython(t *testing.T) {
 	e := newEnv(t)
 	rec := &callRecorder{}
-	e.start(workflowRegistry(t, rec), e.config())
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 4
+	e.start(workflowRegistry(t, rec), cfg)
+	flood := e.workflows(testenv.Name("unused"), "eta_flood")["eta_flood"]
+	var f struct {
+		Quick        []int64 `json:"quick"`
+		QuickSeconds float64 `json:"quick_seconds"`
+		Held         []int64 `json:"held"`
+		HeldSeconds  float64 `json:"held_seconds"`
+	}
+	if err := json.Unmarshal(flood.OK, &f); err != nil {
+		t.Fatalf("eta_flood: %+v: %v", flood, err)
+	}
+	t.Logf("10 immediate tasks behind 40 held countdown tasks (prefetch 4): answered in %.3f s; all countdown results read after %.3f s",
+		f.QuickSeconds, f.HeldSeconds)
+	if len(f.Quick) != 10 || len(f.Held) != 40 || f.Quick[9] != 10 || f.Held[39] != 39 {
+		t.Errorf("eta_flood results %+v", f)
+	}
+	if f.QuickSeconds > 2 || f.HeldSeconds < 5 {
+		t.Errorf("immediate tasks took %.3f s behind held ones (want < 2 s); countdown tasks took %.3f s (want >= 5 s)",
+			f.QuickSeconds, f.HeldSeconds)
+	}
 	res := e.calls(
 		wfCall{Name: "countdown", Task: "t.add", Args: []any{2, 3}, Options: map[string]any{"countdown": 3}, ReadyAt: 2.5},
 		wfCall{Name: "expires", Task: "t.add", Args: []any{2, 3}, Options: map[string]any{"countdown": 2, "expires": 1}},
@@ -245,6 +267,7 @@ func TestETADoesNotStarve(t *testing.T) {
 			}
 			t.Logf("%d immediate tasks answered in %s behind %d held ETA deliveries (prefetch %d)", quick, took, held, r.w.consumer.Prefetch())
 			got = results(t, replies, held, 20*time.Second)
+			t.Logf("held tasks answered %s after due", time.Since(due))
 			if len(got) != held || time.Now().Before(due) {
 				t.Errorf("ETA tasks: %d answered, at %s before due", len(got), time.Until(due))
 			}

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceler/onceler/celeryproto"
@@ -199,71 +200,92 @@ func TestWorkflowsWithPython(t *testing.T) {
 // TestChainStepPublishedOnce: the next chain step of a completed operation
 // is published once, however often the step's message is delivered (a
 // broker redelivery with the same task id, or a producer's repeat with a new
-// one); the published step carries the result, ids and reply_to as Celery
-// would send it.
+// one), in outside and same-database mode; the published step carries the
+// result, ids and reply_to as Celery would send it.
 func TestChainStepPublishedOnce(t *testing.T) {
-	e := newEnv(t)
-	fx := &effects{}
-	nextq := testenv.Name("next")
-	if _, err := e.ch.QueueDeclare(nextq, true, false, false, false, nil); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = e.ch.QueueDelete(nextq, false, false, false) })
-	e.start(testRegistry(t, fx), e.config())
-	replyTo, replies := e.replyQueue()
-	step := celeryproto.Signature{Task: "t.next", Args: []any{int64(5)}, Kwargs: map[string]any{},
-		Options: map[string]any{"task_id": "next-step-id", "reply_to": "final-reply", "queue": nextq}}
-	send := func(id int, task string) *celeryproto.Message {
-		m := payMessage(task, id, "chain-op", replyTo)
-		m.Chain = []celeryproto.Signature{step}
-		e.publish(m)
-		return m
-	}
-	first := send(1, "t.pay")
-	got := results(t, replies, 1, 10*time.Second)
-	if r := got[first.ID]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
-		t.Fatalf("first delivery: %v", got)
-	}
-	send(1, "t.pay") // the same message again
-	send(2, "t.pay") // the same operation under a new task id
-	got = results(t, replies, 2, 10*time.Second)
-	if len(got[taskID(1)]) != 1 || len(got[taskID(2)]) != 1 {
-		t.Fatalf("duplicates answered: %v", got)
-	}
-	if n := fx.snapshot()["chain-op"]; n != 1 {
-		t.Errorf("operation ran %d times", n)
-	}
-	time.Sleep(300 * time.Millisecond)
-	var steps []amqp091.Delivery
-	for {
-		d, ok, err := e.ch.Get(nextq, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		steps = append(steps, d)
-	}
-	if len(steps) != 1 {
-		t.Fatalf("next step published %d times, want 1", len(steps))
-	}
-	msg, err := celeryproto.Decode(&celeryproto.Delivery{ContentType: steps[0].ContentType,
-		ContentEncoding: steps[0].ContentEncoding, Headers: steps[0].Headers, Body: steps[0].Body,
-		CorrelationID: steps[0].CorrelationId, ReplyTo: steps[0].ReplyTo})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if msg.Task != "t.next" || msg.ID != "next-step-id" || msg.ReplyTo != "final-reply" || msg.ParentID != first.ID ||
-		msg.RootID != first.ID || len(msg.Chain) != 0 {
-		t.Errorf("next step %+v", msg)
-	}
-	if b, _ := json.Marshal(msg.Args); string(b) != `[{"charged":100,"order":"chain-op","ref":"t.pay:chain-op"},5]` {
-		t.Errorf("next step args %s", b)
-	}
-	ids, err := e.store.Followups(context.Background(), "t.pay", "chain-op")
-	if err != nil || !slices.Equal(ids, []string{"next-step-id"}) {
-		t.Errorf("recorded followups %v, %v", ids, err)
+	for _, task := range []string{"t.pay", "t.credit"} {
+		t.Run(task, func(t *testing.T) {
+			e := newEnv(t)
+			fx := &effects{}
+			nextq := testenv.Name("next")
+			if _, err := e.ch.QueueDeclare(nextq, true, false, false, false, nil); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _, _ = e.ch.QueueDelete(nextq, false, false, false) })
+			reg := testRegistry(t, fx)
+			err := Register(reg, Task[payArgs]{Name: "t.credit", Mode: ModeSameDB,
+				Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+				RunTx: func(ctx context.Context, tx pgx.Tx, c *Call, a payArgs) (any, error) {
+					if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+						return nil, err
+					}
+					fx.add(c.Key)
+					return a.Amount * 2, nil
+				}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := e.config()
+			cfg.Pool = testenvPool(t)
+			e.start(reg, cfg)
+			replyTo, replies := e.replyQueue()
+			step := celeryproto.Signature{Task: "t.next", Args: []any{int64(5)}, Kwargs: map[string]any{},
+				Options: map[string]any{"task_id": "next-step-id", "reply_to": "final-reply", "queue": nextq}}
+			send := func(id int) *celeryproto.Message {
+				m := payMessage(task, id, "chain-op", replyTo)
+				m.Chain = []celeryproto.Signature{step}
+				e.publish(m)
+				return m
+			}
+			first := send(1)
+			got := results(t, replies, 1, 10*time.Second)
+			r := got[first.ID]
+			if len(r) != 1 || r[0]["status"] != "SUCCESS" {
+				t.Fatalf("first delivery: %v", got)
+			}
+			want, _ := json.Marshal([]any{r[0]["result"], 5})
+			send(1) // the same message again
+			send(2) // the same operation under a new task id
+			got = results(t, replies, 2, 10*time.Second)
+			if len(got[taskID(1)]) != 1 || len(got[taskID(2)]) != 1 {
+				t.Fatalf("duplicates answered: %v", got)
+			}
+			if n := fx.snapshot()["chain-op"]; n != 1 {
+				t.Errorf("operation ran %d times", n)
+			}
+			time.Sleep(300 * time.Millisecond)
+			var steps []amqp091.Delivery
+			for {
+				d, ok, err := e.ch.Get(nextq, true)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !ok {
+					break
+				}
+				steps = append(steps, d)
+			}
+			if len(steps) != 1 {
+				t.Fatalf("next step published %d times, want 1", len(steps))
+			}
+			msg, err := celeryproto.Decode(&celeryproto.Delivery{ContentType: steps[0].ContentType,
+				ContentEncoding: steps[0].ContentEncoding, Headers: steps[0].Headers, Body: steps[0].Body,
+				CorrelationID: steps[0].CorrelationId, ReplyTo: steps[0].ReplyTo})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if msg.Task != "t.next" || msg.ID != "next-step-id" || msg.ReplyTo != "final-reply" || msg.ParentID != first.ID ||
+				msg.RootID != first.ID || len(msg.Chain) != 0 {
+				t.Errorf("next step %+v", msg)
+			}
+			if b, _ := json.Marshal(msg.Args); string(b) != string(want) {
+				t.Errorf("next step args %s, want %s", b, want)
+			}
+			ids, err := e.store.Followups(context.Background(), task, "chain-op")
+			if err != nil || !slices.Equal(ids, []string{"next-step-id"}) {
+				t.Errorf("recorded followups %v, %v", ids, err)
+			}
+		})
 	}
 }
 

@@ -71,6 +71,18 @@ def run(name):
         return group(s("t.add", 1, 1), s("t.add", 2, 2), s("py.mul", 3, 3)).apply_async().get(timeout=TIMEOUT)
     if name == "chord":
         return chord([s("t.add", 1, 1)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
+    if name == "eta_flood":
+        # 40 tasks with a countdown, then 10 immediate ones behind them.
+        start = time.monotonic()
+        held = [app.send_task("t.add", args=(i, 0), countdown=5) for i in range(40)]
+        time.sleep(1)
+        sent = time.monotonic()
+        quick = [app.send_task("t.add", args=(i, 1)) for i in range(10)]
+        quick_results = [r.get(timeout=TIMEOUT) for r in quick]
+        quick_seconds = time.monotonic() - sent
+        held_results = [r.get(timeout=TIMEOUT) for r in held]
+        return {"quick": quick_results, "quick_seconds": quick_seconds,
+                "held": held_results, "held_seconds": time.monotonic() - start}
     raise ValueError("unknown scenario " + name)
 
 
