@@ -112,7 +112,7 @@ func TestNoRecordRepeatsEffects(t *testing.T) {
 	w.stop()
 	out := walk.stdout.String()
 	for _, want := range []string{
-		`#3     -> {"account": "acct-1", "balance": 4500, "entry_id": "e-1"}`,
+		`demo.ledger.credit(acct-1, e-2, 250)         -> {"account": "acct-1", "balance": 4750, "entry_id": "e-2"}`,
 		"ledger rows for e-1                3",
 		"gateway calls for order-1          3",
 		"gateway charges for order-1        1",
