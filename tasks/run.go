@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -353,7 +354,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	}
 	exc := exceptionFor(taskErr)
 	if errors.Is(taskErr, ErrTimeLimit) {
-		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: w.hardLimit(j).String()}
+		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: strconv.FormatFloat(w.hardLimit(j).Seconds(), 'g', -1, 64)}
 	}
 	if w.cfg.Observer != nil {
 		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),

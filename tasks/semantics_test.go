@@ -362,7 +362,7 @@ func TestHardTimeLimitWithPython(t *testing.T) {
 		wfCall{Name: "in_time", Task: "t.stubborn", Args: []any{10, "q"}, Options: hard},
 	)
 	for _, name := range []string{"pure", "default", "db", "outside"} {
-		if o := res[name]; o.ExcType != "TimeLimitExceeded" || o.ExcModule != "billiard.exceptions" || o.Elapsed > 1.2 {
+		if o := res[name]; o.ExcType != "TimeLimitExceeded" || o.ExcModule != "billiard.exceptions" || o.Message != "0.3" || o.Elapsed > 1.2 {
 			t.Errorf("%s: %+v, want TimeLimitExceeded within 1.2 s", name, o)
 		}
 	}
