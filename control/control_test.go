@@ -244,7 +244,7 @@ func TestCeleryTerminate(t *testing.T) {
 			if res["seen_active"] != true {
 				t.Fatalf("task never active: %v", res)
 			}
-			if res["exc"] != "TaskRevokedError" || res["state"] != "REVOKED" {
+			if res["exc"] != "TaskRevokedError" || res["state"] != "REVOKED" || res["msg"] != "terminated" {
 				t.Fatalf("terminated task: %v", res)
 			}
 			if el, _ := res["elapsed"].(float64); el > 10 {

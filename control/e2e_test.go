@@ -116,7 +116,7 @@ func TestTasksWorkerInspectAndRevoke(t *testing.T) {
 	}
 	t.Run("revoke before run", func(t *testing.T) {
 		res := n.client(t, "revoke-before", "0.1")
-		if res["exc"] != "TaskRevokedError" || res["state"] != "REVOKED" {
+		if res["exc"] != "TaskRevokedError" || res["state"] != "REVOKED" || res["msg"] != "revoked" {
 			t.Fatalf("revoked before run: %v", res)
 		}
 	})
@@ -128,14 +128,11 @@ func TestTasksWorkerInspectAndRevoke(t *testing.T) {
 		if el, _ := res["elapsed"].(float64); el > 10 {
 			t.Errorf("terminate took %.1fs", el)
 		}
-		if res["state"] == "FAILURE" && strings.Contains(res["msg"].(string), "task revoked") {
-			// The task's context was cancelled (it stopped at once), but
-			// tasks.Worker answers FAILURE; Celery answers REVOKED
-			// (TaskRevokedError "terminated"): see docs/design.md, control.
-			t.Skipf("tasks.Worker answers a terminated task with FAILURE, not REVOKED: %v", res)
-		}
 		if res["exc"] != "TaskRevokedError" || res["state"] != "REVOKED" {
 			t.Fatalf("terminated task: %v", res)
+		}
+		if res["msg"] != "terminated" {
+			t.Errorf("TaskRevokedError(%v), want terminated", res["msg"])
 		}
 	})
 }
