@@ -44,6 +44,13 @@ type Config struct {
 	// Grace is how long running tasks may take to finish after Run's context
 	// is cancelled before their contexts are cancelled. Default 30 s.
 	Grace time.Duration
+	// MaxHold is the longest a delivery is held unacknowledged for its ETA:
+	// a delivery due later is republished (a copy with a confirm, to the
+	// queue it came from) and acknowledged after MaxHold, and the copy is
+	// held in its place, so that no delivery stays unacknowledged past
+	// RabbitMQ's consumer_timeout (which would close the channel). Default
+	// 25 minutes (consumer_timeout defaults to 30); negative: never.
+	MaxHold time.Duration
 	// Hostname is the node name. Default "onceler@<host>".
 	Hostname string
 	// Logger receives structured logs. Default: none.
@@ -95,6 +102,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Grace <= 0 {
 		c.Grace = 30 * time.Second
+	}
+	if c.MaxHold == 0 {
+		c.MaxHold = 25 * time.Minute
 	}
 	if c.Hostname == "" {
 		h, err := os.Hostname()

@@ -144,15 +144,19 @@
 // serialized and the last one applies the latest count.
 //
 // RabbitMQ closes a channel whose oldest unacknowledged delivery is older
-// than its consumer_timeout (30 minutes by default since 3.8.17). A delivery
-// held longer than that, as an ETA more than 30 minutes away, costs a
-// channel close: every delivery unacknowledged on the channel returns to
-// the queue and is redelivered; the held copies of the closed channel are
-// dropped (the window shrinks back) and the redeliveries are held again.
-// Nothing is lost, and an operation that was running is answered from the
-// record on its redelivery (a pure task runs again). With ETAs beyond 30
-// minutes, raise consumer_timeout in rabbitmq.conf (or per queue, RabbitMQ
-// 3.12 and later) above the longest ETA.
+// than its consumer_timeout (30 minutes by default since 3.8.17), and every
+// delivery unacknowledged on it returns to the queue. So that an ETA further
+// away does not cost that, a delivery is held at most Config.MaxHold
+// (default 25 minutes): then a copy of the message is published to the
+// queue it came from (with a confirm) and the delivery acknowledged; the
+// copy comes back as a fresh delivery and is held in its place. A crash
+// between the two leaves two copies with the same task id, which the record
+// answers (a pure task would run twice). If the broker closes the channel
+// anyway (a consumer_timeout below MaxHold, a connection loss), nothing is
+// lost: the held deliveries of the closed channel are dropped (the window
+// shrinks back), their redeliveries are held again, and an operation that
+// was running is answered from the record on its redelivery (a pure task
+// runs again). Keep MaxHold below consumer_timeout.
 //
 // # Expires and revocation
 //

@@ -46,6 +46,10 @@ func (w *Worker) process(ctx context.Context, j *job) {
 	}
 	if !msg.ETA.IsZero() {
 		if wait := time.Until(msg.ETA); wait > 0 {
+			if j.rehold {
+				w.rehold(ctx, j)
+				return
+			}
 			w.schedule(j, wait)
 			return
 		}

@@ -211,6 +211,9 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 // prefetch window by one for each held delivery so that they do not starve
 // the others (as Celery does).
 func (w *Worker) schedule(j *job, wait time.Duration) {
+	if mh := w.cfg.MaxHold; mh > 0 && wait > mh {
+		wait, j.rehold = mh, true
+	}
 	w.mu.Lock()
 	w.held[j] = struct{}{}
 	w.scheduled++
@@ -222,6 +225,27 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 			w.applyPrefetch()
 		}
 	})
+}
+
+// rehold ends a hold of Config.MaxHold before the delivery's ETA: a copy of
+// the message goes to the queue it came from (default exchange, confirmed),
+// then the delivery is acknowledged; the copy arrives as a fresh delivery
+// and is held in its place. A crash in between leaves two copies with the
+// same task id: the record answers the second.
+func (w *Worker) rehold(ctx context.Context, j *job) {
+	d := j.d
+	p := &celeryproto.Publishing{
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: d.Headers, Body: d.Body,
+		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+	}
+	if err := w.publish(ctx, "", d.Queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
+		w.recordTrouble(ctx, j, "republish held delivery", err)
+		return
+	}
+	if ce := w.log.Check(zap.DebugLevel, "held delivery republished (max hold reached before its ETA)"); ce != nil {
+		ce.Write(w.fields(j, zap.Time("eta", j.msg.ETA))...)
+	}
+	w.ack(j)
 }
 
 // unhold removes j from the held set; it reports whether j was there.

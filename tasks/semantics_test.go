@@ -12,6 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
@@ -445,5 +448,39 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 	checkExactlyOnce(t, fx, held, func(i int) string { return fmt.Sprintf("eta-%d", i) })
 	waitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
 		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == cfg.Prefetch
+	})
+}
+
+// TestLongETARepublished: a delivery due after Config.MaxHold is republished
+// and acknowledged at each MaxHold instead of being held past the broker's
+// consumer_timeout; it runs once, when due, and the consumer's channel is
+// never closed.
+func TestLongETARepublished(t *testing.T) {
+	e := newEnv(t)
+	core, logs := observer.New(zapcore.DebugLevel)
+	cfg := e.config()
+	cfg.MaxHold = 700 * time.Millisecond
+	cfg.Logger = zap.New(zapcore.NewTee(cfg.Logger.Core(), core))
+	cfg.Broker.Logger = zap.New(zapcore.NewTee(cfg.Broker.Logger.Core(), core))
+	fx := &effects{}
+	r := e.start(testRegistry(t, fx), cfg)
+	replyTo, replies := e.replyQueue()
+	m := payMessage("t.pay", 1, "long-eta", replyTo)
+	due := time.Now().Add(3 * time.Second)
+	m.ETA = due
+	e.publish(m)
+	got := results(t, replies, 1, 10*time.Second)
+	if time.Now().Before(due) || len(got[m.ID]) != 1 || got[m.ID][0]["status"] != "SUCCESS" {
+		t.Errorf("long ETA task: %v, %s before due", got, time.Until(due))
+	}
+	if n := logs.FilterMessageSnippet("held delivery republished").Len(); n < 3 {
+		t.Errorf("republished %d times, want at least 3 (every 700 ms for 3 s)", n)
+	}
+	if n := logs.FilterMessageSnippet("reconnecting").Len() + logs.FilterMessageSnippet("lost with their channel").Len(); n != 0 {
+		t.Errorf("consumer channel lost %d times", n)
+	}
+	checkExactlyOnce(t, fx, 1, func(int) string { return "long-eta" })
+	waitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
+		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == r.w.cfg.Prefetch
 	})
 }

@@ -74,6 +74,9 @@ type job struct {
 	waiting  bool // deferred because the operation was in progress elsewhere
 	runtime  time.Duration
 	attempt  int // the record's attempt of the claim this delivery runs under
+	// rehold: held for its ETA longer than Config.MaxHold allows; when the
+	// hold ends before the ETA, the delivery is republished and acknowledged.
+	rehold bool
 	// abandoned: the task did not return by its hard time limit and runs on
 	// unwatched; its outcome is unknown.
 	abandoned bool
