@@ -296,8 +296,14 @@ func (c *Controller) listen(conn *amqp091.Connection) (*amqp091.Channel, <-chan 
 	}
 	q := c.queueName()
 	args := amqp091.Table{"x-expires": pidboxQueueExpires, "x-message-ttl": pidboxQueueTTL}
-	if _, err := ch.QueueDeclare(q, false, true, false, false, args); err != nil {
+	decl, err := ch.QueueDeclare(q, false, true, false, false, args)
+	if err != nil {
 		return nil, nil, fmt.Errorf("control: declare queue %s: %w", q, err)
+	}
+	if decl.Consumers > 0 {
+		// as kombu's W_PIDBOX_IN_USE: two workers with one name share a
+		// mailbox and each answers only part of the requests
+		c.log.Warn("another worker is using this node name's mailbox: give each worker its own name", zap.String("queue", q), zap.Int("consumers", decl.Consumers))
 	}
 	if err := ch.QueueBind(q, "", PidboxExchange, false, nil); err != nil {
 		return nil, nil, fmt.Errorf("control: bind queue %s: %w", q, err)
