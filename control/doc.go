@@ -40,6 +40,20 @@
 // and counted (inspect stats: events.dropped). Events are transient in Celery
 // too.
 //
+// # Cost
+//
+// With task events on, a task pays for three Event calls (a timestamp, a
+// clock tick and a buffered channel send each; the publisher is never woken
+// by them) plus the worker's building of the field maps. Encoding
+// (celeryproto.AppendEvent, no allocation, about 1 µs per event on the
+// 2-core test machine) and publishing (one message per up to 128 events)
+// run on the publisher goroutine. BenchmarkWorkerEvents and
+// BenchmarkWorkerEventsAB measure it with the real worker: CPU profiles put
+// the controller at about 4 µs and the worker's event fields at about 2.5 µs
+// of a pure task's 65-75 µs of process CPU, and running a worker with and one
+// without events side by side gave a median throughput ratio (on/off) of
+// 1.05 over 15 runs: below the noise of the shared machine.
+//
 // # Remote control
 //
 // The controller consumes its own queue "<node>.celery.pidbox" (auto-delete,
