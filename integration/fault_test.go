@@ -64,6 +64,17 @@ func rabbitmqctl(t *testing.T, args ...string) string {
 // given workers only (by connection name), and returns how many.
 func closeWorkerConnections(t *testing.T, workers ...*replay.Worker) int {
 	t.Helper()
+	names := make([]string, len(workers))
+	for i, w := range workers {
+		names[i] = w.Name
+	}
+	return closeConnections(t, names...)
+}
+
+// closeConnections closes, from the broker, the connections whose name
+// (a client property) starts with one of the prefixes, and returns how many.
+func closeConnections(t *testing.T, prefixes ...string) int {
+	t.Helper()
 	out := rabbitmqctl(t, "-q", "list_connections", "client_properties", "pid")
 	n := 0
 	for _, line := range strings.Split(out, "\n") {
@@ -72,20 +83,22 @@ func closeWorkerConnections(t *testing.T, workers ...*replay.Worker) int {
 			continue
 		}
 		props, pid := line[:i], line[i+1:]
-		for _, w := range workers {
-			// The connection name is a client property.
-			if strings.Contains(props, `{"connection_name","`+w.Name) {
+		for _, p := range prefixes {
+			if strings.Contains(props, `{"connection_name","`+p) {
 				rabbitmqctl(t, "-q", "close_connection", pid, "onceler fault test")
 				n++
+				break
 			}
 		}
 	}
 	return n
 }
 
-// TestBrokerResetWorkerConnections closes the workers' broker connections
-// (theirs only) in the middle of a mixed stream: they reconnect; nothing is
-// lost or done twice; every caller is answered.
+// TestBrokerResetWorkerConnections closes, from the broker, the test's own
+// connections (the workers' and the producer's) in the middle of a mixed
+// stream, as close_all_connections does to everyone: the workers
+// reconnect; results published while the producer was away wait in its
+// reply queue; nothing is lost or done twice; every caller is answered.
 func TestBrokerResetWorkerConnections(t *testing.T) {
 	e := ownEnv(t)
 	w1 := e.StartWorker(replay.WorkerOptions{})
@@ -93,9 +106,12 @@ func TestBrokerResetWorkerConnections(t *testing.T) {
 	wl := newWorkload(e)
 	mixed(wl, "reset", 300)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
-	n := closeWorkerConnections(t, w1, w2)
-	if n < 2 {
-		t.Fatalf("closed %d connections, want the workers' (at least 2)", n)
+	n := closeConnections(t, w1.Name, w2.Name, "replay-harness-"+e.Queue)
+	if n < 3 {
+		t.Fatalf("closed %d connections, want the workers' and the producer's (at least 3)", n)
+	}
+	if err := e.Reconnect(); err != nil {
+		t.Fatal(err)
 	}
 	tl := finish(t, e, wl, false)
 	t.Logf("closed %d connections; %s", n, tl)
