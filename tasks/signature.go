@@ -1,0 +1,163 @@
+package tasks
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// Reading signature options (as Celery's frozen signatures carry them) and
+// writing Celery's argsrepr/kwargsrepr for the workflow steps onceler
+// publishes.
+
+func optString(o map[string]any, k string) string {
+	s, _ := o[k].(string)
+	return s
+}
+
+func optNumber(o map[string]any, k string) (float64, bool) {
+	switch v := o[k].(type) {
+	case int64:
+		return float64(v), true
+	case float64:
+		return v, true
+	case int:
+		return float64(v), true
+	}
+	return 0, false
+}
+
+func seconds(v float64) time.Duration { return time.Duration(v * float64(time.Second)) }
+
+// optSignatures reads options.link / options.link_error: a signature or a
+// list of them.
+func optSignatures(o map[string]any, k string) ([]celeryproto.Signature, error) {
+	switch v := o[k].(type) {
+	case nil:
+		return nil, nil
+	case map[string]any:
+		s, err := sigFrom(v)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", k, err)
+		}
+		return []celeryproto.Signature{s}, nil
+	case []any:
+		out := make([]celeryproto.Signature, 0, len(v))
+		for _, e := range v {
+			m, ok := e.(map[string]any)
+			if !ok {
+				return nil, fmt.Errorf("%s: element is not a signature", k)
+			}
+			s, err := sigFrom(m)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", k, err)
+			}
+			out = append(out, s)
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("%s: not a signature", k)
+}
+
+func sigFrom(m map[string]any) (celeryproto.Signature, error) {
+	var s celeryproto.Signature
+	var ok bool
+	if s.Task, ok = m["task"].(string); !ok || s.Task == "" {
+		return s, errors.New("signature without a task name")
+	}
+	if v, present := m["args"]; present && v != nil {
+		if s.Args, ok = v.([]any); !ok {
+			return s, errors.New("signature args is not a list")
+		}
+	}
+	if v, present := m["kwargs"]; present && v != nil {
+		if s.Kwargs, ok = v.(map[string]any); !ok {
+			return s, errors.New("signature kwargs is not a mapping")
+		}
+	}
+	if v, present := m["options"]; present && v != nil {
+		if s.Options, ok = v.(map[string]any); !ok {
+			return s, errors.New("signature options is not a mapping")
+		}
+	}
+	s.SubtaskType, _ = m["subtask_type"].(string)
+	s.Immutable, _ = m["immutable"].(bool)
+	return s, nil
+}
+
+// pyRepr writes a Celery argsrepr/kwargsrepr: Python's repr of the args
+// tuple (tuple) or kwargs dict, truncated to 1024 characters as Celery's
+// saferepr does.
+func pyRepr(v any, tuple bool) string {
+	var b strings.Builder
+	if args, ok := v.([]any); ok && tuple {
+		b.WriteByte('(')
+		for i, a := range args {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(&b, a, 0)
+		}
+		if len(args) == 1 {
+			b.WriteByte(',')
+		}
+		b.WriteByte(')')
+	} else {
+		reprValue(&b, v, 0)
+	}
+	s := b.String()
+	if len(s) > 1024 {
+		s = s[:1021] + "..."
+	}
+	return s
+}
+
+func reprValue(b *strings.Builder, v any, depth int) {
+	if depth > 8 || b.Len() > 1100 {
+		b.WriteString("...")
+		return
+	}
+	switch x := v.(type) {
+	case nil:
+		b.WriteString("None")
+	case bool:
+		if x {
+			b.WriteString("True")
+		} else {
+			b.WriteString("False")
+		}
+	case string:
+		b.WriteString("'" + strings.ReplaceAll(strings.ReplaceAll(x, `\`, `\\`), "'", `\'`) + "'")
+	case []any:
+		b.WriteByte('[')
+		for i, e := range x {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(b, e, depth+1)
+		}
+		b.WriteByte(']')
+	case map[string]any:
+		keys := make([]string, 0, len(x))
+		for k := range x {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		b.WriteByte('{')
+		for i, k := range keys {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			reprValue(b, k, depth+1)
+			b.WriteString(": ")
+			reprValue(b, x[k], depth+1)
+		}
+		b.WriteByte('}')
+	default:
+		fmt.Fprint(b, x)
+	}
+}

@@ -1,0 +1,61 @@
+package tasks
+
+import (
+	"regexp"
+	"strings"
+	"testing"
+)
+
+func TestPyRepr(t *testing.T) {
+	cases := []struct {
+		v     any
+		tuple bool
+		want  string
+	}{
+		{[]any{int64(3), "x"}, true, "(3, 'x')"},
+		{[]any{int64(3)}, true, "(3,)"},
+		{[]any{}, true, "()"},
+		{map[string]any{"b": nil, "a": []any{true, 2.5, "it's"}}, false, `{'a': [True, 2.5, 'it\'s'], 'b': None}`},
+		{map[string]any{}, false, "{}"},
+	}
+	for _, c := range cases {
+		if got := pyRepr(c.v, c.tuple); got != c.want {
+			t.Errorf("pyRepr(%v) = %s, want %s", c.v, got, c.want)
+		}
+	}
+	long := pyRepr([]any{strings.Repeat("x", 5000)}, true)
+	if len(long) != 1024 || !strings.HasSuffix(long, "...") {
+		t.Errorf("long repr: %d chars", len(long))
+	}
+}
+
+func TestStepID(t *testing.T) {
+	a, b := stepID("parent", "link", 0), stepID("parent", "link", 1)
+	if a != stepID("parent", "link", 0) || a == b || a == stepID("other", "link", 0) {
+		t.Errorf("step ids not stable and distinct: %s %s", a, b)
+	}
+	if !regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`).MatchString(a) {
+		t.Errorf("step id %s is not a version 4 UUID", a)
+	}
+}
+
+func TestOptSignatures(t *testing.T) {
+	one := map[string]any{"task": "t.cb", "args": []any{int64(1)}, "kwargs": map[string]any{}, "options": map[string]any{"task_id": "x"},
+		"subtask_type": nil, "immutable": true}
+	got, err := optSignatures(map[string]any{"link": one}, "link")
+	if err != nil || len(got) != 1 || got[0].Task != "t.cb" || got[0].TaskID() != "x" || !got[0].Immutable {
+		t.Fatalf("single: %+v %v", got, err)
+	}
+	got, err = optSignatures(map[string]any{"link": []any{one, one}}, "link")
+	if err != nil || len(got) != 2 {
+		t.Fatalf("list: %+v %v", got, err)
+	}
+	for _, bad := range []any{"t.cb", []any{"t.cb"}, map[string]any{"args": []any{}}, map[string]any{"task": "t", "args": "x"}} {
+		if _, err := optSignatures(map[string]any{"link": bad}, "link"); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+	if got, err := optSignatures(map[string]any{}, "link"); err != nil || got != nil {
+		t.Errorf("absent: %v %v", got, err)
+	}
+}
