@@ -154,10 +154,15 @@ func TestWorkflowsWithPython(t *testing.T) {
 	cfg.Routes = map[string]string{"py.mul": pyq}
 	e.start(workflowRegistry(t, rec), cfg)
 	e.pythonWorker(pyq)
-	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
+	t.Logf("workflows from %s", pyq)
+	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_py_first", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
+	for name, r := range res {
+		t.Logf("%s: %s %s %s", name, r.OK, r.ExcType, r.Message)
+	}
 	for name, want := range map[string]string{
 		"chain_go":        `113`,
 		"chain_mixed":     `130`,
+		"chain_py_first":  `10`,
 		"chain_immutable": `10`,
 		"group":           `[2, 4, 9]`,
 	} {

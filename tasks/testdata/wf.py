@@ -53,6 +53,9 @@ def run(name):
     if name == "chain_mixed":
         # add(1, 2) = 3 in Go, mul(3, 10) = 30 in Python, add(30, 100) = 130 in Go
         return chain(s("t.add", 1, 2), s("py.mul", 10), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_py_first":
+        # mul(2, 3) = 6 in Python, whose worker publishes add(6, 4) = 10 to Go
+        return chain(s("py.mul", 2, 3), s("t.add", 4)).apply_async().get(timeout=TIMEOUT)
     if name == "chain_immutable":
         return chain(s("t.add", 1, 2), app.signature("t.add", args=(5, 5), immutable=True)).apply_async().get(timeout=TIMEOUT)
     if name == "chain_fail":
