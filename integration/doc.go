@@ -11,8 +11,10 @@
 //
 //   - TestReplayDemo: every scenario of package replay for every demo task
 //     (demo.ledger.credit, demo.payments.charge, demo.email.send,
-//     demo.sleep, demo.add), with the record (the guarantee must hold) and
-//     with --no-record (the duplicate must show).
+//     demo.sleep; demo.add, demo.flaky and demo.fail have no effects to
+//     count, so only their results, records and queue are checked), with
+//     the record (the guarantee must hold) and with --no-record (the
+//     duplicate must show).
 //   - TestReplaySkipPolicy: the same for replay.audit (policy skip); the
 //     replay package's TestOwnBinary does it for replay.notify (retry).
 //   - TestPythonProducerDuplicates: real Python Celery (testdata/producer.py)

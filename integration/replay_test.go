@@ -57,6 +57,16 @@ func demoTargets() []replay.Target {
 			Task: demo.TaskAdd, Mode: tasks.ModePure,
 			Arguments: func(string) ([]any, map[string]any) { return []any{2, 3}, nil },
 		}),
+		// No effects to count: the record, the results and the queue are
+		// checked.
+		with(replay.Target{
+			Task: demo.TaskFlaky, Mode: tasks.ModeOutside, Policy: tasks.PolicyRetry,
+			Arguments: func(op string) ([]any, map[string]any) { return []any{op, 0}, nil },
+		}),
+		with(replay.Target{
+			Task: demo.TaskFail, Mode: tasks.ModePure, Exception: "ValueError",
+			Arguments: func(string) ([]any, map[string]any) { return []any{"always"}, nil },
+		}),
 	}
 }
 

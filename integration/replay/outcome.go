@@ -16,7 +16,7 @@ func (r *runner) check() {
 	defer cancel()
 	want := r.expect()
 	if r.tg.NoRecord {
-		want = Expectation{Answered: true}
+		want = Expectation{Answered: true, ExcType: r.tg.Exception}
 	}
 	var ids []string
 	for _, op := range r.ops {

@@ -39,6 +39,10 @@ type Target struct {
 	// task without effects: then only the callers' results, the queue and
 	// the record are checked.
 	Effects func(ctx context.Context, pool *pgxpool.Pool, op string) (int, error)
+	// Exception is the Python exception type every caller gets, for a task
+	// that always fails (e.g. "ValueError"). Default: every caller gets
+	// SUCCESS, unless the policy says otherwise.
+	Exception string
 	// Setup runs once before the scenarios, e.g. to create the tables that
 	// Effects reads.
 	Setup func(ctx context.Context, pool *pgxpool.Pool) error
@@ -284,7 +288,7 @@ func (r *runner) many() {
 
 func (r *runner) expect() Expectation {
 	if r.tg.Effects == nil && r.tg.Mode == tasks.ModePure {
-		return Expectation{Answered: true}
+		return Expectation{Answered: true, ExcType: r.tg.Exception}
 	}
 	return Expect(r.s, r.tg.Mode, r.tg.Policy)
 }
