@@ -399,3 +399,59 @@ print(json.dumps({'other': other, 'mine': mine}))
 		t.Fatal("celery control shutdown did not reach Config.Shutdown")
 	}
 }
+
+// TestPythonWorkerMingle starts a Python Celery worker beside the node: its
+// mingle (hello) must sync with the node and learn the ids revoked there, and
+// its gossip must read the node's heartbeats without error.
+func TestPythonWorkerMingle(t *testing.T) {
+	n := startNode(t, false)
+	id := "mingle-" + strings.TrimPrefix(testenv.Name("t"), "t_")
+	n.celery(t, "control", "revoke", id, "-d", n.name)
+
+	pyNode := "py-" + strings.TrimPrefix(testenv.Name("t"), "t_") + "@vm"
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, n.py, "-m", "celery", "-A", "app", "worker", "-n", pyNode,
+		"-Q", n.queue+"_py", "--pool=solo", "--loglevel=info")
+	cmd.Dir, cmd.Env = "testdata", n.env()
+	var log strings.Builder
+	cmd.Stdout, cmd.Stderr = &log, &log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stopped := false
+	stop := func() string {
+		if !stopped {
+			stopped = true
+			_ = cmd.Process.Signal(os.Interrupt)
+			_ = cmd.Wait()
+		}
+		return log.String()
+	}
+	defer stop()
+	var revoked []any
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) && !slices.Contains(revoked, any(id)) {
+		time.Sleep(500 * time.Millisecond)
+		out := exec.Command(n.py, "-m", "celery", "-A", "app", "inspect", "revoked", "-d", pyNode, "--json")
+		out.Dir, out.Env = "testdata", n.env()
+		b, err := out.Output()
+		if err != nil {
+			continue // not up yet
+		}
+		var replies map[string][]any
+		if json.Unmarshal(b, &replies) == nil {
+			revoked = replies[pyNode]
+		}
+	}
+	logged := stop()
+	if !slices.Contains(revoked, any(id)) {
+		t.Fatalf("the Python worker did not learn %s from the node's hello reply; it holds %v\n%s", id, revoked, logged)
+	}
+	if !strings.Contains(logged, "mingle: sync with") {
+		t.Errorf("no mingle sync in the Python worker's log:\n%s", logged)
+	}
+	if strings.Contains(logged, "Traceback") {
+		t.Errorf("the Python worker logged an error:\n%s", logged)
+	}
+}
