@@ -101,10 +101,11 @@
 // Each consumed queue q has a durable queue "q.quarantine". A quarantined
 // message keeps its body, properties and headers, and gets HeaderReason
 // (x-onceler-reason: undecodable, unknown_task, bad_arguments,
-// fingerprint_mismatch, poison, unsupported_workflow), HeaderDetail, HeaderQueue, HeaderTime and,
-// for undecodable messages, HeaderDecodeReason. A message delivered more than
-// Config.MaxAttempts times (x-delivery-count on quorum queues; on classic
-// queues, a redelivered message whose operation was claimed that often) is
+// fingerprint_mismatch, poison, unsupported_workflow), HeaderDetail,
+// HeaderQueue, HeaderTime and, for undecodable messages, HeaderDecodeReason.
+// A message delivered more than Config.MaxAttempts times (x-delivery-count
+// on quorum queues; on classic queues, a redelivered message whose
+// operation was claimed that often, its Celery retries not counted) is
 // quarantined as poison instead of crashing workers forever.
 //
 // # Retries and the record

@@ -41,11 +41,12 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.answerClaim(ctx, j, claim, nil)
 		return
 	}
-	if j.d.Redelivered && claim.Attempt > w.cfg.MaxAttempts {
+	if crashes := claim.Attempt - j.msg.Retries; j.d.Redelivered && crashes > w.cfg.MaxAttempts {
 		// A redelivered message whose operation was claimed this often keeps
-		// killing its workers: stop the loop.
+		// killing its workers: stop the loop. Each Celery retry claims the
+		// operation once more: those claims are not counted.
 		ref := p.Ref(claim.Token)
-		perr := fmt.Errorf("operation claimed %d times (limit %d)", claim.Attempt, w.cfg.MaxAttempts)
+		perr := fmt.Errorf("operation claimed %d times besides %d retries (limit %d)", crashes, j.msg.Retries, w.cfg.MaxAttempts)
 		fctx, cancel := final(ctx)
 		err := w.store.Fail(fctx, ref, "quarantined as poison: "+perr.Error())
 		cancel()

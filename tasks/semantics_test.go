@@ -484,3 +484,54 @@ func TestLongETARepublished(t *testing.T) {
 		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == r.w.cfg.Prefetch
 	})
 }
+
+// TestRetriedMessageNotPoison: the claims made by Celery retries do not
+// count towards the poison limit of a redelivered message.
+func TestRetriedMessageNotPoison(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	ctx := context.Background()
+	// Four earlier runs, each ending in a retry (claim, then release).
+	for i := range 4 {
+		p := idempotency.ClaimParams{Task: "t.pay", Key: "retried-op", Owner: "earlier", TaskID: taskID(1), Lease: time.Minute}
+		c, err := e.store.Claim(ctx, p)
+		if err != nil || c.Outcome != idempotency.OutcomeFirst {
+			t.Fatalf("claim %d: %+v %v", i, c, err)
+		}
+		if err := e.store.Release(ctx, p.Ref(c.Token)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replyTo, replies := e.replyQueue()
+	m := payMessage("t.pay", 1, "retried-op", replyTo)
+	m.Retries = 4
+	e.publish(m)
+	// Deliver it once without settling, so that the worker gets it redelivered.
+	for {
+		d, ok, err := e.ch.Get(e.queue, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			if err := d.Nack(false, true); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cfg := e.config()
+	cfg.MaxAttempts = 2
+	e.start(testRegistry(t, fx), cfg)
+	got := results(t, replies, 1, 10*time.Second)
+	if r := got[m.ID]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+		t.Fatalf("retried, redelivered message: %v", got)
+	}
+	if q := e.quarantined(); len(q) != 0 {
+		t.Errorf("quarantined as poison: %v", q[0].Headers)
+	}
+	rec, err := e.store.Get(ctx, "t.pay", "retried-op")
+	if err != nil || rec.Status != idempotency.StatusCompleted || rec.Attempt != 5 {
+		t.Errorf("record %+v, %v (want completed at attempt 5)", rec, err)
+	}
+}
