@@ -164,7 +164,8 @@
 // expires is checked on receipt and again before the task runs (after an
 // ETA wait, or a wait in the pool): an expired message gets REVOKED with
 // celery.exceptions.TaskRevokedError("expired") to the caller and is
-// acknowledged without running. A revoked id (Worker.Revoke) is answered the
+// acknowledged without running. A message that expires before its ETA is
+// held only until it expires. A revoked id (Worker.Revoke) is answered the
 // same way with "revoked".
 //
 // # Time limits

@@ -211,6 +211,10 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 // prefetch window by one for each held delivery so that they do not starve
 // the others (as Celery does).
 func (w *Worker) schedule(j *job, wait time.Duration) {
+	if exp := j.msg.Expires; !exp.IsZero() && exp.Before(j.msg.ETA) {
+		// It expires before it is due: answer it (REVOKED) when it expires.
+		wait = min(wait, time.Until(exp)+time.Millisecond)
+	}
 	if mh := w.cfg.MaxHold; mh > 0 && wait > mh {
 		wait, j.rehold = mh, true
 	}
