@@ -48,6 +48,8 @@ type row struct {
 	latRate    float64
 	rssKiB     int64
 	commits    float64 // per task
+	cpuUS      float64 // consumer process CPU µs per task
+	pgCPUUS    float64 // the worker's PostgreSQL backends' CPU µs per task
 	note       string
 	polls      int // the bench's own queries on the bench database during the run
 	drainError error
@@ -115,8 +117,8 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 			errs = append(errs, fmt.Errorf("(%s): %w", sc.ID, r.drainError))
 			fmt.Fprintf(os.Stderr, "(%s) failed: %v\n", sc.ID, r.drainError)
 		} else {
-			fmt.Fprintf(os.Stderr, "(%s) %d tasks, %.0f tasks/s, %.3f commits/task, peak RSS %d KiB\n",
-				sc.ID, r.n, r.rate, r.commits, r.rssKiB)
+			fmt.Fprintf(os.Stderr, "(%s) %d tasks, %.0f tasks/s, %.3f commits/task, peak RSS %d KiB, CPU %.0f µs/task, PG CPU %.0f µs/task\n",
+				sc.ID, r.n, r.rate, r.commits, r.rssKiB, r.cpuUS, r.pgCPUUS)
 		}
 		rows = append(rows, r)
 		if ctx.Err() != nil {
@@ -130,6 +132,9 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 				continue
 			}
 			r.latRate = r.rate / 2
+			if b.o.latencyRate > 0 {
+				r.latRate = b.o.latencyRate
+			}
 			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s...\n", r.sc.ID, r.latRate, b.o.latencySecs)
 			if err := b.latency(ctx, r); err != nil {
 				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
@@ -213,9 +218,8 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			}
 			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
 			r.rssKiB = res.PeakRSSKiB
-			if b.o.debug {
-				fmt.Fprintf(os.Stderr, "(%s) worker counters: %v\n", sc.ID, res.Counts)
-			}
+			r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)
+			r.pgCPUUS = float64(res.PGCPU.Microseconds()) / float64(r.n)
 		}
 		c1, err := b.commits.read(ctx)
 		if err != nil {
@@ -322,6 +326,9 @@ func spawn(ctx context.Context, job childJob, ready chan<- struct{}) (childResul
 	}
 	_, _ = io.Copy(io.Discard, out)
 	werr := cmd.Wait()
+	if job.Debug {
+		fmt.Fprintf(os.Stderr, "worker counters: %v\n", res.Counts)
+	}
 	switch {
 	case !got:
 		return res, fmt.Errorf("child gave no result: %v", werr)

@@ -11,6 +11,7 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -56,6 +57,8 @@ type childResult struct {
 	Last       time.Time     // Expect-th finished
 	Elapsed    time.Duration // Last - First
 	PeakRSSKiB int64         // VmHWM
+	CPU        time.Duration // user + system CPU time of this process while consuming
+	PGCPU      time.Duration // CPU time of the worker's PostgreSQL backends (their whole life)
 	Counts     map[string]float64
 	Err        string
 }
@@ -109,6 +112,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
+	cpu0 := cpuTime()
 	for res.Done < job.Expect {
 		select {
 		case <-ctx.Done():
@@ -128,6 +132,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 			res.Last = now
 		}
 	}
+	res.CPU = cpuTime() - cpu0
 	res.Elapsed = res.Last.Sub(res.First)
 	return res, nil
 }
@@ -170,6 +175,13 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	pcfg.MaxConns = int32(job.PoolConns)
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "onceler-bench-worker"
+	if v := os.Getenv("ONCELER_BENCH_PG_PARAMS"); v != "" {
+		for _, kv := range strings.Split(v, ",") {
+			if k, val, ok := strings.Cut(kv, "="); ok {
+				pcfg.ConnConfig.RuntimeParams[k] = val
+			}
+		}
+	}
 	tracer := &batchTracer{}
 	if job.Debug {
 		pcfg.ConnConfig.Tracer = tracer
@@ -221,6 +233,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		}
 	}
 	fmt.Println("READY")
+	cpu0 := cpuTime()
 	stopProfile := startProfile(job)
 	tick := time.NewTicker(2 * time.Millisecond)
 	defer tick.Stop()
@@ -242,6 +255,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 			}
 		}
 	}
+	res.CPU = cpuTime() - cpu0
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
 	res.Counts = counters(metrics.Registry)
@@ -254,6 +268,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	if err := <-runErr; err != nil && waitErr == nil {
 		waitErr = fmt.Errorf("worker: %w", err)
 	}
+	res.PGCPU = backendCPU(context.WithoutCancel(ctx), pool)
 	return res, waitErr
 }
 
@@ -320,4 +335,44 @@ func peakRSS() int64 {
 		}
 	}
 	return 0
+}
+
+// cpuTime is the user and system CPU time of this process so far.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// backendCPU sums the CPU time of the pool's PostgreSQL backends (the
+// server runs on this machine), read from /proc/<pid>/stat.
+func backendCPU(ctx context.Context, pool *pgxpool.Pool) time.Duration {
+	rows, err := pool.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = 'onceler-bench-worker'`)
+	if err != nil {
+		return 0
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return 0
+	}
+	var total time.Duration
+	for _, pid := range pids {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/stat")
+		if err != nil {
+			continue
+		}
+		// Fields after the command name (which is in parentheses): utime and
+		// stime are fields 14 and 15, in clock ticks (100 per second).
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+		if len(f) < 13 {
+			continue
+		}
+		ut, _ := strconv.ParseInt(f[11], 10, 64)
+		st, _ := strconv.ParseInt(f[12], 10, 64)
+		total += time.Duration(ut+st) * 10 * time.Millisecond
+	}
+	return total
 }

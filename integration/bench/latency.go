@@ -112,8 +112,15 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	stopReplies()
 
 	ends := arrived
-	if reply == "" {
+	if reply == "" || b.o.debug {
 		ends = make([]time.Time, n)
+		index := index
+		if reply != "" {
+			index = make(map[string]int, n)
+			for i, op := range ops {
+				index[op] = i
+			}
+		}
 		err := withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
 			rows, err := pool.Query(ctx, "SELECT key, completed_at FROM "+pgx.Identifier{schema}.Sanitize()+".records")
 			if err != nil {
@@ -135,6 +142,15 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		if err != nil {
 			return fmt.Errorf("read completion times: %w", err)
 		}
+	}
+	if reply != "" && b.o.debug {
+		lat := make([]time.Duration, 0, n)
+		for i := range ends {
+			lat = append(lat, max(0, ends[i].Sub(sent[i])))
+		}
+		sortDurations(lat)
+		fmt.Fprintf(os.Stderr, "(%s) to completion: p50 %v p99 %v\n", sc.ID, percentile(lat, 0.5), percentile(lat, 0.99))
+		ends = arrived
 	}
 	lat := make([]time.Duration, 0, n)
 	for i := range ends {

@@ -48,6 +48,7 @@ type options struct {
 	quick       bool
 	only        string
 	latencySecs float64
+	latencyRate float64
 	cpuProfile  string
 	memProfile  string
 	timeout     time.Duration
@@ -84,6 +85,7 @@ func run() error {
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
 	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e", "scenarios to run, comma-separated")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
+	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's measured rate)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in (b) to this file")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in (b) to this file")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit of one scenario")
