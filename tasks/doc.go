@@ -64,7 +64,7 @@
 //	decode            undecodable or pickle   -> quarantine, ack
 //	registry          unknown task            -> FAILURE NotRegistered to reply_to, quarantine, ack
 //	bind arguments    bad arguments           -> FAILURE TypeError to reply_to, quarantine, ack
-//	workflow          chord, complex step     -> FAILURE NotImplementedError, quarantine, ack
+//	workflow          chord, chain/chord step -> FAILURE NotImplementedError, quarantine, ack
 //	revoked/expired                           -> REVOKED (TaskRevokedError) to reply_to, ack
 //	eta in the future                         -> held unacknowledged until due (prefetch grows)
 //	claim             completed               -> stored result to this reply_to, ack (duplicate)
@@ -219,12 +219,18 @@
 //     tasks publish their steps on every run, as Celery does.
 //
 // A Go task runs as a member of a group: its result goes to its reply_to
-// with its own id, which is all a group needs. Chord parts are refused (the
+// with its own id, which is all a group needs. A group as a step (the last
+// step of a chain, a link callback, an errback) is published as its
+// members, each with the result (or the failed id) prepended, group_id =
+// the group's id and group_index; when a chain fails before such a group,
+// its members' callers get the FAILURE too. Chord parts are refused (the
 // chord counter needs a result backend other than rpc, which onceler does
-// not have), and so are chain, link and errback steps that are themselves
-// groups, chains or chords: before the task runs, the caller and the rest
-// of the chain get FAILURE NotImplementedError with the reason, errbacks
-// are published, and the message is quarantined (ReasonUnsupported).
+// not have), and so are steps that are chains or chords, and a group
+// followed by more chain steps (Celery makes that a chord): before the task
+// runs, the caller and the rest of the chain get FAILURE
+// NotImplementedError with the reason, errbacks are published, and the
+// message is quarantined (ReasonUnsupported). Bad arguments fail along the
+// chain the same way (TypeError).
 //
 // # Shutdown
 //

@@ -110,7 +110,9 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		}
 		w.log.Warn("bad arguments", w.fields(j, zap.Error(err))...)
 		exc := exceptionFor(err)
-		if !w.replyFailure(ctx, j, exc, err) {
+		// As Celery's TypeError from the call: the failure goes along the
+		// workflow too.
+		if !w.replyFailure(ctx, j, exc, err) || !w.failWorkflow(ctx, j, exc, err.Error()) {
 			return false
 		}
 		w.quarantine(ctx, j, ReasonBadArguments, err)

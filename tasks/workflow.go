@@ -41,35 +41,71 @@ func unsupportedWorkflow(m *celeryproto.Message) string {
 		name string
 		sigs []celeryproto.Signature
 	}{{"chain", m.Chain}, {"link", m.Callbacks}, {"link_error", m.Errbacks}} {
-		for _, s := range l.sigs {
-			if s.SubtaskType != "" {
-				return fmt.Sprintf("a %s step of type %q is not supported (only plain task signatures)", l.name, s.SubtaskType)
+		for i, s := range l.sigs {
+			switch s.SubtaskType {
+			case "":
+				continue
+			case "group":
+				if _, err := groupMembers(s); err != nil {
+					return fmt.Sprintf("a %s group step is not supported: %v", l.name, err)
+				}
+				if l.name == "chain" && i == len(l.sigs)-1 && i > 0 {
+					return "a group followed by more chain steps is a chord, which is not supported"
+				}
+			default:
+				return fmt.Sprintf("a %s step of type %q is not supported (plain task signatures and groups of them only)", l.name, s.SubtaskType)
 			}
 		}
 	}
 	return ""
 }
 
+// groupMembers returns the task signatures of a group signature
+// (kwargs.tasks); they must be plain task signatures.
+func groupMembers(g celeryproto.Signature) ([]celeryproto.Signature, error) {
+	list, ok := g.Kwargs["tasks"].([]any)
+	if !ok {
+		return nil, errors.New("group without a list of tasks")
+	}
+	out := make([]celeryproto.Signature, 0, len(list))
+	for _, e := range list {
+		m, ok := e.(map[string]any)
+		if !ok {
+			return nil, errors.New("group member is not a signature")
+		}
+		s, err := sigFrom(m)
+		if err != nil {
+			return nil, fmt.Errorf("group member: %w", err)
+		}
+		if s.SubtaskType != "" {
+			return nil, fmt.Errorf("group member of type %q", s.SubtaskType)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
 // successSteps are the steps to publish after j succeeded with result, as
 // Celery's worker does (celery/app/trace.py): each link callback with
 // (result,) prepended, then the chain's next step (the last element) with
-// (result,) prepended unless immutable and the rest of the chain.
+// (result,) prepended unless immutable and the rest of the chain. A group
+// step stands for its members, each with (result,) prepended.
 func (w *Worker) successSteps(j *job, result any) ([]step, error) {
 	m := j.msg
 	var out []step
 	for i, sig := range m.Callbacks {
-		s, err := w.buildStep(j, "link", i, sig, []any{result}, nil)
+		s, err := w.expandStep(j, "link", i, sig, []any{result}, nil)
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, s)
+		out = append(out, s...)
 	}
 	if n := len(m.Chain); n > 0 {
-		s, err := w.buildStep(j, "chain", 0, m.Chain[n-1], []any{result}, m.Chain[:n-1])
+		s, err := w.expandStep(j, "chain", 0, m.Chain[n-1], []any{result}, m.Chain[:n-1])
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, s)
+		out = append(out, s...)
 	}
 	return out, nil
 }
@@ -80,9 +116,50 @@ func (w *Worker) successSteps(j *job, result any) ([]step, error) {
 func (w *Worker) errbackSteps(j *job) ([]step, error) {
 	var out []step
 	for i, sig := range j.msg.Errbacks {
-		s, err := w.buildStep(j, "errback", i, sig, []any{j.msg.ID}, nil)
+		s, err := w.expandStep(j, "errback", i, sig, []any{j.msg.ID}, nil)
 		if err != nil {
 			return nil, err
+		}
+		out = append(out, s...)
+	}
+	return out, nil
+}
+
+// expandStep builds the messages of one step: a task signature's, or each
+// member's of a group (Celery's group.apply_async: group_id = the group's
+// task id, group_index = the member's position).
+func (w *Worker) expandStep(j *job, kind string, index int, sig celeryproto.Signature, prepend []any,
+	chain []celeryproto.Signature) ([]step, error) {
+	if sig.SubtaskType != "group" {
+		s, err := w.buildStep(j, kind, index, sig, prepend, chain)
+		if err != nil {
+			return nil, err
+		}
+		return []step{s}, nil
+	}
+	members, err := groupMembers(sig)
+	if err != nil {
+		return nil, fmt.Errorf("%s step: %w", kind, err)
+	}
+	gid := sig.TaskID()
+	if gid == "" {
+		gid = stepID(j.msg.ID, kind+"/group", index)
+	}
+	out := make([]step, 0, len(members))
+	for k, mem := range members {
+		if sig.Immutable {
+			mem.Immutable = true
+		}
+		s, err := w.buildStep(j, fmt.Sprintf("%s/%d", kind, index), k, mem, prepend, nil)
+		if err != nil {
+			return nil, err
+		}
+		if s.msg.GroupID == "" {
+			s.msg.GroupID = gid
+		}
+		if s.msg.GroupIndex == nil {
+			gi := k
+			s.msg.GroupIndex = &gi
 		}
 		out = append(out, s)
 	}
@@ -295,13 +372,22 @@ func (w *Worker) followUp(ctx context.Context, j *job, res []byte) bool {
 func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exception, traceback string) bool {
 	m := j.msg
 	for _, sig := range m.Chain {
-		id, replyTo := sig.TaskID(), sig.ReplyTo()
-		if id == "" || replyTo == "" {
-			continue
+		targets := []celeryproto.Signature{sig}
+		if sig.SubtaskType == "group" {
+			// Celery stores the failure under the group's id only; its
+			// members' callers (GroupResult.get) hear of it too here.
+			members, _ := groupMembers(sig)
+			targets = append(targets, members...)
 		}
-		r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: traceback}
-		if !w.publishResultTo(ctx, j, replyTo, r) {
-			return false
+		for _, t := range targets {
+			id, replyTo := t.TaskID(), t.ReplyTo()
+			if id == "" || replyTo == "" {
+				continue
+			}
+			r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: traceback}
+			if !w.publishResultTo(ctx, j, replyTo, r) {
+				return false
+			}
 		}
 	}
 	if len(m.Errbacks) == 0 {

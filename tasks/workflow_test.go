@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -155,7 +156,7 @@ func TestWorkflowsWithPython(t *testing.T) {
 	e.start(workflowRegistry(t, rec), cfg)
 	e.pythonWorker(pyq)
 	t.Logf("workflows from %s", pyq)
-	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_py_first", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
+	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_py_first", "chain_group", "chain_group_fail", "chain_bad_args", "link_group", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
 	for name, r := range res {
 		t.Logf("%s: %s %s %s", name, r.OK, r.ExcType, r.Message)
 	}
@@ -163,12 +164,20 @@ func TestWorkflowsWithPython(t *testing.T) {
 		"chain_go":        `113`,
 		"chain_mixed":     `130`,
 		"chain_py_first":  `10`,
+		"chain_group":     `[13, 23]`,
+		"link_group":      `4`,
 		"chain_immutable": `10`,
 		"group":           `[2, 4, 9]`,
 	} {
 		if got := string(res[name].OK); got != want {
 			t.Errorf("%s: got %s (%+v), want %s", name, got, res[name], want)
 		}
+	}
+	if r := res["chain_group_fail"]; r.ExcType != "ValueError" || r.Message != "group never runs" {
+		t.Errorf("chain with a failing step before a group: %+v, want ValueError('group never runs')", r)
+	}
+	if r := res["chain_bad_args"]; r.ExcType != "TypeError" {
+		t.Errorf("chain with bad arguments in its first step: %+v, want TypeError", r)
 	}
 	if r := res["chain_fail"]; r.ExcType != "ValueError" || r.Message != "boom" {
 		t.Errorf("chain with a failing step: %+v, want ValueError('boom')", r)
@@ -191,9 +200,15 @@ func TestWorkflowsWithPython(t *testing.T) {
 	if err := json.Unmarshal(res["link_error"].OK, &linkErr); err != nil || linkErr.ExcType != "ValueError" {
 		t.Errorf("link_error: %s %v", res["link_error"].OK, err)
 	}
-	waitFor(t, "callback and errback", 10*time.Second, func() bool {
-		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0
+	waitFor(t, "callbacks and errback", 10*time.Second, func() bool {
+		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0 &&
+			len(rec.byTag("group-a")) > 0 && len(rec.byTag("group-b")) > 0
 	})
+	for _, tag := range []string{"group-a", "group-b"} {
+		if cb := rec.byTag(tag); len(cb) != 1 || fmt.Sprint(cb[0].Value) != "4" {
+			t.Errorf("group link callback %s called with %+v, want (4, %q) once", tag, cb, tag)
+		}
+	}
 	if cb := rec.byTag("callback"); len(cb) != 1 || fmt.Sprint(cb[0].Value) != "3" {
 		t.Errorf("link callback called with %+v, want (3, 'callback') once", cb)
 	}
@@ -321,5 +336,34 @@ func TestUnsupportedWorkflowRefused(t *testing.T) {
 	}
 	if n := fx.snapshot()["chord-op"]; n != 0 {
 		t.Errorf("refused task ran %d times", n)
+	}
+}
+
+func TestUnsupportedWorkflowCases(t *testing.T) {
+	plain := celeryproto.Signature{Task: "t.add"}
+	group := func(members ...any) celeryproto.Signature {
+		return celeryproto.Signature{Task: "celery.group", SubtaskType: "group", Kwargs: map[string]any{"tasks": members}}
+	}
+	member := map[string]any{"task": "t.add", "args": []any{}, "kwargs": map[string]any{}, "options": map[string]any{}}
+	cases := []struct {
+		name string
+		m    celeryproto.Message
+		want string
+	}{
+		{"plain", celeryproto.Message{Chain: []celeryproto.Signature{plain, plain}, Callbacks: []celeryproto.Signature{plain}}, ""},
+		{"group next", celeryproto.Message{Chain: []celeryproto.Signature{group(member, member)}}, ""},
+		{"group link", celeryproto.Message{Callbacks: []celeryproto.Signature{group(member)}}, ""},
+		{"group later", celeryproto.Message{Chain: []celeryproto.Signature{group(member), plain}}, ""},
+		{"group then more", celeryproto.Message{Chain: []celeryproto.Signature{plain, group(member)}}, "chord"},
+		{"chord", celeryproto.Message{Chord: &plain}, "chord parts"},
+		{"chain step", celeryproto.Message{Chain: []celeryproto.Signature{{Task: "celery.chain", SubtaskType: "chain"}}}, `"chain"`},
+		{"nested group", celeryproto.Message{Callbacks: []celeryproto.Signature{group(map[string]any{"task": "celery.group", "subtask_type": "group"})}}, "group member"},
+		{"group without tasks", celeryproto.Message{Errbacks: []celeryproto.Signature{{Task: "celery.group", SubtaskType: "group"}}}, "without a list"},
+	}
+	for _, c := range cases {
+		got := unsupportedWorkflow(&c.m)
+		if (c.want == "") != (got == "") || !strings.Contains(got, c.want) {
+			t.Errorf("%s: %q, want %q", c.name, got, c.want)
+		}
 	}
 }

@@ -56,8 +56,19 @@ def run(name):
     if name == "chain_py_first":
         # mul(2, 3) = 6 in Python, whose worker publishes add(6, 4) = 10 to Go
         return chain(s("py.mul", 2, 3), s("t.add", 4)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_group":
+        # add(1, 2) = 3, then a group of add(3, 10) and add(3, 20)
+        return chain(s("t.add", 1, 2), group(s("t.add", 10), s("t.add", 20))).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_group_fail":
+        return chain(s("t.fail", 1, "group never runs"), group(s("t.add", 10), s("t.add", 20))).apply_async().get(timeout=TIMEOUT)
+    if name == "link_group":
+        r = app.send_task("t.add", args=(2, 2), link=group(s("t.record", "group-a"), s("t.record", "group-b")))
+        return r.get(timeout=TIMEOUT)
     if name == "chain_immutable":
         return chain(s("t.add", 1, 2), app.signature("t.add", args=(5, 5), immutable=True)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_bad_args":
+        # t.add(1, 2, 3): TypeError before it runs, carried along the chain
+        return chain(s("t.add", 1, 2, 3), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
     if name == "chain_fail":
         return chain(s("t.add", 1, 2), s("t.fail", "boom"), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
     if name == "link":
