@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"runtime/debug"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -48,6 +49,7 @@ type childJob struct {
 	CPUProfile  string
 	MemProfile  string
 	Debug       bool
+	GOGC        int // 0: the runtime's default
 }
 
 // childResult is what the child reports.
@@ -70,6 +72,9 @@ func childMain() error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), job.Timeout)
 	defer cancel()
+	if job.GOGC > 0 {
+		debug.SetGCPercent(job.GOGC)
+	}
 	var res childResult
 	var err error
 	switch job.Kind {

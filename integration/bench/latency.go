@@ -82,7 +82,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 
 	job := childJob{Kind: "worker", AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers,
-		Timeout: b.o.timeout, Debug: b.o.debug}
+		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
 	ready := make(chan struct{})
 	type outcome struct {
 		res childResult
