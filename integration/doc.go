@@ -47,13 +47,14 @@
 //
 // # Faults on services, and the soak (serial step, ONCELER_FAULT_TESTS=1)
 //
-// These restart or disconnect services, so CI runs them after the main
-// step, one package at a time: go test -p 1 -run 'Fault|Soak'.
+// These restart or disconnect a RabbitMQ node or PostgreSQL server of their
+// own (started in a temporary directory), so nobody else's tests are
+// disturbed; they take minutes, so CI runs them after the main step, one
+// package at a time: go test -p 1 -run 'Fault|Soak'.
 //
 //   - TestFaultBrokerCloseAllConnections: rabbitmqctl close_all_connections.
 //   - TestFaultBrokerRestart: rabbitmqctl stop_app, start_app.
-//   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate of a
-//     private PostgreSQL server (initdb in a temporary directory).
+//   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a

@@ -11,10 +11,10 @@ import (
 	"github.com/onceler/onceler/integration/replay"
 )
 
-// The TestFault tests restart or disconnect services. Those that touch the
-// shared broker run only with ONCELER_FAULT_TESTS=1 (CI's serial fault
-// step); the PostgreSQL restarts use a private server of their own but run
-// in the same step, for time.
+// The TestFault tests restart or disconnect services: a private RabbitMQ
+// node or PostgreSQL server of their own, so nobody else's tests are
+// disturbed. They run with ONCELER_FAULT_TESTS=1, in CI's serial fault step
+// (they start servers and take a few minutes).
 
 // mixed sends n operations over the demo tasks of every mode and the
 // replayworker's replay.notify (policy retry).
@@ -118,16 +118,19 @@ func TestBrokerResetWorkerConnections(t *testing.T) {
 }
 
 // TestFaultBrokerCloseAllConnections closes every connection of the broker
-// (rabbitmqctl close_all_connections) mid-stream.
+// (rabbitmqctl close_all_connections, on a private RabbitMQ node)
+// mid-stream: the workers reconnect; nothing is lost or done twice.
 func TestFaultBrokerCloseAllConnections(t *testing.T) {
 	faultTests(t)
-	e := ownEnv(t)
+	rb := startRabbit(t)
+	e := replay.NewEnv(t, replay.Config{Binary: ownBin, AMQPURL: rb.url})
+	migrate(t, e)
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	mixed(wl, "closeall", 400)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
-	rabbitmqctl(t, "-q", "close_all_connections", "onceler fault test")
+	rb.mustCtl(t, "close_all_connections", "onceler fault test")
 	if err := e.Reconnect(); err != nil {
 		t.Fatal(err)
 	}
@@ -136,31 +139,25 @@ func TestFaultBrokerCloseAllConnections(t *testing.T) {
 }
 
 // TestFaultBrokerRestart stops the broker application (rabbitmqctl
-// stop_app) for a few seconds mid-stream, then starts it again: durable
-// queues and persistent messages survive; the workers reconnect and finish
-// every operation once. Results in flight when the broker stopped are
-// transient (as Celery's): their callers re-ask with the same task id and
-// are answered from the record.
+// stop_app, on a private RabbitMQ node) for 5 s mid-stream, then starts it
+// again: durable queues and persistent messages survive; the workers
+// reconnect and finish every operation once. Results in flight when the
+// broker stopped are transient (as Celery's): their callers re-ask with the
+// same task id and are answered from the record.
 func TestFaultBrokerRestart(t *testing.T) {
 	faultTests(t)
-	e := replay.NewEnv(t, replay.Config{Binary: ownBin, DurableReplies: true})
+	rb := startRabbit(t)
+	e := replay.NewEnv(t, replay.Config{Binary: ownBin, AMQPURL: rb.url, DurableReplies: true})
 	migrate(t, e)
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	mixed(wl, "restart", 400)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
-	rabbitmqctl(t, "stop_app")
-	stopped := true
-	defer func() {
-		if stopped {
-			rabbitmqctl(t, "start_app")
-		}
-	}()
+	rb.mustCtl(t, "stop_app")
 	time.Sleep(5 * time.Second)
-	rabbitmqctl(t, "start_app")
-	stopped = false
-	rabbitmqctl(t, "await_startup")
+	rb.mustCtl(t, "start_app")
+	rb.mustCtl(t, "await_startup")
 	if err := e.Reconnect(); err != nil {
 		t.Fatal(err)
 	}

@@ -39,6 +39,8 @@ type Config struct {
 	Env []string
 	// Lease is the claim lease (ONCELER_LEASE). Default DefaultLease.
 	Lease time.Duration
+	// AMQPURL is the broker. Default: the test broker (internal/testenv).
+	AMQPURL string
 	// DatabaseURL is the PostgreSQL server of the record (and of the pool
 	// handed to Effects). Default: the test database (internal/testenv).
 	DatabaseURL string
@@ -105,11 +107,14 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 	}
 	e := &Env{
 		t: t, cfg: cfg,
-		AMQPURL: testenv.AMQPURL(t), DatabaseURL: cfg.DatabaseURL,
+		AMQPURL: cfg.AMQPURL, DatabaseURL: cfg.DatabaseURL,
 		Queue:   testenv.Name("replay"),
 		replies: make(map[string][]Reply),
 	}
 	e.Quarantine = e.Queue + ".quarantine"
+	if e.AMQPURL == "" {
+		e.AMQPURL = testenv.AMQPURL(t)
+	}
 	if e.DatabaseURL == "" {
 		e.DatabaseURL = testenv.DatabaseURL(t)
 		e.Pool = testenv.Pool(t)
