@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -168,6 +169,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	next := *j.msg
 	next.Retries++
 	next.ETA = time.Now().Add(rr.Countdown)
+	next.Headers = withoutBrokerHeaders(next.Headers)
 	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2})
 	if err != nil {
 		w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
@@ -239,8 +241,8 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 func (w *Worker) rehold(ctx context.Context, j *job) {
 	d := j.d
 	p := &celeryproto.Publishing{
-		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: d.Headers, Body: d.Body,
-		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: withoutBrokerHeaders(d.Headers),
+		Body: d.Body, CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
 	}
 	if err := w.publish(ctx, "", d.Queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
 		w.recordTrouble(ctx, j, "republish held delivery", err)
@@ -373,4 +375,31 @@ func DecodeHeld(b []byte) (exchange, routingKey string, p *celeryproto.Publishin
 		rk = h.Queue
 	}
 	return h.Exchange, rk, h.Publishing, nil
+}
+
+// withoutBrokerHeaders returns h without the headers the broker sets on a
+// delivery (x-delivery-count, dead-lettering history): a new message that
+// copies them would look redelivered (a quorum queue's delivery count is
+// what the poison check reads). h itself is not changed.
+func withoutBrokerHeaders(h map[string]any) map[string]any {
+	drop := func(k string) bool {
+		return k == "x-delivery-count" || k == "x-death" || strings.HasPrefix(k, "x-first-death-") ||
+			strings.HasPrefix(k, "x-last-death-")
+	}
+	n := 0
+	for k := range h {
+		if drop(k) {
+			n++
+		}
+	}
+	if n == 0 {
+		return h
+	}
+	out := make(map[string]any, len(h)-n)
+	for k, v := range h {
+		if !drop(k) {
+			out[k] = v
+		}
+	}
+	return out
 }

@@ -59,3 +59,18 @@ func TestOptSignatures(t *testing.T) {
 		t.Errorf("absent: %v %v", got, err)
 	}
 }
+
+func TestWithoutBrokerHeaders(t *testing.T) {
+	h := map[string]any{"idempotency_key": "k", "x-delivery-count": int64(3), "x-death": []any{}, "x-first-death-queue": "q", "x-custom": "keep"}
+	got := withoutBrokerHeaders(h)
+	if len(got) != 2 || got["idempotency_key"] != "k" || got["x-custom"] != "keep" {
+		t.Errorf("withoutBrokerHeaders = %v", got)
+	}
+	if len(h) != 5 {
+		t.Errorf("input changed: %v", h)
+	}
+	clean := map[string]any{"a": 1}
+	if got := withoutBrokerHeaders(clean); len(got) != 1 {
+		t.Errorf("clean headers changed: %v", got)
+	}
+}
