@@ -263,6 +263,8 @@
 //	onceler_stale_claims_total{task,policy}   stale claims, by policy applied
 //	onceler_held_total{task}                  deliveries of held operations
 //	onceler_quarantined_total{reason}         messages moved to quarantine
+//	onceler_workflow_steps_published_total{kind} chain steps, link callbacks, errbacks published
+//	onceler_tasks_abandoned_total{task}       tasks abandoned at their hard time limit
 //	onceler_tasks_in_flight                   tasks running now
 //	onceler_tasks_scheduled                   deliveries held until their ETA
 //	onceler_task_duration_seconds{task}       run time histogram

@@ -19,6 +19,8 @@ type metrics struct {
 	stale       *prometheus.CounterVec // task, policy
 	held        *prometheus.CounterVec // task
 	quarantined *prometheus.CounterVec // reason
+	steps       *prometheus.CounterVec // kind: chain, link, errback
+	abandoned   *prometheus.CounterVec // task
 	inFlight    prometheus.Gauge
 	scheduled   prometheus.Gauge
 	taskSeconds *prometheus.HistogramVec // task
@@ -42,6 +44,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		stale:       cv("stale_claims_total", "Stale claims handled, by the policy applied.", "task", "policy"),
 		held:        cv("held_total", "Operations held for a person to resolve.", "task"),
 		quarantined: cv("quarantined_total", "Messages moved to a quarantine queue, by reason.", "reason"),
+		steps:       cv("workflow_steps_published_total", "Workflow messages published: chain steps, link callbacks, errbacks.", "kind"),
+		abandoned:   cv("tasks_abandoned_total", "Tasks abandoned at their hard time limit while still running.", "task"),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_in_flight",
 			Help: "Tasks running now."}),
 		scheduled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_scheduled",
@@ -57,7 +61,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
-		m.deferred, m.stale, m.held, m.quarantined, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects} {
+		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {

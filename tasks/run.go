@@ -279,6 +279,7 @@ func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(conte
 	}
 	abandoned.Store(true)
 	j.abandoned = true
+	w.m.abandoned.WithLabelValues(j.h.name).Inc()
 	w.log.Error("hard time limit: task abandoned while it still runs", w.fields(j, zap.Duration("time_limit", hard))...)
 	return nil, fmt.Errorf("%w: task abandoned at its hard time limit (%s)", ErrTimeLimit, hard)
 }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -400,6 +402,14 @@ func TestHardTimeLimitWithPython(t *testing.T) {
 	if err != nil || rec.Status != idempotency.StatusClaimed {
 		t.Errorf("outside claim after abandonment: %+v, %v (want claimed, left to lapse)", rec, err)
 	}
+	for _, task := range []string{"t.stubborn", "t.stubborn_default", "t.stubborn_db", "t.stubborn_query", "t.stubborn_out"} {
+		if n := counterValue(r.w.m.abandoned.WithLabelValues(task)); n != 1 {
+			t.Errorf("%s abandoned %v times, want 1", task, n)
+		}
+	}
+	if n := counterValue(r.w.m.abandoned.WithLabelValues("t.soft_default")); n != 0 {
+		t.Errorf("task stopped by its soft limit counted as abandoned")
+	}
 	r.stop(t) // waits for the abandoned goroutines
 }
 
@@ -535,4 +545,13 @@ func TestRetriedMessageNotPoison(t *testing.T) {
 	if err != nil || rec.Status != idempotency.StatusCompleted || rec.Attempt != 5 {
 		t.Errorf("record %+v, %v (want completed at attempt 5)", rec, err)
 	}
+}
+
+// counterValue reads a Prometheus counter.
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -300,6 +301,7 @@ func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 		if err != nil {
 			return fmt.Errorf("publish %s step %s: %w", s.kind, s.msg.Task, err)
 		}
+		w.m.steps.WithLabelValues(kindLabel(s.kind)).Inc()
 		if ce := w.log.Check(zap.DebugLevel, "workflow step published"); ce != nil {
 			ce.Write(w.fields(j, zap.String("step", s.kind), zap.String("step_task", s.msg.Task),
 				zap.String("step_id", s.msg.ID))...)
@@ -433,4 +435,11 @@ func (w *Worker) refuseWorkflow(ctx context.Context, j *job, why string) {
 		return
 	}
 	w.quarantine(ctx, j, ReasonUnsupported, err)
+}
+
+// kindLabel is the metric label of a step kind ("link/0" for a group
+// member of link callback 0 is "link").
+func kindLabel(kind string) string {
+	k, _, _ := strings.Cut(kind, "/")
+	return k
 }

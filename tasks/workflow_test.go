@@ -247,7 +247,7 @@ func TestChainStepPublishedOnce(t *testing.T) {
 			}
 			cfg := e.config()
 			cfg.Pool = testenvPool(t)
-			e.start(reg, cfg)
+			w := e.start(reg, cfg)
 			replyTo, replies := e.replyQueue()
 			step := celeryproto.Signature{Task: "t.next", Args: []any{int64(5)}, Kwargs: map[string]any{},
 				Options: map[string]any{"task_id": "next-step-id", "reply_to": "final-reply", "queue": nextq}}
@@ -300,6 +300,9 @@ func TestChainStepPublishedOnce(t *testing.T) {
 			}
 			if b, _ := json.Marshal(msg.Args); string(b) != string(want) {
 				t.Errorf("next step args %s, want %s", b, want)
+			}
+			if n := counterValue(w.w.m.steps.WithLabelValues("chain")); n != 1 {
+				t.Errorf("chain steps published (metric): %v, want 1", n)
 			}
 			ids, err := e.store.Followups(context.Background(), task, "chain-op")
 			if err != nil || !slices.Equal(ids, []string{"next-step-id"}) {
