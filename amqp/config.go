@@ -140,6 +140,23 @@ func normalizeURL(raw string) (string, amqp091.URI, error) {
 	return s, uri, nil
 }
 
+// TLSClientConfig builds the client TLS configuration that the consumer
+// and publisher use for c.URL: TLS 1.2 or later, the broker verified against
+// TLS.CAFile (default the system roots) under TLS.ServerName (default the
+// URL's host), and the client certificate of TLS.CertFile and TLS.KeyFile.
+// It is nil for an amqp:// URL without TLS files. Errors wrap ErrConfig: an
+// unparsable URL, TLS files for an amqp:// URL, unreadable files, a
+// certificate without its key. Give it to other connections to the same
+// broker (e.g. control.Config.TLS) so that they present the same client
+// certificate.
+func (c Config) TLSClientConfig() (*tls.Config, error) {
+	_, uri, err := normalizeURL(c.URL)
+	if err != nil {
+		return nil, err
+	}
+	return c.tlsConfig(uri)
+}
+
 // tlsConfig builds the client TLS configuration for uri.
 func (c Config) tlsConfig(uri amqp091.URI) (*tls.Config, error) {
 	if uri.Scheme != "amqps" {

@@ -9,6 +9,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"io"
 	"math/big"
 	"net"
@@ -19,6 +20,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -180,5 +183,93 @@ func TestTLSWithClientCertificate(t *testing.T) {
 			t.Fatalf("%s: publish succeeded", name)
 		}
 		assertNoSecret(t, err.Error(), uri.Password+"@")
+	}
+}
+
+func TestTLSClientConfig(t *testing.T) {
+	pki := newTestPKI(t)
+	files := TLSConfig{CAFile: pki.caFile, CertFile: pki.certFile, KeyFile: pki.keyFile}
+
+	// Plain amqp:// without files: no TLS.
+	tc, err := Config{URL: "amqp://guest:guest@localhost:5672//"}.TLSClientConfig()
+	if err != nil || tc != nil {
+		t.Fatalf("amqp:// = %v, %v; want nil, nil", tc, err)
+	}
+
+	tc, err = Config{URL: "pyamqps://u:p@localhost:5671//", TLS: files}.TLSClientConfig()
+	must(t, err, "amqps:// with files")
+	if tc.MinVersion != tls.VersionTLS12 || tc.ServerName != "localhost" {
+		t.Fatalf("MinVersion %x ServerName %q, want TLS 1.2 and the URL's host", tc.MinVersion, tc.ServerName)
+	}
+	if len(tc.Certificates) != 1 {
+		t.Fatalf("%d client certificates, want 1", len(tc.Certificates))
+	}
+	client, err := x509.ParseCertificate(tc.Certificates[0].Certificate[0])
+	must(t, err, "parse client certificate")
+	if _, err := client.Verify(x509.VerifyOptions{Roots: pki.caPool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
+		t.Fatalf("client certificate is not the one in CertFile: %v", err)
+	}
+	server, err := x509.ParseCertificate(pki.serverCert.Certificate[0])
+	must(t, err, "parse server certificate")
+	if _, err := server.Verify(x509.VerifyOptions{Roots: tc.RootCAs, DNSName: "localhost"}); err != nil {
+		t.Fatalf("RootCAs do not hold CAFile: %v", err)
+	}
+
+	named := files
+	named.ServerName = "rabbit.internal"
+	tc, err = Config{URL: "amqps://localhost//", TLS: named}.TLSClientConfig()
+	must(t, err, "ServerName")
+	if tc.ServerName != "rabbit.internal" {
+		t.Fatalf("ServerName %q, want the override", tc.ServerName)
+	}
+	tc, err = Config{URL: "amqps://localhost//"}.TLSClientConfig()
+	if err != nil || tc == nil || tc.RootCAs != nil || len(tc.Certificates) != 0 {
+		t.Fatalf("amqps:// without files = %+v, %v; want the system roots and no client certificate", tc, err)
+	}
+
+	for name, c := range map[string]Config{
+		"bad URL":          {URL: "redis://h//"},
+		"files on amqp://": {URL: "amqp://h//", TLS: files},
+		"cert without key": {URL: "amqps://h//", TLS: TLSConfig{CertFile: pki.certFile}},
+		"missing CA":       {URL: "amqps://h//", TLS: TLSConfig{CAFile: filepath.Join(t.TempDir(), "none")}},
+	} {
+		if tc, err := c.TLSClientConfig(); !errors.Is(err, ErrConfig) || tc != nil {
+			t.Errorf("%s: %v, %v; want ErrConfig", name, tc, err)
+		}
+	}
+}
+
+// The exported configuration alone is enough for another amqp091 connection
+// (as the control connection makes) to pass a broker that requires the
+// client certificate.
+func TestTLSClientConfigDialsWithClientCertificate(t *testing.T) {
+	base := testConfig(t)
+	_, uri, err := normalizeURL(base.URL)
+	must(t, err, "parse")
+	pki := newTestPKI(t)
+	addr := tlsProxy(t, pki, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	_, port, _ := net.SplitHostPort(addr)
+	u := url.URL{Scheme: "amqps", User: url.UserPassword(uri.Username, uri.Password), Host: "localhost:" + port} // no path: vhost "/"
+	dial := func(files TLSConfig) error {
+		tc, err := Config{URL: u.String(), TLS: files}.TLSClientConfig()
+		if err != nil {
+			return err
+		}
+		conn, err := amqp091.DialConfig(u.String(), amqp091.Config{
+			TLSClientConfig: tc,
+			Dial:            amqp091.DefaultDial(10 * time.Second),
+		})
+		if err != nil {
+			return err
+		}
+		ch, err := conn.Channel()
+		if err == nil {
+			err = ch.Close()
+		}
+		return errors.Join(err, conn.Close())
+	}
+	must(t, dial(TLSConfig{CAFile: pki.caFile, CertFile: pki.certFile, KeyFile: pki.keyFile}), "dial with the client certificate")
+	if err := dial(TLSConfig{CAFile: pki.caFile}); err == nil {
+		t.Fatal("dial without the client certificate succeeded")
 	}
 }

@@ -74,7 +74,7 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency")
 			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
 			fs.Duration(&f.grace, "grace", 30*time.Second, "on shutdown, how long running tasks may take to finish before they are cancelled")
-			fs.String(&f.hostname, "hostname", "NAME", "onceler@%h", "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; give each worker on a host its own")
+			fs.String(&f.hostname, "hostname", "NAME", control.DefaultNodeName, "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; the default is unique per process, a fixed name must differ between the workers on a host")
 			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
@@ -192,16 +192,13 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	defer stopRun()
 	var ctl *control.Controller
 	if !f.noControl {
-		ctl, err = control.New(nil, control.Config{
-			URL:         f.broker.url,
-			NodeName:    node,
-			TaskEvents:  f.events,
-			Queues:      control.QueuesFrom(queues),
-			Concurrency: f.concurrency,
-			Prefetch:    f.prefetch,
-			Shutdown:    stopRun,
-			Logger:      logger.Named("control"),
-		})
+		cc, err := f.controlConfig(broker, node, queues)
+		if err != nil {
+			return err
+		}
+		cc.Shutdown = stopRun
+		cc.Logger = logger.Named("control")
+		ctl, err = control.New(nil, cc)
 		if err != nil {
 			return fmt.Errorf("remote control: %w", err)
 		}
@@ -267,6 +264,24 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
+}
+
+// controlConfig configures the remote control connection like the worker's
+// own: same broker, same TLS (CA and client certificate), same node name.
+func (f *workerFlags) controlConfig(broker amqp.Config, node string, queues []amqp.QueueSpec) (control.Config, error) {
+	tc, err := broker.TLSClientConfig()
+	if err != nil {
+		return control.Config{}, brokerError("worker", broker, err)
+	}
+	return control.Config{
+		URL:         broker.URL,
+		TLS:         tc,
+		NodeName:    node,
+		TaskEvents:  f.events,
+		Queues:      control.QueuesFrom(queues),
+		Concurrency: f.concurrency,
+		Prefetch:    f.prefetch,
+	}, nil
 }
 
 // observer returns ctl as the worker's event observer, or none.
