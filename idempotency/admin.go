@@ -1,9 +1,11 @@
 package idempotency
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -186,40 +188,149 @@ type PurgeParams struct {
 	BatchSize int
 	// MaxBatches stops after this many batches per table (0: until done).
 	MaxBatches int
+	// DryRun deletes nothing: the result counts what a purge with these
+	// parameters would delete now (Batches stays 0).
+	DryRun bool
+	// Progress, if set, is called after each batch that deleted rows, with
+	// the totals so far (Counts left out). It runs on the calling goroutine.
+	Progress func(sofar PurgeResult)
 }
 
-// PurgeResult says what a purge deleted.
+// PurgeResult says what a purge deleted, or a dry run would delete.
 type PurgeResult struct {
 	Records, Events int64
-	Batches         int
+	// Batches is the number of delete statements run.
+	Batches int
+	// Counts breaks Records down by task and status, ordered by task then
+	// status.
+	Counts []PurgeCount
+}
+
+// PurgeCount is how many records of one task and status a purge deleted.
+type PurgeCount struct {
+	Task    string
+	Status  Status
+	Records int64
 }
 
 // Purge deletes old completed, failed and skipped records (never claimed or
 // held ones) and old events, in batches of at most BatchSize rows, each its
-// own short transaction.
-func (s *Store) Purge(ctx context.Context, p PurgeParams) (PurgeResult, error) {
-	var res PurgeResult
+// own short transaction. With DryRun it only counts them.
+func (s *Store) Purge(ctx context.Context, p PurgeParams) (res PurgeResult, err error) {
 	if p.Before.IsZero() {
 		return res, errors.New("idempotency: purge needs a Before time")
 	}
 	if p.BatchSize <= 0 {
 		p.BatchSize = 1000
 	}
-	for _, t := range []struct {
-		sql string
-		n   *int64
-	}{{s.q.purgeRecords, &res.Records}, {s.q.purgeEvents, &res.Events}} {
-		for i := 0; p.MaxBatches == 0 || i < p.MaxBatches; i++ {
-			tag, err := s.pool.Exec(ctx, t.sql, p.Before, p.BatchSize)
-			if err != nil {
-				return res, fmt.Errorf("purge: %w", err)
-			}
-			res.Batches++
-			*t.n += tag.RowsAffected()
-			if tag.RowsAffected() < int64(p.BatchSize) {
-				break
-			}
+	if p.DryRun {
+		return s.purgeCount(ctx, p)
+	}
+	counts := map[purgeKey]int64{}
+	defer func() { res.Counts = sortCounts(counts) }() // also on error: what was deleted
+	progress := func() {
+		if p.Progress != nil {
+			p.Progress(PurgeResult{Records: res.Records, Events: res.Events, Batches: res.Batches})
+		}
+	}
+	for i := 0; p.MaxBatches == 0 || i < p.MaxBatches; i++ {
+		n, err := s.purgeRecordBatch(ctx, p, counts)
+		if err != nil {
+			return res, err
+		}
+		res.Batches++
+		res.Records += n
+		if n > 0 {
+			progress()
+		}
+		if n < int64(p.BatchSize) {
+			break
+		}
+	}
+	for i := 0; p.MaxBatches == 0 || i < p.MaxBatches; i++ {
+		tag, err := s.pool.Exec(ctx, s.q.purgeEvents, p.Before, p.BatchSize)
+		if err != nil {
+			return res, fmt.Errorf("purge events: %w", err)
+		}
+		res.Batches++
+		res.Events += tag.RowsAffected()
+		if tag.RowsAffected() > 0 {
+			progress()
+		}
+		if tag.RowsAffected() < int64(p.BatchSize) {
+			break
 		}
 	}
 	return res, nil
+}
+
+type purgeKey struct {
+	task   string
+	status Status
+}
+
+// purgeRecordBatch deletes one batch of records, adds them to counts and
+// returns how many it deleted.
+func (s *Store) purgeRecordBatch(ctx context.Context, p PurgeParams, counts map[purgeKey]int64) (int64, error) {
+	var total int64
+	err := s.scanPurgeCounts(ctx, s.q.purgeRecords, func(k purgeKey, n int64) {
+		counts[k] += n
+		total += n
+	}, p.Before, p.BatchSize)
+	if err != nil {
+		return total, fmt.Errorf("purge records: %w", err)
+	}
+	return total, nil
+}
+
+// purgeCount counts what Purge would delete with p.
+func (s *Store) purgeCount(ctx context.Context, p PurgeParams) (PurgeResult, error) {
+	var res PurgeResult
+	var limit *int64 // NULL: no limit
+	if p.MaxBatches > 0 {
+		l := int64(p.MaxBatches) * int64(p.BatchSize)
+		limit = &l
+	}
+	counts := map[purgeKey]int64{}
+	err := s.scanPurgeCounts(ctx, s.q.countPurgeRecords, func(k purgeKey, n int64) {
+		counts[k] += n
+		res.Records += n
+	}, p.Before, limit)
+	if err != nil {
+		return res, fmt.Errorf("purge dry run: %w", err)
+	}
+	res.Counts = sortCounts(counts)
+	if err := s.pool.QueryRow(ctx, s.q.countPurgeEvents, p.Before, limit).Scan(&res.Events); err != nil {
+		return res, fmt.Errorf("purge dry run: count events: %w", err)
+	}
+	return res, nil
+}
+
+// scanPurgeCounts runs a query that returns (task, status, count) rows.
+func (s *Store) scanPurgeCounts(ctx context.Context, sql string, add func(purgeKey, int64), args ...any) error {
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k purgeKey
+		var n int64
+		if err := rows.Scan(&k.task, &k.status, &n); err != nil {
+			return err
+		}
+		add(k, n)
+	}
+	return rows.Err()
+}
+
+func sortCounts(m map[purgeKey]int64) []PurgeCount {
+	out := make([]PurgeCount, 0, len(m))
+	for k, n := range m {
+		out = append(out, PurgeCount{Task: k.task, Status: k.status, Records: n})
+	}
+	slices.SortFunc(out, func(a, b PurgeCount) int {
+		return cmp.Or(cmp.Compare(a.Task, b.Task), cmp.Compare(a.Status, b.Status))
+	})
+	return out
 }

@@ -47,7 +47,8 @@
 //   - skipped: a stale claim was abandoned by policy (the rare miss).
 //
 // Purge deletes old completed, failed and skipped records in bounded
-// batches; it never touches claimed or held ones.
+// batches; it never touches claimed or held ones. PurgeParams.DryRun counts
+// what it would delete, per task and status, and deletes nothing.
 //
 // # Claim
 //

@@ -16,7 +16,13 @@ type queries struct {
 	repeats              string
 	purgeRecords         string
 	purgeEvents          string
+	countPurgeRecords    string
+	countPurgeEvents     string
 }
+
+// purgeableRecords selects the records a purge may delete: final ones (never
+// claimed or held) last changed before $1.
+const purgeableRecords = `status IN ('completed', 'failed', 'skipped') AND updated_at < $1`
 
 // claimSQL is the claim: one statement that inserts a fresh claim, or on
 // conflict decides from the current row (which ON CONFLICT DO UPDATE always
@@ -148,15 +154,28 @@ RETURNING message`),
     count(*) FILTER (WHERE kind = 'failure')
 FROM {S}.events WHERE at >= $1 AND at <= now()
 GROUP BY task ORDER BY task`),
+		// The purge statements and their dry-run counts select the same
+		// rows in the same order: a purge of k batches of n deletes the
+		// first k×n (LIMIT NULL: all).
 		purgeRecords: fill(`WITH doomed AS (
     SELECT task, key FROM {S}.records
-    WHERE status IN ('completed', 'failed', 'skipped') AND updated_at < $1
+    WHERE ` + purgeableRecords + `
     ORDER BY status, updated_at LIMIT $2
     FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {S}.records AS r USING doomed d
+    WHERE r.task = d.task AND r.key = d.key AND r.status IN ('completed', 'failed', 'skipped')
+    RETURNING r.task, r.status
 )
-DELETE FROM {S}.records AS r USING doomed d
-WHERE r.task = d.task AND r.key = d.key AND r.status IN ('completed', 'failed', 'skipped')`),
+SELECT task, status, count(*) FROM gone GROUP BY task, status`),
 		purgeEvents: fill(`DELETE FROM {S}.events WHERE id IN (
     SELECT id FROM {S}.events WHERE at < $1 ORDER BY at LIMIT $2)`),
+		countPurgeRecords: fill(`SELECT task, status, count(*) FROM (
+    SELECT task, status FROM {S}.records
+    WHERE ` + purgeableRecords + `
+    ORDER BY status, updated_at LIMIT $2
+) d GROUP BY task, status`),
+		countPurgeEvents: fill(`SELECT count(*) FROM (
+    SELECT 1 FROM {S}.events WHERE at < $1 ORDER BY at LIMIT $2) e`),
 	}
 }

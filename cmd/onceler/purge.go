@@ -6,8 +6,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/idempotency"
@@ -55,92 +53,40 @@ status, and deletes nothing.`,
 				}
 				defer pool.Close()
 				defer store.Close()
-				return a.purge(ctx, pool, store, d.schema, olderThan, time.Now().Add(-dur), batch, dryRun)
+				return a.purge(ctx, store, d.schema, olderThan, time.Now().Add(-dur), batch, dryRun)
 			}
 		},
 	}
 }
 
-func (a *app) purge(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, schema, olderThan string, before time.Time, batch int, dryRun bool) error {
+func (a *app) purge(ctx context.Context, store *idempotency.Store, schema, olderThan string, before time.Time, batch int, dryRun bool) error {
 	cutoff := "older than " + olderThan
 	if dryRun {
-		counts, events, err := purgeCounts(ctx, pool, schema, before)
+		res, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, DryRun: true})
 		if err != nil {
 			return fmt.Errorf("purge: %s", schemaHint(schema, err))
 		}
-		var total int64
-		for _, c := range counts {
-			total += c.n
-		}
-		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events %s\n", total, events, cutoff)
-		if len(counts) > 0 {
+		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events %s\n", res.Records, res.Events, cutoff)
+		if len(res.Counts) > 0 {
 			tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "TASK\tSTATUS\tRECORDS")
-			for _, c := range counts {
-				fmt.Fprintf(tw, "%s\t%s\t%d\n", c.task, c.status, c.n)
+			for _, c := range res.Counts {
+				fmt.Fprintf(tw, "%s\t%s\t%d\n", c.Task, c.Status, c.Records)
 			}
 			_ = tw.Flush()
 		}
 		return nil
 	}
 	fmt.Fprintf(a.stdout, "deleting records and repeat events %s, %d per batch\n", cutoff, batch)
-	var total idempotency.PurgeResult
-	for {
-		res, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, BatchSize: batch, MaxBatches: 1})
-		total.Records += res.Records
-		total.Events += res.Events
-		total.Batches += res.Batches
-		if err != nil {
-			if ctx.Err() != nil {
-				return fmt.Errorf("purge interrupted after deleting %d records and %d repeat events", total.Records, total.Events)
-			}
-			return fmt.Errorf("purge (after deleting %d records): %s", total.Records, schemaHint(schema, err))
+	total, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, BatchSize: batch, Progress: func(sofar idempotency.PurgeResult) {
+		fmt.Fprintf(a.stdout, "  deleted %d records, %d repeat events so far\n", sofar.Records, sofar.Events)
+	}})
+	if err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("purge interrupted after deleting %d records and %d repeat events", total.Records, total.Events)
 		}
-		if res.Records == 0 && res.Events == 0 {
-			break
-		}
-		fmt.Fprintf(a.stdout, "  deleted %d records, %d repeat events so far\n", total.Records, total.Events)
-		if res.Records < int64(batch) && res.Events < int64(batch) {
-			break
-		}
+		return fmt.Errorf("purge (after deleting %d records): %s", total.Records, schemaHint(schema, err))
 	}
 	fmt.Fprintf(a.stdout, "deleted %d records and %d repeat events\n", total.Records, total.Events)
 	return nil
-}
-
-type purgeCount struct {
-	task, status string
-	n            int64
-}
-
-// purgeCounts counts what Purge would delete: the records in a final state
-// (completed, failed, skipped) last updated before the cutoff, and the
-// repeat events before it. Claimed and held records are never purged.
-func purgeCounts(ctx context.Context, pool *pgxpool.Pool, schema string, before time.Time) ([]purgeCount, int64, error) {
-	records := pgx.Identifier{schema, "records"}.Sanitize()
-	events := pgx.Identifier{schema, "events"}.Sanitize()
-	rows, err := pool.Query(ctx, `SELECT task, status, count(*) FROM `+records+`
-		WHERE status IN ('completed', 'failed', 'skipped') AND updated_at < $1
-		GROUP BY task, status ORDER BY task, status`, before)
-	if err != nil {
-		return nil, 0, err
-	}
-	var out []purgeCount
-	for rows.Next() {
-		var c purgeCount
-		if err := rows.Scan(&c.task, &c.status, &c.n); err != nil {
-			rows.Close()
-			return nil, 0, err
-		}
-		out = append(out, c)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return nil, 0, err
-	}
-	var n int64
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+events+` WHERE at < $1`, before).Scan(&n); err != nil {
-		return nil, 0, err
-	}
-	return out, n, nil
 }
