@@ -70,9 +70,9 @@ type options struct {
 }
 
 // WithoutRecord registers the same-database tasks as pure tasks that write
-// in a transaction of their own, for a worker run without the record
-// (tasks.Config.NoRecord), where no record transaction exists: every
-// delivery then repeats its effect, which is what such a run demonstrates.
+// in a transaction of their own: every delivery then repeats its effect.
+// A worker run without the record (tasks.Config.NoRecord) already runs
+// same-database tasks that way, so it does not need this option.
 func WithoutRecord() Option {
 	return func(o *options) { o.noRecord = true }
 }

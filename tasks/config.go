@@ -26,7 +26,8 @@ type Config struct {
 	Queues []amqp.QueueSpec
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
-	// effects). Required unless every task is pure or NoRecord is set.
+	// effects). Required unless every task is pure, or NoRecord is set and no
+	// task is same-database.
 	Pool *pgxpool.Pool
 	// Store is the idempotency record. Default: idempotency.New(Pool, ...)
 	// with the default schema, opened and closed by the worker. The schema
@@ -60,8 +61,14 @@ type Config struct {
 	Metrics prometheus.Registerer
 
 	// NoRecord runs every task without the record, as if pure: duplicates
-	// run again. For demonstrating what the record prevents.
+	// run again. For demonstrating what the record prevents. A same-database
+	// task then runs its RunTx in a transaction of its own on Pool (the
+	// effect commits, nothing is recorded): Pool is required for it.
 	NoRecord bool
+	// RevokedExpiry is how long a revoked task id (Worker.Revoke) is
+	// remembered, as Celery's REVOKE_EXPIRES. Default 3 h; the set also keeps
+	// at most the last 50,000 ids.
+	RevokedExpiry time.Duration
 	// MaxAttempts bounds how often one message may be delivered (quorum
 	// queues: x-delivery-count) or one operation claimed by redeliveries (the
 	// record's attempt count) before the message is quarantined as poison.
@@ -116,6 +123,9 @@ func (c *Config) setDefaults() error {
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
 	}
+	if c.RevokedExpiry <= 0 {
+		c.RevokedExpiry = 3 * time.Hour
+	}
 	if c.MaxAttempts <= 0 {
 		c.MaxAttempts = 5
 	}
@@ -125,10 +135,13 @@ func (c *Config) setDefaults() error {
 // Crash points for CrashConfig.At.
 const (
 	// CrashAfterClaim: the claim is committed (same-database: taken in the
-	// open transaction), the task has not run.
+	// open transaction), the task has not run. Tasks without a record (pure,
+	// or any task under NoRecord): just before the task runs.
 	CrashAfterClaim = "after_claim"
 	// CrashAfterEffect: same-database, after the task's effect and before the
-	// commit; outside, after Run returned and before Complete.
+	// commit; outside, after Run returned and before Complete. Tasks without
+	// a record: after the task returned (NoRecord same-database: before its
+	// own transaction commits), before the reply.
 	CrashAfterEffect = "after_effect"
 	// CrashBeforeAck: after completion and the result publish, before the ack.
 	CrashBeforeAck = "before_ack"

@@ -85,7 +85,7 @@ func (w *Worker) Scheduled() []TaskInfo {
 // Revoke marks task ids revoked: a revoked delivery is answered REVOKED
 // (TaskRevokedError) on receipt or before it runs. With terminate, a
 // running task with that id has its context cancelled (cause ErrRevoked).
-// The set keeps the last 50,000 ids.
+// The set keeps the last 50,000 ids, each for Config.RevokedExpiry (3 h).
 func (w *Worker) Revoke(ids []string, terminate bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -139,33 +139,74 @@ func (w *Worker) Stats() map[string]any {
 	}
 }
 
-// revokedSet is a bounded set of ids; the oldest leave first.
+// revokedSet is a bounded set of ids whose members expire, as Celery's
+// LimitedSet of revoked ids (maxlen 50,000, expires 3 h): the oldest leave
+// first when it is full, and an id is forgotten ttl after it was (last)
+// added.
 type revokedSet struct {
 	max   int
-	ids   map[string]struct{}
-	order []string
+	ttl   time.Duration
+	now   func() time.Time
+	seq   uint64
+	ids   map[string]revokedEntry // id -> its latest add
+	order []revokedEntry          // by time added; entries re-added later are skipped
 }
 
-func newRevokedSet(n int) revokedSet {
-	return revokedSet{max: n, ids: make(map[string]struct{})}
+type revokedEntry struct {
+	id  string
+	at  time.Time
+	seq uint64
+}
+
+func newRevokedSet(n int, ttl time.Duration) revokedSet {
+	return revokedSet{max: n, ttl: ttl, now: time.Now, ids: make(map[string]revokedEntry)}
 }
 
 func (s *revokedSet) add(id string) {
-	if _, ok := s.ids[id]; ok {
-		return
-	}
-	s.ids[id] = struct{}{}
-	s.order = append(s.order, id)
-	if len(s.order) > s.max {
-		delete(s.ids, s.order[0])
-		s.order = s.order[1:]
+	now := s.now()
+	s.seq++
+	e := revokedEntry{id, now, s.seq}
+	s.ids[id] = e
+	s.order = append(s.order, e)
+	s.purge(now)
+	if len(s.order) > 2*len(s.ids)+64 {
+		// Ids revoked again and again: drop their superseded entries.
+		live := s.order[:0]
+		for _, e := range s.order {
+			if s.ids[e.id].seq == e.seq {
+				live = append(live, e)
+			}
+		}
+		clear(s.order[len(live):])
+		s.order = live
 	}
 }
 
 func (s *revokedSet) has(id string) bool {
-	_, ok := s.ids[id]
-	return ok
+	now := s.now()
+	s.purge(now)
+	e, ok := s.ids[id]
+	return ok && now.Sub(e.at) < s.ttl
 }
+
+// purge drops expired ids and, past max, the oldest.
+func (s *revokedSet) purge(now time.Time) {
+	for len(s.order) > 0 {
+		e := s.order[0]
+		switch {
+		case s.ids[e.id].seq != e.seq:
+			// Superseded by a later add (or gone): skip.
+		case len(s.ids) > s.max || now.Sub(e.at) >= s.ttl:
+			delete(s.ids, e.id)
+		default:
+			return
+		}
+		s.order[0] = revokedEntry{}
+		s.order = s.order[1:]
+	}
+}
+
+func (s *revokedSet) len() int { return len(s.ids) }
 
 // keyHash identifies an operation key in events without revealing it: the
 // first 8 bytes of its SHA-256, in hex.

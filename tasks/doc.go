@@ -50,7 +50,9 @@
 // delivery of that operation applies the task's Policy:
 //
 //   - PolicyHold (default): record held, keep the message (DecodeHeld reads
-//     it back), acknowledge, and wait for a person (onceler resolve).
+//     it back), answer FAILURE OperationHeld, acknowledge, and wait for a
+//     person (onceler resolve). Every later delivery of a held operation is
+//     answered OperationHeld too, so that no caller waits in vain.
 //   - PolicyRetry: take the claim over and run again (counted takeover).
 //   - PolicySkip: record skipped and answer FAILURE OperationSkipped.
 //   - PolicyLookup: take over and ask Lookup; found completes with the found
@@ -71,6 +73,7 @@
 //	                  in progress elsewhere   -> kept unacknowledged, looked at again (quickly,
 //	                                             then at most every second, and when the lease lapses)
 //	                  stale                   -> the task's policy
+//	                  held / skipped          -> FAILURE OperationHeld / OperationSkipped, ack
 //	                  fingerprint mismatch    -> FAILURE ValueError, quarantine, ack
 //	                  first                   -> run (lease renewed), Complete or Fail
 //	workflow          chain step, callbacks (success; once per operation), errbacks (failure)
@@ -166,7 +169,17 @@
 // celery.exceptions.TaskRevokedError("expired") to the caller and is
 // acknowledged without running. A message that expires before its ETA is
 // held only until it expires. A revoked id (Worker.Revoke) is answered the
-// same way with "revoked".
+// same way with "revoked". The worker remembers revoked ids for
+// Config.RevokedExpiry (3 h, as Celery's REVOKE_EXPIRES), at most the last
+// 50,000.
+//
+// Revoke with terminate cancels a running task's context (cause
+// ErrRevoked) and waits for the task to return: its caller gets REVOKED
+// (TaskRevokedError "terminated") when it does. Unlike the hard time limit,
+// a terminated task that ignores its context is not abandoned (Go cannot
+// stop it, and abandoning it would leave a same-database transaction or an
+// outside claim to the guards of the time limit): give tasks that may block
+// a time limit, which bounds the wait.
 //
 // # Time limits
 //
@@ -246,7 +259,17 @@
 //
 // Config.Crash (FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK) makes
 // the process SIGKILL itself the first time a task reaches after_claim,
-// after_effect or before_ack, for testing recovery.
+// after_effect or before_ack, for testing recovery. A task without a record
+// (pure, or any task under Config.NoRecord) reaches after_claim just before
+// it runs and after_effect just after it returns (a same-database task under
+// NoRecord: before its own transaction commits).
+//
+// # Without the record
+//
+// Config.NoRecord runs every task without the record, to show what the
+// record prevents: every delivery runs, duplicates repeat their effects.
+// A same-database task then runs its RunTx in a transaction of its own on
+// Config.Pool, committed when it succeeds and rolled back when it fails.
 //
 // # Observability
 //
@@ -276,6 +299,12 @@
 // events (task-received, task-started, task-succeeded, task-failed,
 // task-retried, task-revoked, task-rejected) with Celery's fields, plus
 // onceler_duplicate on answers from the record and onceler_key_sha256.
+// task-succeeded carries runtime (seconds) and result (the Python repr of
+// the result, at most 1024 bytes); task-failed and task-retried carry
+// exception (its Python repr) and traceback (a short one in Python's shape
+// naming the Go task: there is no Python traceback). When the Observer has a
+// TaskEvents() bool method (control.Controller has), the worker asks it
+// first and builds no event when it says no.
 // Registered, Active, Reserved, Scheduled, Revoke and Stats serve remote
 // control.
 package tasks

@@ -54,6 +54,10 @@ func (w *Worker) process(ctx context.Context, j *job) {
 			return
 		}
 	}
+	if j.h.mode == ModeSameDB && w.cfg.NoRecord {
+		w.runOwnTx(ctx, j)
+		return
+	}
 	if j.h.mode == ModePure || w.cfg.NoRecord {
 		w.runPure(ctx, j)
 		return
@@ -84,7 +88,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
 		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
-		if w.cfg.Observer != nil {
+		if w.wantEvents() {
 			w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
 		}
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
@@ -96,7 +100,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	}
 	j.h = h
 	w.m.received.WithLabelValues(h.name).Inc()
-	if w.cfg.Observer != nil {
+	if w.wantEvents() {
 		w.event(ctx, "task-received", j, w.receivedFields(j))
 	}
 	args, err := h.bind(msg.Args, msg.Kwargs)
@@ -178,11 +182,14 @@ func (w *Worker) claimParams(j *job) idempotency.ClaimParams {
 		TaskID: j.msg.ID, Lease: lease, AllowMismatch: j.h.allowMismatch}
 }
 
-// runPure runs a task without a record.
+// runPure runs a task without a record. Its crash points are before the
+// run (after_claim: there is no claim) and after it returns (after_effect).
 func (w *Worker) runPure(ctx context.Context, j *job) {
+	w.crash(CrashAfterClaim, j)
 	res, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
+	w.crash(CrashAfterEffect, j)
 	if w.shutdownCut(ctx, err) {
 		w.giveBack(j)
 		return
@@ -259,9 +266,15 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 		}
 	case idempotency.OutcomeHeld:
 		w.m.held.WithLabelValues(j.h.name).Inc()
-		w.log.Warn("operation is held for a person to resolve; delivery acknowledged, its message is kept in the record",
+		w.log.Warn("operation is held for a person to resolve; caller answered OperationHeld, its message is kept in the record",
 			w.fields(j)...)
-		w.ack(j)
+		// The caller would otherwise wait for a result that comes only if a
+		// person resolves the operation: it gets a FAILURE saying so.
+		exc := &celeryproto.Exception{Type: "OperationHeld", Module: "onceler.exceptions",
+			Message: "operation held after a stale claim: its effect may or may not have happened; resolve it with onceler resolve"}
+		if w.replyFailure(ctx, j, exc, errors.New(exc.Message)) {
+			w.ack(j)
+		}
 	case idempotency.OutcomeSkipped:
 		w.log.Warn("operation was skipped by its stale-claim policy", w.fields(j)...)
 		exc := &celeryproto.Exception{Type: "OperationSkipped", Module: "onceler.exceptions",
@@ -281,8 +294,8 @@ func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	if ce := w.log.Check(zap.DebugLevel, "duplicate suppressed"); ce != nil {
 		ce.Write(w.fields(j)...)
 	}
-	if w.cfg.Observer != nil {
-		w.event(ctx, "task-succeeded", j, map[string]any{"result": string(stored), "runtime": 0.0, "onceler_duplicate": true})
+	if w.wantEvents() {
+		w.event(ctx, "task-succeeded", j, succeededFields(stored, 0, true))
 	}
 	if !w.followUp(ctx, j, stored) || !w.replySuccess(ctx, j, stored) {
 		return

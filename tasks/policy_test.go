@@ -76,7 +76,7 @@ func TestStalePolicies(t *testing.T) {
 	}{
 		{"p.retry", "r-1", "SUCCESS", `"attempt":2`, 1, idempotency.StatusCompleted},
 		{"p.skip", "s-1", "FAILURE", "OperationSkipped", 0, idempotency.StatusSkipped},
-		{"p.hold", "h-1", "", "", 0, idempotency.StatusHeld},
+		{"p.hold", "h-1", "FAILURE", "OperationHeld", 0, idempotency.StatusHeld},
 		{"p.lookup", "found-1", "SUCCESS", `"found":"found-1"`, 0, idempotency.StatusCompleted},
 		{"p.lookup", "missing-1", "SUCCESS", `"ran":"missing-1"`, 1, idempotency.StatusCompleted},
 		{"p.lookup", "broken-1", "FAILURE", "OperationSkipped", 0, idempotency.StatusSkipped},

@@ -181,10 +181,10 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		return
 	}
 	w.m.retried.WithLabelValues(j.h.name).Inc()
-	if w.cfg.Observer != nil {
-		w.event(ctx, "task-retried", j, map[string]any{"exception": fmt.Sprintf("Retry(%q)", rr.Error()), "traceback": ""})
-	}
 	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
+	if w.wantEvents() {
+		w.event(ctx, "task-retried", j, failedFields(j.h.name, exc))
+	}
 	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
 		return
 	}
@@ -200,7 +200,7 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 		msg = "expired"
 	}
 	w.log.Info("task "+msg, w.fields(j)...)
-	if w.cfg.Observer != nil {
+	if w.wantEvents() {
 		w.event(ctx, "task-revoked", j, map[string]any{"terminated": false, "signum": nil, "expired": expired})
 	}
 	exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: msg}

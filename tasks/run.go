@@ -205,7 +205,9 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 	w.active[j] = rs
 	w.mu.Unlock()
 	w.m.inFlight.Inc()
-	w.event(ctx, "task-started", j, nil)
+	if w.wantEvents() {
+		w.event(ctx, "task-started", j, make(map[string]any, 3))
+	}
 	defer func() {
 		w.mu.Lock()
 		delete(w.active, j)
@@ -317,8 +319,8 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		if ce := w.log.Check(zap.DebugLevel, "task succeeded"); ce != nil {
 			ce.Write(w.fields(j)...)
 		}
-		if w.cfg.Observer != nil {
-			w.event(ctx, "task-succeeded", j, map[string]any{"result": string(res), "runtime": j.runtime.Seconds()})
+		if w.wantEvents() {
+			w.event(ctx, "task-succeeded", j, succeededFields(res, j.runtime.Seconds(), false))
 		}
 		// Workflow steps (link callbacks, the chain's next step) go out, with
 		// a confirm, before the result: Celery publishes them before it
@@ -338,7 +340,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrRevoked) {
 		w.m.revoked.WithLabelValues(j.h.name).Inc()
 		w.log.Info("running task terminated by revoke", w.fields(j)...)
-		if w.cfg.Observer != nil {
+		if w.wantEvents() {
 			w.event(ctx, "task-revoked", j, map[string]any{"terminated": true, "signum": 15, "expired": false})
 		}
 		exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: "terminated"}
@@ -358,9 +360,8 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrTimeLimit) {
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: strconv.FormatFloat(w.hardLimit(j).Seconds(), 'g', -1, 64)}
 	}
-	if w.cfg.Observer != nil {
-		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
-			"traceback": taskErr.Error()})
+	if w.wantEvents() {
+		w.event(ctx, "task-failed", j, failedFields(j.h.name, exc))
 	}
 	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
 		return

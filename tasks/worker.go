@@ -34,6 +34,9 @@ type Worker struct {
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).
 	kill    func()
 	crashed atomic.Bool
+	// taskEvents reports whether the Observer wants task events now (its
+	// TaskEvents method); nil: it always does.
+	taskEvents func() bool
 
 	jobs chan *job     // deliveries waiting for a task goroutine
 	quit chan struct{} // closed when shutdown begins: take no new jobs
@@ -101,14 +104,20 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		held:     make(map[*job]struct{}),
 		active:   make(map[*job]*runState),
 		reserved: make(map[*job]struct{}),
-		revoked:  newRevokedSet(50000),
+		revoked:  newRevokedSet(50000, cfg.RevokedExpiry),
 		totals:   make(map[string]int64),
 	}
-	needRecord := false
+	needRecord, sameDB := false, false
 	for _, n := range reg.Names() {
-		if h, _ := reg.get(n); h.mode != ModePure {
-			needRecord = true
-		}
+		h, _ := reg.get(n)
+		needRecord = needRecord || h.mode != ModePure
+		sameDB = sameDB || h.mode == ModeSameDB
+	}
+	if sameDB && cfg.NoRecord && cfg.Pool == nil {
+		return nil, errors.New("tasks: same-database tasks need Config.Pool (without the record they run in a transaction of their own)")
+	}
+	if te, ok := cfg.Observer.(interface{ TaskEvents() bool }); ok {
+		w.taskEvents = te.TaskEvents
 	}
 	if needRecord && !cfg.NoRecord {
 		w.store = cfg.Store

@@ -427,9 +427,8 @@ func (w *Worker) refuseWorkflow(ctx context.Context, j *job, why string) {
 	w.log.Error("workflow not supported; message refused", w.fields(j, zap.String("why", why))...)
 	err := errors.New("onceler: " + why)
 	exc := &celeryproto.Exception{Type: "NotImplementedError", Module: "builtins", Message: err.Error()}
-	if w.cfg.Observer != nil {
-		w.event(ctx, "task-failed", j, map[string]any{"exception": fmt.Sprintf("%s(%q)", exc.Type, exc.Message),
-			"traceback": err.Error()})
+	if w.wantEvents() {
+		w.event(ctx, "task-failed", j, failedFields(j.h.name, exc))
 	}
 	if !w.replyFailure(ctx, j, exc, err) || !w.failWorkflow(ctx, j, exc, err.Error()) {
 		return

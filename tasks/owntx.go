@@ -1,0 +1,71 @@
+package tasks
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// runOwnTx runs a same-database task without the record (Config.NoRecord):
+// its RunTx gets a transaction of its own on Config.Pool, committed when it
+// succeeds, rolled back when it fails. Nothing is recorded: every delivery
+// repeats the effect, which is what a run without the record shows.
+func (w *Worker) runOwnTx(ctx context.Context, j *job) {
+	tx, err := w.cfg.Pool.Begin(ctx)
+	if err != nil {
+		w.recordTrouble(ctx, j, "begin", err)
+		return
+	}
+	w.crash(CrashAfterClaim, j)
+	ttx := tx
+	var guard *txGuard
+	if w.hardLimit(j) > 0 {
+		// As in runSameDB: a task abandoned at its hard time limit is kept
+		// off the connection from then on.
+		guard = newTxGuard()
+		ttx = &guardedTx{g: guard, tx: tx}
+	}
+	res, taskErr := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
+		return j.h.runTx(ctx, ttx, c, j.args)
+	})
+	if j.abandoned && guard != nil && guard.abandon(tx, time.Second) {
+		w.log.Warn("abandoned task kept its query running: connection closed to roll its transaction back", w.fields(j)...)
+	}
+	if taskErr != nil {
+		rctx, cancel := final(ctx)
+		if err := tx.Rollback(rctx); err != nil {
+			w.log.Debug("rollback after the task failed", w.fields(j, zap.Error(err))...)
+		}
+		cancel()
+		if w.shutdownCut(ctx, taskErr) {
+			w.giveBack(j)
+			return
+		}
+		w.finish(ctx, j, nil, taskErr)
+		return
+	}
+	w.crash(CrashAfterEffect, j)
+	cctx, cancel := final(ctx)
+	err = tx.Commit(cctx)
+	cancel()
+	if err != nil {
+		// The effect may or may not have committed: the delivery stays
+		// unacknowledged and runs again (without the record, a repeat is
+		// what this mode shows).
+		w.recordTrouble(ctx, j, "commit", fmt.Errorf("commit the task's own transaction: %w", err))
+		return
+	}
+	w.finish(ctx, j, res, nil)
+}
+
+// wantEvents reports whether task events go to the Observer now: there is
+// one, and it has no TaskEvents method or that says yes. Event field maps
+// are built only after it said yes.
+func (w *Worker) wantEvents() bool {
+	if w.cfg.Observer == nil {
+		return false
+	}
+	return w.taskEvents == nil || w.taskEvents()
+}
