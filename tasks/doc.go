@@ -174,12 +174,13 @@
 // 50,000.
 //
 // Revoke with terminate cancels a running task's context (cause
-// ErrRevoked) and waits for the task to return: its caller gets REVOKED
-// (TaskRevokedError "terminated") when it does. Unlike the hard time limit,
-// a terminated task that ignores its context is not abandoned (Go cannot
-// stop it, and abandoning it would leave a same-database transaction or an
-// outside claim to the guards of the time limit): give tasks that may block
-// a time limit, which bounds the wait.
+// ErrRevoked); its caller gets REVOKED (TaskRevokedError "terminated") and
+// the delivery is acknowledged. A task that has not returned 100 ms later is
+// abandoned as at the hard time limit (below, by mode): its caller is
+// answered at once while its goroutine runs on. A same-database task without
+// a time limit has no transaction guard and is not abandoned: it is waited
+// for, and if it returns success anyway its outcome stands (committed,
+// SUCCESS). A task that returns the cause after the revoke is REVOKED.
 //
 // # Time limits
 //
@@ -287,7 +288,7 @@
 //	onceler_held_total{task}                  deliveries of held operations
 //	onceler_quarantined_total{reason}         messages moved to quarantine
 //	onceler_workflow_steps_published_total{kind} chain steps, link callbacks, errbacks published
-//	onceler_tasks_abandoned_total{task}       tasks abandoned at their hard time limit
+//	onceler_tasks_abandoned_total{task}       tasks abandoned (hard time limit, terminating revoke)
 //	onceler_tasks_in_flight                   tasks running now
 //	onceler_tasks_scheduled                   deliveries held until their ETA
 //	onceler_task_duration_seconds{task}       run time histogram

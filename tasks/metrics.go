@@ -45,7 +45,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		held:        cv("held_total", "Operations held for a person to resolve.", "task"),
 		quarantined: cv("quarantined_total", "Messages moved to a quarantine queue, by reason.", "reason"),
 		steps:       cv("workflow_steps_published_total", "Workflow messages published: chain steps, link callbacks, errbacks.", "kind"),
-		abandoned:   cv("tasks_abandoned_total", "Tasks abandoned at their hard time limit while still running.", "task"),
+		abandoned:   cv("tasks_abandoned_total", "Tasks abandoned while still running, at their hard time limit or terminated by a revoke.", "task"),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_in_flight",
 			Help: "Tasks running now."}),
 		scheduled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "tasks_scheduled",

@@ -87,8 +87,9 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	case j.abandoned:
 		// The task still runs: its outcome is unknown. The claim is not
 		// renewed any more and lapses into the task's stale-claim policy;
-		// the caller gets TimeLimitExceeded and the delivery is acknowledged.
-		w.log.Warn("outside claim left to lapse after the hard time limit", w.fields(j)...)
+		// the caller gets TimeLimitExceeded (REVOKED after a terminating
+		// revoke) and the delivery is acknowledged.
+		w.log.Warn("outside claim left to lapse: the task was abandoned", w.fields(j)...)
 		w.finish(ctx, j, nil, taskErr)
 	case w.shutdownCut(ctx, taskErr):
 		fctx, cancel := final(ctx)
@@ -218,7 +219,11 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(j.runtime.Seconds())
 	}()
 	var v any
-	if hard > 0 {
+	if hard > 0 || j.h.mode != ModeSameDB {
+		// On a goroutine of its own, so that the task can be abandoned at
+		// its hard time limit or by a terminating revoke. A same-database
+		// task without a time limit is run inline: its transaction has no
+		// guard to keep an abandoned task off the connection.
 		v, err = w.runLimited(tctx, j, c, fn, hard)
 	} else {
 		v, err = protect(tctx, c, fn)
@@ -236,13 +241,15 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 }
 
 // hardLimitSettle is how long a task may take to return after its hard time
-// limit cancelled its context before it is abandoned.
+// limit (or a terminating revoke) cancelled its context before it is
+// abandoned.
 const hardLimitSettle = 100 * time.Millisecond
 
 // runLimited calls fn on a goroutine of its own, so that the task can be
-// abandoned at its hard time limit. Go cannot stop a goroutine: an abandoned
-// task runs on (its context cancelled) until it returns; its result is then
-// discarded. w.tasks counts these goroutines; Run waits for them.
+// abandoned at its hard time limit (hard, 0 for none) or when a revoke
+// terminates it. Go cannot stop a goroutine: an abandoned task runs on (its
+// context cancelled) until it returns; its result is then discarded.
+// w.tasks counts these goroutines; Run waits for them.
 func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error), hard time.Duration) (any, error) {
 	type outcome struct {
 		v   any
@@ -266,9 +273,11 @@ func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(conte
 		return o.v, o.err
 	case <-tctx.Done():
 	}
-	if !errors.Is(context.Cause(tctx), ErrTimeLimit) {
-		// Revocation, lease loss, shutdown: the task is asked to stop and
-		// waited for.
+	cause := context.Cause(tctx)
+	revoked := errors.Is(cause, ErrRevoked)
+	if !revoked && !errors.Is(cause, ErrTimeLimit) {
+		// Soft time limit, lease loss, shutdown: the task is asked to stop
+		// and waited for.
 		o := <-done
 		return o.v, o.err
 	}
@@ -282,6 +291,10 @@ func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(conte
 	abandoned.Store(true)
 	j.abandoned = true
 	w.m.abandoned.WithLabelValues(j.h.name).Inc()
+	if revoked {
+		w.log.Error("terminated by revoke: task abandoned while it still runs", w.fields(j)...)
+		return nil, fmt.Errorf("%w: task abandoned after a terminating revoke", ErrRevoked)
+	}
 	w.log.Error("hard time limit: task abandoned while it still runs", w.fields(j, zap.Duration("time_limit", hard))...)
 	return nil, fmt.Errorf("%w: task abandoned at its hard time limit (%s)", ErrTimeLimit, hard)
 }
