@@ -139,14 +139,23 @@ func tlsProxy(t *testing.T, pki testPKI, upstream string) string {
 	return ln.Addr().String()
 }
 
-func TestTLSWithClientCertificate(t *testing.T) {
+// proxiedBroker starts a TLS proxy (client certificate required) in front of
+// the test broker and returns its amqps:// URL (vhost "/", host localhost),
+// the test broker's configuration and URI.
+func proxiedBroker(t *testing.T, pki testPKI) (url.URL, Config, amqp091.URI) {
+	t.Helper()
 	base := testConfig(t)
 	_, uri, err := normalizeURL(base.URL)
 	must(t, err, "parse")
-	pki := newTestPKI(t)
 	addr := tlsProxy(t, pki, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
 	_, port, _ := net.SplitHostPort(addr)
-	u := url.URL{Scheme: "amqps", User: url.UserPassword(uri.Username, uri.Password), Host: "localhost:" + port, Path: "//"}
+	return url.URL{Scheme: "amqps", User: url.UserPassword(uri.Username, uri.Password), Host: "localhost:" + port}, base, uri
+}
+
+func TestTLSWithClientCertificate(t *testing.T) {
+	pki := newTestPKI(t)
+	u, base, uri := proxiedBroker(t, pki)
+	u.Path = "//"
 
 	cfg := base
 	cfg.URL = u.String()
@@ -243,13 +252,8 @@ func TestTLSClientConfig(t *testing.T) {
 // (as the control connection makes) to pass a broker that requires the
 // client certificate.
 func TestTLSClientConfigDialsWithClientCertificate(t *testing.T) {
-	base := testConfig(t)
-	_, uri, err := normalizeURL(base.URL)
-	must(t, err, "parse")
 	pki := newTestPKI(t)
-	addr := tlsProxy(t, pki, net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
-	_, port, _ := net.SplitHostPort(addr)
-	u := url.URL{Scheme: "amqps", User: url.UserPassword(uri.Username, uri.Password), Host: "localhost:" + port} // no path: vhost "/"
+	u, _, _ := proxiedBroker(t, pki)
 	dial := func(files TLSConfig) error {
 		tc, err := Config{URL: u.String(), TLS: files}.TLSClientConfig()
 		if err != nil {

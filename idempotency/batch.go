@@ -49,6 +49,39 @@ type completeOp struct {
 	done   chan completeResult
 }
 
+// batchOp is a queued claim or completion, as take sees it.
+type batchOp interface {
+	key() opKey
+	stateRef() *opState
+}
+
+func (op *claimOp) key() opKey            { return opKey{op.p.Task, op.p.Key} }
+func (op *claimOp) stateRef() *opState    { return &op.state }
+func (op *completeOp) key() opKey         { return opKey{op.ref.Task, op.ref.Key} }
+func (op *completeOp) stateRef() *opState { return &op.state }
+
+// takeFrom takes up to max ops of queue, at most one per key, and marks them
+// taken; cancelled ops are dropped and the others stay queued, in order, in
+// rest (which reuses queue's array). seen is scratch space.
+func takeFrom[T batchOp](queue []T, max int, seen map[opKey]bool) (taken, rest []T) {
+	clear(seen)
+	rest = queue[:0]
+	for _, op := range queue {
+		st := op.stateRef()
+		switch k := op.key(); {
+		case *st == opCancelled:
+		case len(taken) >= max || seen[k]:
+			rest = append(rest, op)
+		default:
+			seen[k] = true
+			*st = opTaken
+			taken = append(taken, op)
+		}
+	}
+	clear(queue[len(rest):])
+	return taken, rest
+}
+
 type completeResult struct {
 	ok  bool
 	err error
@@ -124,51 +157,48 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 
 func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	op := &claimOp{p: p, token: newToken(), done: make(chan claimResult, 1)}
-	lead, err := b.enqueue(func() { b.claims = append(b.claims, op) })
+	r, err := submit(ctx, b, "claim", func() { b.claims = append(b.claims, op) }, &op.state, op.done)
 	if err != nil {
 		return Claim{}, err
 	}
-	if lead {
-		b.lead(&op.state)
-	}
-	select {
-	case r := <-op.done:
-		return r.c, r.err
-	case <-ctx.Done():
-		if b.cancel(&op.state) {
-			return Claim{}, fmt.Errorf("claim: %w", context.Cause(ctx))
-		}
-		select {
-		case r := <-op.done: // answered meanwhile
-			return r.c, r.err
-		default:
-		}
-		return Claim{}, fmt.Errorf("claim: %w", &unknownError{err: context.Cause(ctx)})
-	}
+	return r.c, r.err
 }
 
 func (b *batcher) complete(ctx context.Context, ref Ref, res *string) (bool, error) {
 	op := &completeOp{ref: ref, result: res, done: make(chan completeResult, 1)}
-	lead, err := b.enqueue(func() { b.completes = append(b.completes, op) })
+	r, err := submit(ctx, b, "complete", func() { b.completes = append(b.completes, op) }, &op.state, op.done)
 	if err != nil {
 		return false, err
 	}
+	return r.ok, r.err
+}
+
+// submit queues an op (add appends it, under the lock), flushes when it
+// leads, and waits for the op's answer on done. When ctx ends first, an op
+// still queued is withdrawn (ctx's cause, wrapped as what); one a flusher
+// took has an unknown outcome, unless its answer came meanwhile.
+func submit[R any](ctx context.Context, b *batcher, what string, add func(), st *opState, done <-chan R) (R, error) {
+	var zero R
+	lead, err := b.enqueue(add)
+	if err != nil {
+		return zero, err
+	}
 	if lead {
-		b.lead(&op.state)
+		b.lead(st)
 	}
 	select {
-	case r := <-op.done:
-		return r.ok, r.err
+	case r := <-done:
+		return r, nil
 	case <-ctx.Done():
-		if b.cancel(&op.state) {
-			return false, fmt.Errorf("complete: %w", context.Cause(ctx))
+		if b.cancel(st) {
+			return zero, fmt.Errorf("%s: %w", what, context.Cause(ctx))
 		}
 		select {
-		case r := <-op.done: // answered meanwhile
-			return r.ok, r.err
+		case r := <-done: // answered meanwhile
+			return r, nil
 		default:
 		}
-		return false, fmt.Errorf("complete: %w", &unknownError{err: context.Cause(ctx)})
+		return zero, fmt.Errorf("%s: %w", what, &unknownError{err: context.Cause(ctx)})
 	}
 }
 
@@ -236,40 +266,10 @@ func (b *batcher) run() {
 func (b *batcher) take() ([]*claimOp, []*completeOp) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	var claims []*claimOp
 	seen := map[opKey]bool{}
-	rest := b.claims[:0]
-	for _, op := range b.claims {
-		k := opKey{op.p.Task, op.p.Key}
-		switch {
-		case op.state == opCancelled:
-		case len(claims) >= b.cfg.MaxSize || seen[k]:
-			rest = append(rest, op)
-		default:
-			seen[k] = true
-			op.state = opTaken
-			claims = append(claims, op)
-		}
-	}
-	clear(b.claims[len(rest):])
+	claims, rest := takeFrom(b.claims, b.cfg.MaxSize, seen)
 	b.claims = rest
-
-	var completes []*completeOp
-	clear(seen)
-	crest := b.completes[:0]
-	for _, op := range b.completes {
-		k := opKey{op.ref.Task, op.ref.Key}
-		switch {
-		case op.state == opCancelled:
-		case len(completes) >= b.cfg.MaxSize || seen[k]:
-			crest = append(crest, op)
-		default:
-			seen[k] = true
-			op.state = opTaken
-			completes = append(completes, op)
-		}
-	}
-	clear(b.completes[len(crest):])
+	completes, crest := takeFrom(b.completes, b.cfg.MaxSize, seen)
 	b.completes = crest
 	if len(claims) == 0 && len(completes) == 0 {
 		b.active--

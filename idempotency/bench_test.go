@@ -37,39 +37,11 @@ func BenchmarkClaimCompleteRate(b *testing.B) {
 	for _, rate := range []int{2000, 4500} {
 		b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {
 			s, run := benchStore(b, false)
-			ctx := context.Background()
-			const callers = 256
 			interval := time.Second / time.Duration(rate)
-			var next atomic.Int64
-			lat := make([][]time.Duration, callers)
-			b.ResetTimer()
-			start := time.Now()
-			var wg sync.WaitGroup
-			for w := range callers {
-				wg.Go(func() {
-					for {
-						i := next.Add(1)
-						if i > int64(b.N) {
-							return
-						}
-						due := start.Add(time.Duration(i) * interval)
-						time.Sleep(time.Until(due))
-						if err := claimComplete(ctx, s, run, i); err != nil {
-							b.Error(err)
-							return
-						}
-						lat[w] = append(lat[w], time.Since(due))
-					}
-				})
-			}
-			wg.Wait()
-			el := time.Since(start)
-			b.StopTimer()
-			all := slices.Concat(lat...)
-			slices.Sort(all)
-			b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
+			all := drive(b, s, run, 256, func(start time.Time, i int64) time.Time {
+				return start.Add(time.Duration(i) * interval)
+			})
 			if len(all) > 0 {
-				b.ReportMetric(float64(all[len(all)*99/100].Microseconds())/1000, "p99-ms")
 				b.ReportMetric(float64(all[len(all)/2].Microseconds())/1000, "p50-ms")
 			}
 			b.ReportMetric(float64(s.BatchStats().Flushes)/float64(b.N), "commits/op")
@@ -119,8 +91,22 @@ func benchStore(b *testing.B, disabled bool) (*idempotency.Store, string) {
 }
 
 func benchClaimComplete(b *testing.B, disabled bool, callers int) {
-	ctx := context.Background()
 	s, run := benchStore(b, disabled)
+	drive(b, s, run, callers, nil)
+	commits := float64(2 * b.N)
+	if !disabled {
+		commits = float64(s.BatchStats().Flushes)
+	}
+	b.ReportMetric(commits/float64(b.N), "commits/op")
+}
+
+// drive runs claim+complete of operations 1..b.N on callers goroutines,
+// timed, and reports operations per second and the p99 latency. due says
+// when operation i is due (open loop: a caller waits for it, and its latency
+// counts from then); nil: as soon as a caller is free. It returns the
+// latencies, sorted.
+func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func(start time.Time, i int64) time.Time) []time.Duration {
+	ctx := context.Background()
 	var next atomic.Int64
 	lat := make([][]time.Duration, callers)
 	b.ResetTimer()
@@ -134,6 +120,10 @@ func benchClaimComplete(b *testing.B, disabled bool, callers int) {
 					return
 				}
 				t0 := time.Now()
+				if due != nil {
+					t0 = due(start, i)
+					time.Sleep(time.Until(t0))
+				}
 				if err := claimComplete(ctx, s, run, i); err != nil {
 					b.Error(err)
 					return
@@ -151,9 +141,5 @@ func benchClaimComplete(b *testing.B, disabled bool, callers int) {
 	if len(all) > 0 {
 		b.ReportMetric(float64(all[len(all)*99/100].Microseconds())/1000, "p99-ms")
 	}
-	commits := float64(2 * b.N)
-	if !disabled {
-		commits = float64(s.BatchStats().Flushes)
-	}
-	b.ReportMetric(commits/float64(b.N), "commits/op")
+	return all
 }

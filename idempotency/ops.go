@@ -181,13 +181,20 @@ func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <
 	interval := lease / 3
 	t := time.NewTimer(interval)
 	defer t.Stop()
-	for {
+	// tick waits for the timer; false when stopped or ctx is done.
+	tick := func() bool {
 		select {
 		case <-stop:
-			return
+			return false
 		case <-ctx.Done():
-			return
+			return false
 		case <-t.C:
+			return true
+		}
+	}
+	for {
+		if !tick() {
+			return
 		}
 		for {
 			start := time.Now()
@@ -206,12 +213,8 @@ func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <
 			s.log.Info("idempotency lease renewal failed, retrying", zap.String("task", ref.Task), zap.Error(err))
 			wait := min(interval/4, time.Until(deadline))
 			t.Reset(max(wait, time.Millisecond))
-			select {
-			case <-stop:
+			if !tick() {
 				return
-			case <-ctx.Done():
-				return
-			case <-t.C:
 			}
 		}
 		t.Reset(interval)

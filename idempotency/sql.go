@@ -105,34 +105,29 @@ func newQueries(schema string) queries {
 	const cols = `task, key, status, token, owner, task_id, attempt, fingerprint, claimed_at,
         lease_until, completed_at, updated_at, result, error, reason, duplicate_count,
         last_duplicate_at, message`
+	// endClaim ends the current claim ($1 task, $2 key, $3 token) with the
+	// assignments of set, logs an event of kind, and counts the rows it
+	// changed (0: the claim is no longer current).
+	endClaim := func(set, kind string) string {
+		return fill(`WITH up AS (
+    UPDATE {S}.records SET ` + set + `, lease_until = NULL, updated_at = now()
+    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
+    RETURNING task, key
+), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, '` + kind + `' FROM up)
+SELECT count(*) FROM up`)
+	}
 	return queries{
 		claimOne:   claim(claimOneSource, "$9::bool", "$10::bool"),
 		claimBatch: claim(claimBatchSource, "false", "false"),
 		complete:   fill(completeSQL),
 		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'
 WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed' AND lease_until > now()`),
-		fail: fill(`WITH up AS (
-    UPDATE {S}.records SET status = 'failed', error = $4, lease_until = NULL, updated_at = now()
-    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
-    RETURNING task, key
-), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'failure' FROM up)
-SELECT count(*) FROM up`),
+		fail: endClaim(`status = 'failed', error = $4`, "failure"),
 		release: fill(`UPDATE {S}.records SET status = 'failed', error = '', reason = 'released',
     lease_until = NULL, updated_at = now()
 WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'`),
-		skip: fill(`WITH up AS (
-    UPDATE {S}.records SET status = 'skipped', reason = $4, lease_until = NULL, updated_at = now()
-    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
-    RETURNING task, key
-), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'skipped' FROM up)
-SELECT count(*) FROM up`),
-		hold: fill(`WITH up AS (
-    UPDATE {S}.records SET status = 'held', reason = $5, message = COALESCE($4, message),
-        lease_until = NULL, updated_at = now()
-    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
-    RETURNING task, key
-), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, 'held' FROM up)
-SELECT count(*) FROM up`),
+		skip:  endClaim(`status = 'skipped', reason = $4`, "skipped"),
+		hold:  endClaim(`status = 'held', reason = $5, message = COALESCE($4, message)`, "held"),
 		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),
 		get:   fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
 		list: fill(`SELECT ` + cols + ` FROM {S}.records

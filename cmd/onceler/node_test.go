@@ -41,14 +41,7 @@ func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
 		t.Fatalf("two workers share the node name %s", nodes[0])
 	}
 	for _, node := range nodes {
-		ping := start(t, "celery inspect", s.env, testenv.Python(t), "-c", inspectPy, node)
-		if err := ping.wait(60 * time.Second); err != nil {
-			t.Fatalf("inspect: %v\n%s", err, ping.stderr.String())
-		}
-		var got map[string]map[string]any
-		if err := json.Unmarshal([]byte(ping.stdout.String()), &got); err != nil {
-			t.Fatalf("inspect output %q: %v", ping.stdout.String(), err)
-		}
+		got := celeryInspect(t, s.env, node)
 		if len(got["ping"]) != 1 || fmt.Sprint(got["ping"][node]) != "map[ok:pong]" {
 			t.Fatalf("celery inspect ping of %s: %v", node, got["ping"])
 		}
@@ -56,6 +49,21 @@ func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
 	for _, w := range workers {
 		w.stop()
 	}
+}
+
+// celeryInspect asks node, as "celery inspect" does, for ping and
+// registered, and returns the replies by command and node.
+func celeryInspect(t *testing.T, env map[string]string, node string) map[string]map[string]any {
+	t.Helper()
+	ping := start(t, "celery inspect", env, testenv.Python(t), "-c", inspectPy, node)
+	if err := ping.wait(60 * time.Second); err != nil {
+		t.Fatalf("inspect: %v\n%s", err, ping.stderr.String())
+	}
+	var got map[string]map[string]any
+	if err := json.Unmarshal([]byte(ping.stdout.String()), &got); err != nil {
+		t.Fatalf("inspect output %q: %v", ping.stdout.String(), err)
+	}
+	return got
 }
 
 // writeSelfSigned writes a self-signed certificate (its own CA) and its key.

@@ -77,14 +77,7 @@ func TestWorkerServesMetricsAndHealth(t *testing.T) {
 	}
 	host, _ := os.Hostname()
 	node := name + "@" + host
-	ping := start(t, "celery inspect", s.env, testenv.Python(t), "-c", inspectPy, node)
-	if err := ping.wait(60 * time.Second); err != nil {
-		t.Fatalf("inspect: %v\n%s", err, ping.stderr.String())
-	}
-	var got map[string]map[string]any
-	if err := json.Unmarshal([]byte(ping.stdout.String()), &got); err != nil {
-		t.Fatalf("inspect output %q: %v", ping.stdout.String(), err)
-	}
+	got := celeryInspect(t, s.env, node)
 	if fmt.Sprint(got["ping"][node]) != "map[ok:pong]" || !strings.Contains(fmt.Sprint(got["registered"][node]), "demo.ledger.credit") {
 		t.Fatalf("celery inspect ping/registered of %s: %v", node, got)
 	}
