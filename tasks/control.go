@@ -235,10 +235,9 @@ func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[strin
 
 func (w *Worker) receivedFields(j *job) map[string]any {
 	m := j.msg
-	f := map[string]any{
-		"args": m.ArgsRepr, "kwargs": m.KwargsRepr, "root_id": m.RootID, "parent_id": m.ParentID,
-		"retries": m.Retries, "eta": nil, "expires": nil,
-	}
+	f := make(map[string]any, 10) // + uuid, name, onceler_key_sha256
+	f["args"], f["kwargs"], f["root_id"], f["parent_id"] = m.ArgsRepr, m.KwargsRepr, m.RootID, m.ParentID
+	f["retries"], f["eta"], f["expires"] = m.Retries, nil, nil
 	if !m.ETA.IsZero() {
 		f["eta"] = celeryproto.FormatTime(m.ETA)
 	}
