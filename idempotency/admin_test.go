@@ -177,21 +177,7 @@ func TestPurgeBoundedNeverClaimedOrHeld(t *testing.T) {
 	ctx := context.Background()
 	const done = 25
 	for i := range done {
-		p := params("old", fmt.Sprint("c", i))
-		c := mustClaim(t, e.store, p, idempotency.OutcomeFirst)
-		var err error
-		switch i % 3 {
-		case 0:
-			err = e.store.Complete(ctx, p.Ref(c.Token), nil)
-		case 1:
-			err = e.store.Fail(ctx, p.Ref(c.Token), "x")
-		default:
-			e.expire(t, p.Task, p.Key)
-			err = e.store.Skip(ctx, p.Ref(c.Token), "policy")
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		e.finish(t, params("old", fmt.Sprint("c", i)), i)
 	}
 	claimed := params("old", "claimed")
 	mustClaim(t, e.store, claimed, idempotency.OutcomeFirst)

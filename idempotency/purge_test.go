@@ -10,6 +10,29 @@ import (
 	"github.com/onceler/onceler/idempotency"
 )
 
+// finish claims p and ends the claim by i: completed, failed or skipped in
+// turn. It returns the record's status.
+func (e *env) finish(t *testing.T, p idempotency.ClaimParams, i int) idempotency.Status {
+	t.Helper()
+	ctx := context.Background()
+	c := mustClaim(t, e.store, p, idempotency.OutcomeFirst)
+	var err error
+	var st idempotency.Status
+	switch i % 3 {
+	case 0:
+		err, st = e.store.Complete(ctx, p.Ref(c.Token), nil), idempotency.StatusCompleted
+	case 1:
+		err, st = e.store.Fail(ctx, p.Ref(c.Token), "x"), idempotency.StatusFailed
+	default:
+		e.expire(t, p.Task, p.Key)
+		err, st = e.store.Skip(ctx, p.Ref(c.Token), "policy"), idempotency.StatusSkipped
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
 // TestPurgeDryRunCountsWhatPurgeDeletes: a dry run deletes nothing, never
 // counts claimed or held records, and counts exactly what the real purge
 // then deletes, per task and status, with or without MaxBatches; Progress
@@ -20,20 +43,8 @@ func TestPurgeDryRunCountsWhatPurgeDeletes(t *testing.T) {
 	for i := range 17 {
 		task := []string{"purge.a", "purge.b"}[i%2]
 		p := params(task, fmt.Sprint("k", i))
-		c := mustClaim(t, e.store, p, idempotency.OutcomeFirst)
-		var err error
-		switch i % 3 {
-		case 0:
-			err = e.store.Complete(ctx, p.Ref(c.Token), nil)
+		if e.finish(t, p, i) == idempotency.StatusCompleted {
 			mustClaim(t, e.store, p, idempotency.OutcomeCompleted) // a duplicate: one repeat event
-		case 1:
-			err = e.store.Fail(ctx, p.Ref(c.Token), "x")
-		default:
-			e.expire(t, p.Task, p.Key)
-			err = e.store.Skip(ctx, p.Ref(c.Token), "policy")
-		}
-		if err != nil {
-			t.Fatal(err)
 		}
 	}
 	mustClaim(t, e.store, params("purge.a", "claimed"), idempotency.OutcomeFirst)
