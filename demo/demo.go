@@ -65,16 +65,7 @@ func Names() []string {
 type Option func(*options)
 
 type options struct {
-	logger   *zap.Logger
-	noRecord bool
-}
-
-// WithoutRecord registers the same-database tasks as pure tasks that write
-// in a transaction of their own: every delivery then repeats its effect.
-// A worker run without the record (tasks.Config.NoRecord) already runs
-// same-database tasks that way, so it does not need this option.
-func WithoutRecord() Option {
-	return func(o *options) { o.noRecord = true }
+	logger *zap.Logger
 }
 
 // WithLogger sets the logger that records every call to a simulated outside
@@ -157,7 +148,7 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Mode: tasks.ModePure,
 			Run:  d.add,
 		}),
-		registerSameDB(reg, o.noRecord, d, tasks.Task[CreditArgs]{
+		tasks.Register(reg, tasks.Task[CreditArgs]{
 			Name:  TaskCredit,
 			Mode:  tasks.ModeSameDB,
 			Key:   func(a CreditArgs) (string, error) { return nonEmpty("entry_id", a.EntryID) },
@@ -179,7 +170,7 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Policy: tasks.PolicyHold,
 			Run:    d.email,
 		}),
-		registerSameDB(reg, o.noRecord, d, tasks.Task[SleepArgs]{
+		tasks.Register(reg, tasks.Task[SleepArgs]{
 			Name:  TaskSleep,
 			Mode:  tasks.ModeSameDB,
 			Key:   func(a SleepArgs) (string, error) { return nonEmpty("op", a.Op) },
@@ -202,25 +193,6 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 		return fmt.Errorf("register demo tasks: %w", err)
 	}
 	return nil
-}
-
-// registerSameDB registers a same-database task, or without the record a
-// pure task that runs RunTx in a transaction of its own.
-func registerSameDB[A any](reg *tasks.Registry, noRecord bool, d *demo, t tasks.Task[A]) error {
-	if noRecord {
-		runTx := t.RunTx
-		t.Mode, t.Key, t.RunTx = tasks.ModePure, nil, nil
-		t.Run = func(ctx context.Context, c *tasks.Call, a A) (any, error) {
-			var res any
-			err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-				var err error
-				res, err = runTx(ctx, tx, c, a)
-				return err
-			})
-			return res, err
-		}
-	}
-	return tasks.Register(reg, t)
 }
 
 type demo struct {

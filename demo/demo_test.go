@@ -221,32 +221,3 @@ func TestFailIsValueError(t *testing.T) {
 		t.Fatalf("fail: %#v", err)
 	}
 }
-
-func TestRegisterWithoutRecordMakesSameDBTasksPure(t *testing.T) {
-	d := newDemo(t)
-	reg := tasks.NewRegistry()
-	if err := Register(reg, d.pool, WithoutRecord(), WithLogger(d.log)); err != nil {
-		t.Fatal(err)
-	}
-	if got := len(reg.Names()); got != len(Names()) {
-		t.Fatalf("registered %d tasks, want %d", got, len(Names()))
-	}
-	// Without the record, RunTx runs in a transaction of its own: calling the
-	// pure wrapper twice credits twice.
-	entry, account := testenv.Name("e"), testenv.Name("acct")
-	ctx := context.Background()
-	run := func() {
-		err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-			_, err := d.credit(ctx, tx, &tasks.Call{TaskID: "t"}, CreditArgs{Account: account, EntryID: entry, Cents: 5})
-			return err
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	run()
-	run()
-	if n, _ := CountLedger(ctx, d.pool, entry); n != 2 {
-		t.Fatalf("ledger rows = %d, want 2", n)
-	}
-}

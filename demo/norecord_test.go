@@ -16,8 +16,8 @@ import (
 	"github.com/onceler/onceler/tasks"
 )
 
-// TestNoRecordWorkerRunsSameDBTasks: the demo tasks registered as they are
-// (no WithoutRecord) run under a worker without the record: each copy of a
+// TestNoRecordWorkerRunsSameDBTasks: the demo tasks run under a worker
+// without the record (tasks.Config.NoRecord): each copy of a
 // ledger credit commits its own entry, as a run without the record shows.
 func TestNoRecordWorkerRunsSameDBTasks(t *testing.T) {
 	d := newDemo(t)

@@ -168,11 +168,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		if err := demo.Migrate(ctx, pool); err != nil {
 			return fmt.Errorf("create the demo tables: %s", oneLine(err))
 		}
-		opts := []demo.Option{demo.WithLogger(logger)}
-		if f.noRecord {
-			opts = append(opts, demo.WithoutRecord())
-		}
-		if err := demo.Register(reg, pool, opts...); err != nil {
+		if err := demo.Register(reg, pool, demo.WithLogger(logger)); err != nil {
 			return err
 		}
 	}
