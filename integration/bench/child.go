@@ -49,7 +49,8 @@ type childJob struct {
 	CPUProfile  string
 	MemProfile  string
 	Debug       bool
-	GOGC        int // 0: the runtime's default
+	GOGC        int    // 0: the runtime's default
+	DoneFile    string // when set, the commit time of each task is written there
 }
 
 // childResult is what the child reports.
@@ -208,6 +209,12 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		return res, fmt.Errorf("worker: registry: %w", err)
 	}
 	metrics := newCountingRegistry()
+	var obs *doneObserver
+	var taskObs tasks.Observer // stays a nil interface without DoneFile
+	if job.DoneFile != "" {
+		obs = newDoneObserver()
+		taskObs = obs
+	}
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
 		Queues:      []amqp.QueueSpec{amqp.CeleryQueue(job.Queue)},
@@ -219,6 +226,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		Logger:      log,
 		Metrics:     metrics,
 		Grace:       10 * time.Second,
+		Observer:    taskObs,
 	})
 	if err != nil {
 		return res, fmt.Errorf("worker: %w", err)
@@ -274,6 +282,9 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		waitErr = fmt.Errorf("worker: %w", err)
 	}
 	res.PGCPU = backendCPU(context.WithoutCancel(ctx), pool)
+	if obs != nil && waitErr == nil {
+		waitErr = obs.write(job.DoneFile)
+	}
 	return res, waitErr
 }
 

@@ -7,17 +7,15 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
 // latency runs the worker of r's scenario on an empty queue, publishes at
 // r.latRate for the configured duration, and measures each task from the
 // moment it was handed to the publisher to its end: the result's arrival on
-// reply_to when results are published, else the record's completed_at (the
-// start of the statement that completed it; the commit and the ack follow
-// within the same flush).
+// reply_to when results are published, else the moment the worker reported
+// the task succeeded (task-succeeded, emitted once the record's completion
+// or the same-database transaction committed, just before the ack).
 func (b *bench) latency(ctx context.Context, r *row) error {
 	sc := r.sc
 	n := max(200, int(r.latRate*b.o.latencySecs))
@@ -39,17 +37,13 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		}
 	}
 	spec := msgSpec{Task: sc.Task, N: n, RunID: b.runID + sc.ID + "l", ReplyTo: reply, Ignore: reply == ""}
-	msgs, ops, err := spec.build()
+	msgs, _, err := spec.build()
 	if err != nil {
 		return err
 	}
-	index := make(map[string]int, n) // task id or op -> message
+	index := make(map[string]int, n) // task id -> message
 	for i, m := range msgs {
-		if reply != "" {
-			index[m.CorrelationID] = i
-		} else {
-			index[ops[i]] = i
-		}
+		index[m.CorrelationID] = i
 	}
 
 	// Results arrive on the reply queue; read them as they come.
@@ -80,7 +74,17 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		replies.Go(func() { readReplies(replyCtx, in, index, arrived, n) })
 	}
 
-	job := childJob{Kind: "worker", AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
+	doneFile := ""
+	if reply == "" {
+		f, err := os.CreateTemp("", "onceler-bench-done")
+		if err != nil {
+			return err
+		}
+		doneFile = f.Name()
+		_ = f.Close()
+		defer func() { _ = os.Remove(doneFile) }()
+	}
+	job := childJob{Kind: "worker", DoneFile: doneFile, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers,
 		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
 	ready := make(chan struct{})
@@ -112,45 +116,15 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	stopReplies()
 
 	ends := arrived
-	if reply == "" || b.o.debug {
-		ends = make([]time.Time, n)
-		index := index
-		if reply != "" {
-			index = make(map[string]int, n)
-			for i, op := range ops {
-				index[op] = i
-			}
-		}
-		err := withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
-			rows, err := pool.Query(ctx, "SELECT key, completed_at FROM "+pgx.Identifier{schema}.Sanitize()+".records")
-			if err != nil {
-				return err
-			}
-			defer rows.Close()
-			for rows.Next() {
-				var key string
-				var at *time.Time
-				if err := rows.Scan(&key, &at); err != nil {
-					return err
-				}
-				if i, ok := index[key]; ok && at != nil {
-					ends[i] = *at
-				}
-			}
-			return rows.Err()
-		})
+	if reply == "" {
+		done, err := readDone(doneFile)
 		if err != nil {
-			return fmt.Errorf("read completion times: %w", err)
+			return fmt.Errorf("read commit times: %w", err)
 		}
-	}
-	if reply != "" && b.o.debug {
-		lat := make([]time.Duration, 0, n)
-		for i := range ends {
-			lat = append(lat, max(0, ends[i].Sub(sent[i])))
+		ends = make([]time.Time, n)
+		for i, m := range msgs {
+			ends[i] = done[m.CorrelationID]
 		}
-		sortDurations(lat)
-		fmt.Fprintf(os.Stderr, "(%s) to completion: p50 %v p99 %v\n", sc.ID, percentile(lat, 0.5), percentile(lat, 0.99))
-		ends = arrived
 	}
 	lat := make([]time.Duration, 0, n)
 	for i := range ends {
