@@ -60,11 +60,12 @@
 //     pipeline; once it is dead another worker starts and the producer
 //     re-sends the operation with a new task id, as a client does after its
 //     call timed out. The redelivered message waits for the lease to lapse,
-//     then the task's policy applies. Without the record there is no claim
-//     and no completion to crash at (the no-record worker reaches only
-//     before_ack): the first run's effect stands and the re-sent call runs
-//     again, so two effects (three after before_ack, whose redelivery runs
-//     too). That is the duplicate a client's retry causes every day.
+//     then the task's policy applies. Without the record the worker dies at
+//     the same point of its plain run: the redelivered message runs again
+//     (after the effect, a second effect) and the re-sent call runs again,
+//     so two or three effects. Even where the crash came before any effect,
+//     the re-sent call repeats what the redelivery did: the duplicate a
+//     client's retry causes every day.
 //   - many: sixty distinct operations (Target.Operations) over two workers,
 //     every fifth followed by a re-send of an earlier one. With the record
 //     each operation has its effect exactly once: none skipped (a record that
@@ -90,10 +91,10 @@
 // anywhere leaves either nothing or everything. Outside tasks after a crash
 // between claim and completion: lookup asks the outside system by the
 // operation's reference (exactly one); hold keeps the record for a person
-// (at most one; callers get no result until "onceler resolve": the suite
-// then resolves as a person would, completed when the effect happened,
-// retry when it did not, and asserts the effect is then exactly one and
-// the replayed message's caller answered); retry takes
+// (at most one; callers get FAILURE OperationHeld; the suite then resolves
+// as a person would with "onceler resolve", completed when the effect
+// happened, retry when it did not, and asserts the effect is then exactly
+// one and the replayed message's caller answered); retry takes
 // the stale claim over and runs again (at most two, the takeover counted in
 // "onceler repeats"); skip records it skipped (at most one; callers get
 // FAILURE OperationSkipped). Pure tasks have no record and no effects to

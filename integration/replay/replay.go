@@ -96,8 +96,8 @@ type Expectation struct {
 	Effects int
 	// Status is the record's final status.
 	Status idempotency.Status
-	// Answered says whether every caller gets a result (false for an
-	// operation held for a person to resolve).
+	// Answered says whether every caller gets a result (the worker answers
+	// even an operation held for a person: FAILURE OperationHeld).
 	Answered bool
 	// ExcType is the exception every caller gets ("" means SUCCESS).
 	ExcType string
@@ -123,7 +123,7 @@ func Expect(s Scenario, mode tasks.Mode, policy tasks.Policy) Expectation {
 		// lookup. Exactly one either way.
 		return Expectation{Effects: 1, Status: idempotency.StatusCompleted, Answered: true, Takeover: effect == 0}
 	case tasks.PolicyHold:
-		return Expectation{Effects: effect, Status: idempotency.StatusHeld}
+		return Expectation{Effects: effect, Status: idempotency.StatusHeld, Answered: true, ExcType: "OperationHeld"}
 	case tasks.PolicySkip:
 		return Expectation{Effects: effect, Status: idempotency.StatusSkipped, Answered: true, ExcType: "OperationSkipped"}
 	default: // retry: run again, so at most two
