@@ -152,6 +152,9 @@ type pyCall struct {
 	Kwargs  map[string]any `json:"kwargs,omitempty"`
 	Headers map[string]any `json:"headers,omitempty"`
 	Options map[string]any `json:"options,omitempty"`
+	// AfterPrevious sends the call only after the results of the calls
+	// before it have arrived.
+	AfterPrevious bool `json:"after_previous,omitempty"`
 }
 
 // python sends calls with real Celery and returns what AsyncResult.get gave.

@@ -163,7 +163,9 @@ func TestQuarantine(t *testing.T) {
 		pyCall{Task: "t.add", Args: []any{1, "two"}},
 		pyCall{Task: "t.add", Args: []any{1, 2, 3}},
 		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "m-1", "amount": 5}},
-		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "m-1", "amount": 6}},
+		// Sent once the first pay is answered: with several task goroutines
+		// the second could otherwise be claimed first.
+		pyCall{Task: "t.pay", Kwargs: map[string]any{"order_id": "m-1", "amount": 6}, AfterPrevious: true},
 		pyCall{Task: "t.add", Args: []any{20, 22}},
 	)
 	if res[0].ExcType != "NotRegistered" || res[0].Message != "t.nope" {

@@ -8,7 +8,11 @@ spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
        "serializer": "json"|"msgpack"|"yaml",
        "calls": [{"task": name, "args": [...], "kwargs": {...},
                   "headers": {...}, "ignore_result": bool,
+                  "after_previous": bool,
                   "options": {apply_async options}}]}
+
+A call with "after_previous" is sent only once the results of every call
+before it have arrived (ordering a test's messages).
 
 Prints one JSON object: {"results": [...]} with, for each call in order,
 {"id": task id, "ok": result} or {"id", "exc_type", "exc_module", "message"}.
@@ -31,7 +35,20 @@ def main():
     timeout = spec.get("timeout", 30)
 
     sent = []
+    out = []
+
+    def collect():
+        for r in sent[len(out):]:
+            try:
+                out.append({"id": r.id, "ok": r.get(timeout=timeout)})
+            except Exception as e:  # report the class the client built
+                out.append({"id": r.id, "exc_type": type(e).__name__,
+                            "exc_module": type(e).__module__,
+                            "message": str(e.args[0]) if e.args else str(e)})
+
     for c in spec["calls"]:
+        if c.get("after_previous"):
+            collect()
         opts = {"queue": spec["queue"]}
         if c.get("headers"):
             opts["headers"] = c["headers"]
@@ -41,14 +58,7 @@ def main():
         opts.update(c.get("options") or {})
         sent.append(app.send_task(c["task"], args=c.get("args", []),
                                   kwargs=c.get("kwargs", {}), **opts))
-    out = []
-    for r in sent:
-        try:
-            out.append({"id": r.id, "ok": r.get(timeout=timeout)})
-        except Exception as e:  # report the class the client built
-            out.append({"id": r.id, "exc_type": type(e).__name__,
-                        "exc_module": type(e).__module__,
-                        "message": str(e.args[0]) if e.args else str(e)})
+    collect()
     print(json.dumps({"results": out}))
 
 
