@@ -237,8 +237,10 @@ func hasStatus(rs []replay.Reply, s string) bool {
 // injection after the claim, a new worker started after each death): after
 // a bounded number of attempts the message is quarantined as poison; no
 // endless redelivery loop, no effect. An outside task is counted by its
-// record's claims (classic queue); a same-database task, whose claim dies
-// with its transaction, by the quorum queue's delivery count.
+// record's claims; a same-database task's claim dies with its transaction,
+// so on a quorum queue the delivery count bounds it, and on a classic queue
+// the worker must count its attempts some other way (outside the rolled
+// back transaction): the samedb_classic case asserts that it does.
 func TestPoisonCrashLoop(t *testing.T) {
 	cases := []struct {
 		name, task string
