@@ -215,7 +215,8 @@ type PurgeCount struct {
 
 // Purge deletes old completed, failed and skipped records (never claimed or
 // held ones) and old events, in batches of at most BatchSize rows, each its
-// own short transaction. With DryRun it only counts them.
+// own short transaction, and attempt counts (CountAttempt) not updated since
+// Before. With DryRun it only counts records and events.
 func (s *Store) Purge(ctx context.Context, p PurgeParams) (res PurgeResult, err error) {
 	if p.Before.IsZero() {
 		return res, errors.New("idempotency: purge needs a Before time")
@@ -260,6 +261,10 @@ func (s *Store) Purge(ctx context.Context, p PurgeParams) (res PurgeResult, err 
 		if tag.RowsAffected() < int64(p.BatchSize) {
 			break
 		}
+	}
+	// Attempt counts (CountAttempt) are few: one statement.
+	if _, err := s.pool.Exec(ctx, `DELETE FROM `+s.schema+`.attempts WHERE updated_at < $1`, p.Before); err != nil {
+		return res, fmt.Errorf("purge attempt counts: %w", err)
 	}
 	return res, nil
 }
