@@ -71,7 +71,8 @@ type Config struct {
 	RevokedExpiry time.Duration
 	// MaxAttempts bounds how often one message may be delivered (quorum
 	// queues: x-delivery-count) or one operation claimed by redeliveries (the
-	// record's attempt count) before the message is quarantined as poison.
+	// record's attempt count; same-database tasks: redeliveries counted with
+	// idempotency CountAttempt) before the message is quarantined as poison.
 	// Default 5.
 	MaxAttempts int
 	// Crash injects a process crash at a pipeline point (tests, replay suite).

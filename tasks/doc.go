@@ -94,7 +94,13 @@
 // point: the record and the broker's redelivery carry the state.
 //
 // A task error is a failure (Fail: the operation may be claimed again by a
-// later delivery), answered FAILURE and acknowledged, as Celery does. The
+// later delivery), answered FAILURE and acknowledged, as Celery does. A
+// same-database task (with the record or under NoRecord) whose transaction
+// fails for the database's sake is not failed: a lost or terminated
+// connection (SQLSTATE class 08, 57P01-57P03, a FATAL error, a network
+// error, also when the task wrapped it), a serialization failure or
+// deadlock, an unknown outcome. Nothing committed; the delivery is kept and
+// runs again after a pause, and its caller gets no FAILURE. The
 // caller sees the exception the task chose: PyError, ValueError, KeyError,
 // TypeError; any other error is a builtins.Exception with the error text. A
 // panic is the failure of that task only.
@@ -109,7 +115,12 @@
 // A message delivered more than Config.MaxAttempts times (x-delivery-count
 // on quorum queues; on classic queues, a redelivered message whose
 // operation was claimed that often, its Celery retries not counted) is
-// quarantined as poison instead of crashing workers forever.
+// quarantined as poison instead of crashing workers forever. A same-database
+// claim dies with its transaction when the worker crashes, so on classic
+// queues each redelivery of a same-database message is counted in a
+// committed statement of its own (idempotency CountAttempt; first
+// deliveries count nothing), and a message redelivered more than
+// MaxAttempts times whose operation is not completed is quarantined.
 //
 // # Retries and the record
 //

@@ -34,6 +34,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 		w.log.Warn("abandoned task kept its query running: connection closed to roll its transaction back", w.fields(j)...)
 	}
 	if taskErr != nil {
+		connClosed := tx.Conn().IsClosed()
 		rctx, cancel := final(ctx)
 		if err := tx.Rollback(rctx); err != nil {
 			w.log.Debug("rollback after the task failed", w.fields(j, zap.Error(err))...)
@@ -41,6 +42,12 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 		cancel()
 		if w.shutdownCut(ctx, taskErr) {
 			w.giveBack(j)
+			return
+		}
+		if !j.abandoned && dbFault(taskErr, connClosed) {
+			// The database failed the transaction, not the task: run it
+			// again after a pause.
+			w.recordTrouble(ctx, j, "own transaction (task)", taskErr)
 			return
 		}
 		w.finish(ctx, j, nil, taskErr)

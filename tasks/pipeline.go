@@ -199,9 +199,12 @@ func (w *Worker) runPure(ctx context.Context, j *job) {
 
 // runSameDB claims, runs the effect and completes in one transaction.
 func (w *Worker) runSameDB(ctx context.Context, j *job) {
+	if !w.countRedelivery(ctx, j) {
+		return
+	}
 	p := w.claimParams(j)
 	var taskErr error
-	ran := false
+	ran, connClosed := false, false
 	var res []byte
 	start := time.Now()
 	claim, err := w.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
@@ -226,6 +229,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		}
 		if err != nil {
 			taskErr = err
+			connClosed = tx.Conn().IsClosed()
 			return nil, err
 		}
 		w.crash(CrashAfterEffect, j)
@@ -236,6 +240,12 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	case ran && taskErr != nil:
 		if w.shutdownCut(ctx, taskErr) {
 			w.giveBack(j)
+			return
+		}
+		if !j.abandoned && dbFault(taskErr, connClosed) {
+			// The database failed the transaction, not the task: nothing
+			// committed; run it again after a pause.
+			w.recordTrouble(ctx, j, "same-database transaction (task)", taskErr)
 			return
 		}
 		w.finish(ctx, j, nil, taskErr)

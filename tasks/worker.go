@@ -77,6 +77,9 @@ type job struct {
 	waiting  bool // deferred because the operation was in progress elsewhere
 	runtime  time.Duration
 	attempt  int // the record's attempt of the claim this delivery runs under
+	// redeliveries: the operation's redeliveries counted when this
+	// redelivered same-database message arrived (0: not counted).
+	redeliveries int
 	// rehold: held for its ETA longer than Config.MaxHold allows; when the
 	// hold ends before the ETA, the delivery is republished and acknowledged.
 	rehold bool

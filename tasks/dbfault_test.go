@@ -1,0 +1,247 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+func TestDBFault(t *testing.T) {
+	terminated := &pgconn.PgError{Severity: "FATAL", Code: "57P01", Message: "terminating connection due to administrator command"}
+	cases := []struct {
+		name       string
+		err        error
+		connClosed bool
+		want       bool
+	}{
+		{"nil", nil, false, false},
+		{"terminated, wrapped by the task", fmt.Errorf("insert sleep: %w", terminated), false, true},
+		{"connection exception", &pgconn.PgError{Severity: "ERROR", Code: "08006"}, false, true},
+		{"serialization failure", &pgconn.PgError{Severity: "ERROR", Code: "40001"}, false, true},
+		{"fatal", &pgconn.PgError{Severity: "FATAL", Code: "XX000"}, false, true},
+		{"unique violation", fmt.Errorf("insert: %w", &pgconn.PgError{Severity: "ERROR", Code: "23505"}), false, false},
+		{"unknown outcome", fmt.Errorf("x: %w", idempotency.ErrUnknownOutcome), false, true},
+		{"net error", fmt.Errorf("q: %w", &net.OpError{Op: "read", Err: errors.New("connection reset")}), false, true},
+		{"unexpected EOF", fmt.Errorf("q: %w", io.ErrUnexpectedEOF), false, true},
+		{"task error", ValueError("bad"), false, false},
+		{"task error on a closed connection", ValueError("bad"), true, true},
+		{"soft time limit on a closed connection", fmt.Errorf("%w: %w", ErrSoftTimeLimit, terminated), true, false},
+		{"revoked", fmt.Errorf("%w: x", ErrRevoked), true, false},
+		{"own deadline", fmt.Errorf("q: %w", context.DeadlineExceeded), true, false},
+		{"shutdown", ErrShutdown, false, false},
+	}
+	for _, c := range cases {
+		if got := dbFault(c.err, c.connClosed); got != c.want {
+			t.Errorf("%s: dbFault = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+// TestSameDBBackendTerminated: a same-database task whose connection is
+// terminated by the server (pg_terminate_backend of its own backend, FATAL
+// 57P01, wrapped by the task) is run again, not failed: the caller gets
+// SUCCESS and the effect is there once; with the record and without it
+// (NoRecord, the task's own transaction). A task's own error still fails.
+func TestSameDBBackendTerminated(t *testing.T) {
+	for _, noRecord := range []bool{false, true} {
+		t.Run(fmt.Sprintf("norecord=%v", noRecord), func(t *testing.T) {
+			e := newEnv(t)
+			pool := testenvPool(t)
+			table := pgx.Identifier{e.schema, "term_ledger"}.Sanitize()
+			ctx := context.Background()
+			if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (entry text NOT NULL)`); err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			runs := map[string]int{}
+			reg := NewRegistry()
+			must := func(err error) {
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			must(Register(reg, Task[payArgs]{Name: "t.credit", Mode: ModeSameDB,
+				Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+				RunTx: func(ctx context.Context, tx pgx.Tx, c *Call, a payArgs) (any, error) {
+					mu.Lock()
+					runs[a.OrderID]++
+					n := runs[a.OrderID]
+					mu.Unlock()
+					if _, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES ($1)`, a.OrderID); err != nil {
+						return nil, fmt.Errorf("insert entry: %w", err)
+					}
+					if n == 1 && strings.HasPrefix(a.OrderID, "term") {
+						// Terminates this transaction's own backend.
+						if _, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`); err != nil {
+							return nil, fmt.Errorf("terminate: %w", err)
+						}
+						return nil, errors.New("backend survived pg_terminate_backend")
+					}
+					if strings.HasPrefix(a.OrderID, "bad") {
+						return nil, ValueError("refused")
+					}
+					return map[string]any{"entry": a.OrderID}, nil
+				}}))
+			cfg := e.config()
+			cfg.Concurrency = 2
+			if noRecord {
+				cfg.NoRecord, cfg.Store, cfg.Pool = true, nil, pool
+			}
+			e.start(reg, cfg)
+			replyTo, replies := e.replyQueue()
+			e.publish(payMessage("t.credit", 0, "term-1", replyTo))
+			e.publish(payMessage("t.credit", 1, "term-2", replyTo))
+			e.publish(payMessage("t.credit", 2, "bad-1", replyTo))
+			res := results(t, replies, 3, 30*time.Second)
+			for i, key := range []string{"term-1", "term-2"} {
+				if r := res[taskID(i)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+					t.Errorf("%s: results %v, want one SUCCESS", key, r)
+				}
+				var n int
+				if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE entry = $1`, key).Scan(&n); err != nil || n != 1 {
+					t.Errorf("%s: %d rows (err %v), want 1", key, n, err)
+				}
+				mu.Lock()
+				if runs[key] != 2 {
+					t.Errorf("%s ran %d times, want 2 (terminated, then again)", key, runs[key])
+				}
+				mu.Unlock()
+			}
+			if r := res[taskID(2)]; len(r) != 1 || r[0]["status"] != "FAILURE" {
+				t.Errorf("bad-1: results %v, want one FAILURE", r)
+			}
+			mu.Lock()
+			if runs["bad-1"] != 1 {
+				t.Errorf("bad-1 ran %d times, want 1", runs["bad-1"])
+			}
+			mu.Unlock()
+			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+		})
+	}
+}
+
+// redeliver puts messages in the queue and makes the broker redeliver
+// them: taken without ack on a channel of its own, which is then closed.
+func (e *env) redeliver(ms ...*celeryprotoMessage) {
+	e.t.Helper()
+	for _, m := range ms {
+		e.publish(m)
+	}
+	ch, err := e.conn.Channel()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for range ms {
+		var ok bool
+		for start := time.Now(); !ok && time.Since(start) < 10*time.Second; {
+			if _, ok, err = ch.Get(e.queue, false); err != nil {
+				e.t.Fatal(err)
+			}
+		}
+		if !ok {
+			e.t.Fatal("published message not in the queue")
+		}
+	}
+	if err := ch.Close(); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// TestSameDBPoisonRedelivered: on a classic queue a redelivered
+// same-database message counts an attempt at its operation (committed on
+// its own, CountAttempt); past MaxAttempts it is quarantined as poison
+// without running. Below the limit it runs; a first delivery counts
+// nothing; a completed operation's redelivery is answered from the record.
+func TestSameDBPoisonRedelivered(t *testing.T) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	table := pgx.Identifier{e.schema, "poison_ledger"}.Sanitize()
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (entry text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "t.credit", Mode: ModeSameDB,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		RunTx: func(ctx context.Context, tx pgx.Tx, c *Call, a payArgs) (any, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES ($1)`, a.OrderID); err != nil {
+				return nil, err
+			}
+			return map[string]any{"entry": a.OrderID}, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	const limit = 2
+	// "poison" was redelivered limit times before: this is one more.
+	for range limit {
+		if _, err := e.store.CountAttempt(ctx, "t.credit", "poison"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// "done" completed before: its redelivery past the limit is a duplicate.
+	if _, err := e.store.RunTx(ctx, idempotency.ClaimParams{Task: "t.credit", Key: "done", Owner: "x", TaskID: "x"},
+		func(context.Context, pgx.Tx) ([]byte, error) { return []byte(`{"entry":"done"}`), nil }); err != nil {
+		t.Fatal(err)
+	}
+	for range limit {
+		if _, err := e.store.CountAttempt(ctx, "t.credit", "done"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replyTo, replies := e.replyQueue()
+	e.redeliver(payMessage("t.credit", 0, "poison", replyTo), payMessage("t.credit", 1, "again", replyTo),
+		payMessage("t.credit", 3, "done", replyTo))
+	cfg := e.config()
+	cfg.MaxAttempts = limit
+	e.start(reg, cfg)
+	e.publish(payMessage("t.credit", 2, "fresh", replyTo))
+	res := results(t, replies, 3, 30*time.Second)
+	for _, i := range []int{1, 2, 3} {
+		if r := res[taskID(i)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+			t.Errorf("task %d: results %v, want one SUCCESS", i, r)
+		}
+	}
+	var q []string
+	waitFor(t, "the poison message in quarantine", 10*time.Second, func() bool {
+		for _, d := range e.quarantined() {
+			q = append(q, fmt.Sprint(d.Headers[HeaderReason], " ", d.Headers["id"]))
+		}
+		return len(q) > 0
+	})
+	if len(q) != 1 || q[0] != ReasonPoison+" "+taskID(0) {
+		t.Errorf("quarantined %v, want the poison message", q)
+	}
+	if r := res[taskID(0)]; len(r) != 0 {
+		t.Errorf("poison message answered %v", r)
+	}
+	count := func(key string) int {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE entry = $1`, key).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for key, want := range map[string]int{"poison": 0, "again": 1, "fresh": 1, "done": 0} {
+		if n := count(key); n != want {
+			t.Errorf("%s: %d rows, want %d", key, n, want)
+		}
+	}
+	// Attempts counted: one for each redelivery, none for the first delivery.
+	for key, want := range map[string]int{"poison": limit + 2, "again": 2, "fresh": 1, "done": limit + 2} {
+		if n, err := e.store.CountAttempt(ctx, "t.credit", key); err != nil || n != want {
+			t.Errorf("%s: next attempt count %d (err %v), want %d", key, n, err, want)
+		}
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
