@@ -27,8 +27,9 @@ const connectTimeout = 10 * time.Second
 
 // dbFlags are the flags of every command that opens the record.
 type dbFlags struct {
-	url    string
-	schema string
+	url       string
+	schema    string
+	deadAfter time.Duration
 }
 
 func (d *dbFlags) define(fs *flagSet) {
@@ -36,6 +37,8 @@ func (d *dbFlags) define(fs *flagSet) {
 		"PostgreSQL connection string (URL or key=value); empty uses the libpq environment (PGHOST, PGUSER, PGDATABASE, ...) and defaults")
 	fs.String(&d.schema, "schema", "NAME", "onceler",
 		"PostgreSQL schema that holds the idempotency record")
+	fs.Duration(&d.deadAfter, "database-dead-after", idempotency.DefaultDeadConnectionAfter,
+		"a PostgreSQL connection that gets no answer this long (network black hole: packets dropped, no reset) is closed and replaced (TCP keepalive, TCP_USER_TIMEOUT on Linux, ping before reuse)")
 }
 
 // describeDB names the database a config points at, without its password.
@@ -69,6 +72,10 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	if err != nil {
 		return nil, usagef(cmd, "invalid --database-url %q: %v", redactDSN(d.url), oneLine(err))
 	}
+	if d.deadAfter <= 0 {
+		return nil, usagef(cmd, "invalid --database-dead-after %v: must be positive", d.deadAfter)
+	}
+	idempotency.ConfigureDeadConnectionDetection(cfg, d.deadAfter)
 	if cfg.ConnConfig.RuntimeParams == nil {
 		cfg.ConnConfig.RuntimeParams = map[string]string{}
 	}
