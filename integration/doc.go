@@ -41,6 +41,14 @@
 //     connections (their application_name) mid-stream.
 //   - TestBrokerResetWorkerConnections: the broker closes the workers'
 //     connections mid-stream.
+//   - TestSIGTERMDuringTasks: SIGTERM to an onceler worker with tasks
+//     running: within the grace period they finish and are answered by it;
+//     past it they are cut (no effect, no answer), redelivered and completed
+//     once by a second worker process.
+//   - TestTwoWorkerProcessesDuplicates: two onceler workers, 2,000 messages
+//     for 500 operations (4 callers each, interleaved and back to back):
+//     500 effects, 2,000 results, onceler repeats --json shows 1,500
+//     duplicates.
 //   - TestBlackhole: a TCP proxy between the workers and PostgreSQL or
 //     RabbitMQ stops passing bytes: dead connections are detected, nothing
 //     is lost.
@@ -52,9 +60,11 @@
 // disturbed; they take minutes, so CI runs them after the main step, one
 // package at a time: go test -p 1 -run 'Fault|Soak'.
 //
-//   - TestFaultBrokerCloseAllConnections: rabbitmqctl close_all_connections.
+//   - TestFaultBrokerCloseAllConnections: rabbitmqctl close_all_connections
+//     in the middle of 1,000 operations.
 //   - TestFaultBrokerRestart: rabbitmqctl stop_app, start_app.
-//   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate.
+//   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate,
+//     each in the middle of 1,000 operations.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a

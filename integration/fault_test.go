@@ -16,6 +16,31 @@ import (
 // disturbed. They run with ONCELER_FAULT_TESTS=1, in CI's serial fault step
 // (they start servers and take a few minutes).
 
+// faultOps is how many operations a service fault test sends; the fault
+// comes when a fifth of them are answered.
+const faultOps = 1000
+
+// completedOnce asserts, beyond the per-task guarantees check asserts (one
+// effect per operation, a record completed, every caller answered SUCCESS,
+// queue and quarantine empty, no stale claim), that the fault hit the
+// middle of the stream, that no operation was lost, done twice beyond its
+// policy (replay.notify, policy retry, may run twice and is counted) or left
+// held, and that every caller was answered. outsideDown allows an outside
+// task whose simulated outside system (in the restarted database) failed
+// the call: its caller is told, its record says failed, no effect.
+func completedOnce(t *testing.T, tl tally, answeredAtFault int, outsideDown bool) {
+	t.Helper()
+	if tl.ops != faultOps || answeredAtFault >= faultOps {
+		t.Errorf("%d operations, %d answered when the fault came: want %d operations and the fault mid-stream", tl.ops, answeredAtFault, faultOps)
+	}
+	if tl.lost != 0 || tl.duplicates != 0 || tl.held != 0 || tl.answered != tl.calls {
+		t.Errorf("%s: want none lost, none done twice, none held, every caller answered", tl)
+	}
+	if !outsideDown && tl.outsideFailed != 0 {
+		t.Errorf("%d outside operations failed with no fault on their outside system", tl.outsideFailed)
+	}
+}
+
 // mixed sends n operations over the demo tasks of every mode and the
 // replayworker's replay.notify (policy retry).
 func mixed(wl *workload, prefix string, n int) {
@@ -128,14 +153,21 @@ func TestFaultBrokerCloseAllConnections(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "closeall", 400)
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+	mixed(wl, "closeall"+replay.NewID()[:4], faultOps)
+	replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
+	at := wl.answered()
 	rb.mustCtl(t, "close_all_connections", "onceler fault test")
 	if err := e.Reconnect(); err != nil {
 		t.Fatal(err)
 	}
 	tl := finish(t, e, wl, true)
-	t.Logf("%s", tl)
+	completedOnce(t, tl, at, false)
+	for _, w := range e.Workers() {
+		if !strings.Contains(w.Log(), "consumer disconnected; reconnecting") {
+			t.Errorf("worker %s did not reconnect after close_all_connections", w.Name)
+		}
+	}
+	t.Logf("closed all connections with %d of %d answered; %s", at, faultOps, tl)
 }
 
 // TestFaultBrokerRestart stops the broker application (rabbitmqctl
@@ -180,11 +212,13 @@ func TestFaultPostgresRestart(t *testing.T) {
 			e.StartWorker(replay.WorkerOptions{})
 			wl := newWorkload(e)
 			wl.outsideDown = true
-			mixed(wl, "pg"+mode, 400)
-			replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+			mixed(wl, "pg"+mode+replay.NewID()[:4], faultOps)
+			replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
+			at := wl.answered()
 			took := pg.restart(t, mode)
 			tl := finish(t, e, wl, false)
-			t.Logf("restart -m %s took %s; %s", mode, took.Round(time.Millisecond), tl)
+			completedOnce(t, tl, at, true)
+			t.Logf("restart -m %s with %d of %d answered took %s; %s", mode, at, faultOps, took.Round(time.Millisecond), tl)
 		})
 	}
 }

@@ -40,7 +40,9 @@ type workload struct {
 	by  map[string]*operation
 	// outsideDown accepts, for outside tasks, a failure answered to the
 	// caller when the simulated outside system itself was down (it lives in
-	// the database being restarted): the record says failed, no effect.
+	// the database being restarted): the record says failed, and there is
+	// no effect, or one when the outside system committed it but its answer
+	// was lost with the connection (the task saw an error: outcome unknown).
 	outsideDown bool
 }
 
@@ -155,11 +157,14 @@ func effects(ctx context.Context, pool *pgxpool.Pool, task, op string) (int, err
 // tally is what a workload check found.
 type tally struct {
 	ops, calls, answered, lost, duplicates, held, retried, outsideFailed int
+	// outsideUnknown counts the outsideFailed operations whose outside
+	// system did commit the effect (once) though the task saw an error.
+	outsideUnknown int
 }
 
 func (tl tally) String() string {
-	return fmt.Sprintf("operations %d, calls %d, answered %d, lost %d, unexpected duplicates %d, held %d, run twice (policy retry) %d, failed by the outside system %d",
-		tl.ops, tl.calls, tl.answered, tl.lost, tl.duplicates, tl.held, tl.retried, tl.outsideFailed)
+	return fmt.Sprintf("operations %d, calls %d, answered %d, lost %d, unexpected duplicates %d, held %d, run twice (policy retry) %d, failed by the outside system %d (of which its commit answer lost: %d)",
+		tl.ops, tl.calls, tl.answered, tl.lost, tl.duplicates, tl.held, tl.retried, tl.outsideFailed, tl.outsideUnknown)
 }
 
 func (tl *tally) add(o tally) {
@@ -171,12 +176,14 @@ func (tl *tally) add(o tally) {
 	tl.held += o.held
 	tl.retried += o.retried
 	tl.outsideFailed += o.outsideFailed
+	tl.outsideUnknown += o.outsideUnknown
 }
 
 // outsideFailure reports whether every caller of o was told that the
-// outside system failed, and the record says failed.
+// outside system failed, and the record says failed, with at most one
+// effect (the outside system's commit whose answer was lost).
 func (w *workload) outsideFailure(o *operation, rec idempotency.Record, n int) bool {
-	if !w.outsideDown || o.task == demo.TaskCredit || o.task == demo.TaskSleep || rec.Status != idempotency.StatusFailed || n != 0 {
+	if !w.outsideDown || o.task == demo.TaskCredit || o.task == demo.TaskSleep || rec.Status != idempotency.StatusFailed || n > 1 {
 		return false
 	}
 	for _, m := range o.msgs {
@@ -253,6 +260,9 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 		}
 		if w.outsideFailure(o, rec, n) {
 			tl.outsideFailed++
+			if n == 1 {
+				tl.outsideUnknown++
+			}
 			tl.calls += len(o.msgs)
 			tl.answered += len(o.msgs)
 			continue
