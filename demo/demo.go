@@ -162,6 +162,10 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Fallback: tasks.PolicyHold,
 			Run:      d.charge,
 			Lookup:   d.lookupCharge,
+			// A gateway call cut off by a lost connection may or may not
+			// have charged: call again with the same reference (the gateway
+			// de-duplicates by it) rather than failing the order.
+			Retry: tasks.RetryPolicy{MaxRetries: 5, Countdown: time.Second, AutoRetry: tasks.IsConnectionError},
 		}),
 		tasks.Register(reg, tasks.Task[EmailArgs]{
 			Name:   TaskEmail,

@@ -85,3 +85,13 @@ func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
 	w.quarantine(ctx, j, ReasonPoison, fmt.Errorf("operation redelivered %d times without an outcome (limit %d)", j.redeliveries, w.cfg.MaxAttempts))
 	return false
 }
+
+// IsConnectionError reports whether err (possibly wrapped by a task) is a
+// failure of a PostgreSQL connection rather than an answer: a lost or
+// refused connection, a server shutting down or terminating the backend, a
+// serialization failure or deadlock, an unknown commit outcome, or a network
+// error. Outside-system tasks that reach their system through PostgreSQL
+// (or any pgx connection) can pass it to RetryPolicy.AutoRetry, so that a
+// call whose outcome is unknown is retried under the same reference instead
+// of failing the operation.
+func IsConnectionError(err error) bool { return dbFault(err, false) }
