@@ -12,7 +12,9 @@
 //   - replay.slow(op, seconds): sleeps, then calls the service; policy retry.
 //     For stop-and-continue tests.
 //
-// ONCELER_HEARTBEAT sets the broker heartbeat (default 10s).
+// ONCELER_HEARTBEAT sets the broker heartbeat (default 10s);
+// ONCELER_DATABASE_DEAD_AFTER the bound on detecting a dead PostgreSQL
+// connection (default 15s, see idempotency.ConfigureDeadConnectionDetection).
 package main
 
 import (
@@ -114,7 +116,16 @@ func run(ctx context.Context) error {
 	noRecord, _ := strconv.ParseBool(env("ONCELER_NO_RECORD", "false"))
 	quorum, _ := strconv.ParseBool(env("ONCELER_QUORUM", "false"))
 
-	pool, err := pgxpool.New(ctx, env("ONCELER_DATABASE_URL", ""))
+	deadAfter, err := duration("ONCELER_DATABASE_DEAD_AFTER", idempotency.DefaultDeadConnectionAfter)
+	if err != nil {
+		return err
+	}
+	pcfg, err := pgxpool.ParseConfig(env("ONCELER_DATABASE_URL", ""))
+	if err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
+	idempotency.ConfigureDeadConnectionDetection(pcfg, deadAfter)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
