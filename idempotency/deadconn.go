@@ -36,6 +36,15 @@ const DefaultDeadConnectionAfter = 15 * time.Second
 //     sat idle in the pool is pinged before use and destroyed when the
 //     ping is not answered within after, so a call does not wait on it.
 //
+// A connection found dead by the ping keeps its place in the pool while
+// pgx closes it, which waits for the peer up to 15 s unless the kernel has
+// given the socket up first (as keepalive does in a real black hole).
+//
+// Writes of the record are bounded separately, per attempt: a flush by
+// BatchConfig.Timeout, and the worker's final writes by their own
+// deadline; when such a deadline cuts a call, pgx closes its connection,
+// so the next attempt uses another one.
+//
 // A DialFunc already in cfg is replaced. Call it after pgxpool.ParseConfig
 // and before pgxpool.NewWithConfig.
 func ConfigureDeadConnectionDetection(cfg *pgxpool.Config, after time.Duration) {
