@@ -158,7 +158,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 	w.log.Warn("stale claim: applying policy", w.fields(j, zap.String("policy", h.policy.String()),
 		zap.String("stale_owner", stale.Owner), zap.String("stale_task_id", stale.TaskID))...)
 	w.m.stale.WithLabelValues(h.name, h.policy.String()).Inc()
-	sp := idempotency.StalePolicy{Policy: idempotency.Policy(h.policy), Fallback: idempotency.Policy(h.fallback)}
+	sp := idempotency.StalePolicy{Policy: h.policy, Fallback: h.fallback}
 	if h.policy == PolicyHold || h.fallback == PolicyHold {
 		msg, err := encodeHeld(j.d)
 		if err != nil {

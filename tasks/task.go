@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/idempotency"
 )
 
 // Mode says where a task's side effect lands, and so how the record guards it.
@@ -46,41 +48,26 @@ func (m Mode) String() string {
 
 // Policy decides what happens to an outside-mode operation whose claim went
 // stale: its owner stopped renewing the lease (it died or hung) without
-// recording an outcome, so nobody knows whether the effect happened.
-type Policy int
+// recording an outcome, so nobody knows whether the effect happened. It is
+// the record's own policy type (idempotency.Policy), which carries it out.
+type Policy = idempotency.Policy
 
 const (
 	// PolicyHold records the operation as held, keeps the message for
 	// replaying and waits for a person to resolve it. The default.
-	PolicyHold Policy = iota
+	PolicyHold = idempotency.PolicyHold
 	// PolicyRetry takes the claim over and runs the task again: the effect may
 	// happen twice (the rare duplicate, counted as a stale takeover).
-	PolicyRetry
+	PolicyRetry = idempotency.PolicyRetry
 	// PolicySkip records the operation as skipped and does not run it: the
 	// effect may never happen (the rare miss, counted).
-	PolicySkip
+	PolicySkip = idempotency.PolicySkip
 	// PolicyLookup takes the claim over and asks the outside system through
 	// Task.Lookup whether the effect happened: found completes the operation
 	// with the found result, not found runs the task, an error applies
 	// Task.Fallback.
-	PolicyLookup
+	PolicyLookup = idempotency.PolicyLookup
 )
-
-// String returns the policy's name as used in logs and metrics.
-func (p Policy) String() string {
-	switch p {
-	case PolicyHold:
-		return "hold"
-	case PolicyRetry:
-		return "retry"
-	case PolicySkip:
-		return "skip"
-	case PolicyLookup:
-		return "lookup"
-	default:
-		return fmt.Sprintf("policy(%d)", int(p))
-	}
-}
 
 // RetryPolicy sets a task's Celery-style retries: those it asks for with
 // Call.Retry (Celery's self.retry) and those AutoRetry starts for it
