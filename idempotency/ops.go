@@ -233,6 +233,9 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	if err := p.validate(); err != nil {
 		return Claim{}, err
 	}
+	if s.txg != nil {
+		return s.txg.run(ctx, p, fn)
+	}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: begin: %w", err)

@@ -1,0 +1,335 @@
+package idempotency
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+)
+
+// The transaction group is a group commit for same-database tasks
+// (BatchConfig.GroupTx): RunTx calls queue up and a flusher runs several of
+// them in one transaction, each inside its own savepoint (the claim, then
+// the task's effect), completes them with one statement and commits once.
+// A task whose function fails is rolled back to its savepoint alone, as if
+// it had run in a transaction of its own; the others commit. A commit that
+// fails fails every task of the group that was to commit.
+//
+// The functions run one after another on the flusher's connection, so a
+// slow task delays the others of its group: groups suit short tasks.
+
+type txOp struct {
+	ctx   context.Context
+	p     ClaimParams
+	fn    func(context.Context, pgx.Tx) ([]byte, error)
+	state opState // guarded by txGroup.mu
+	done  chan txResult
+}
+
+type txResult struct {
+	c   Claim
+	err error
+}
+
+type txGroup struct {
+	s        *Store
+	max      int
+	flushers int
+	timeout  time.Duration
+
+	mu     sync.Mutex
+	queue  []*txOp
+	active int
+	closed bool
+	wg     sync.WaitGroup
+}
+
+func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
+	return &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+}
+
+// close waits for the running groups; calls still queued fail with
+// ErrClosed.
+func (g *txGroup) close() {
+	g.mu.Lock()
+	g.closed = true
+	g.mu.Unlock()
+	g.wg.Wait()
+	g.mu.Lock()
+	q := g.queue
+	g.queue = nil
+	g.mu.Unlock()
+	for _, op := range q {
+		if op.state == opQueued {
+			op.done <- txResult{err: ErrClosed}
+		}
+	}
+}
+
+func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
+	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return Claim{}, ErrClosed
+	}
+	g.queue = append(g.queue, op)
+	lead := g.active < g.flushers
+	if lead {
+		g.active++
+		g.wg.Add(1)
+	}
+	g.mu.Unlock()
+	if lead {
+		g.lead(op)
+	}
+	select {
+	case r := <-op.done:
+		return r.c, r.err
+	case <-ctx.Done():
+		g.mu.Lock()
+		queued := op.state == opQueued
+		if queued {
+			op.state = opCancelled
+		}
+		g.mu.Unlock()
+		if queued {
+			return Claim{}, fmt.Errorf("run tx: %w", context.Cause(ctx))
+		}
+		// Taken by a flusher: its answer comes (the function sees ctx).
+		r := <-op.done
+		return r.c, r.err
+	}
+}
+
+// lead runs groups in the caller's goroutine until its own op is answered,
+// then hands the rest of the queue to a goroutine of its own.
+func (g *txGroup) lead(mine *txOp) {
+	for {
+		ops := g.take()
+		if len(ops) == 0 {
+			g.wg.Done()
+			return
+		}
+		g.flush(ops)
+		g.mu.Lock()
+		own := mine.state != opQueued
+		g.mu.Unlock()
+		if own {
+			go func() {
+				for {
+					ops := g.take()
+					if len(ops) == 0 {
+						g.wg.Done()
+						return
+					}
+					g.flush(ops)
+				}
+			}()
+			return
+		}
+	}
+}
+
+// take removes up to max queued ops, one per key, sorted by task and key so
+// that concurrent groups take their claims' row locks in one order. With
+// nothing to take it gives up the flusher slot.
+func (g *txGroup) take() []*txOp {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var ops []*txOp
+	seen := map[opKey]bool{}
+	rest := g.queue[:0]
+	for _, op := range g.queue {
+		k := opKey{op.p.Task, op.p.Key}
+		switch {
+		case op.state == opCancelled:
+		case len(ops) >= g.max || seen[k]:
+			rest = append(rest, op)
+		default:
+			seen[k] = true
+			op.state = opTaken
+			ops = append(ops, op)
+		}
+	}
+	clear(g.queue[len(rest):])
+	g.queue = rest
+	if len(ops) == 0 {
+		g.active--
+	}
+	slices.SortFunc(ops, func(a, b *txOp) int {
+		return cmp.Or(cmp.Compare(a.p.Task, b.p.Task), cmp.Compare(a.p.Key, b.p.Key))
+	})
+	return ops
+}
+
+// member is one op's progress through a group.
+type member struct {
+	op     *txOp
+	token  Token
+	claim  Claim
+	result []byte
+	res    *string
+	commit bool  // its claim (and, when first, its effect) commits with the group
+	done   bool  // its turn in the group is over
+	err    error // its own answer when it does not commit
+}
+
+// flush runs one group and answers every op of it.
+func (g *txGroup) flush(ops []*txOp) {
+	ms := make([]*member, len(ops))
+	for i, op := range ops {
+		ms[i] = &member{op: op, token: newToken()}
+	}
+	gctx, cancel := context.WithTimeout(context.Background(), g.timeout)
+	defer cancel()
+	err := g.write(gctx, ms)
+	for _, m := range ms {
+		switch {
+		case !m.commit:
+			m.op.done <- txResult{c: m.claim, err: m.err}
+		case err != nil:
+			m.op.done <- txResult{err: err}
+		default:
+			c := m.claim
+			if c.Outcome == OutcomeFirst {
+				c.Status, c.Result, c.LeaseUntil = StatusCompleted, m.result, time.Time{}
+			}
+			m.op.done <- txResult{c: c}
+		}
+	}
+}
+
+// write runs the group's transaction. Its error belongs to every member
+// marked commit.
+func (g *txGroup) write(ctx context.Context, ms []*member) (err error) {
+	tx, err := g.s.pool.Begin(ctx)
+	if err != nil {
+		for _, m := range ms {
+			m.commit, m.err = false, fmt.Errorf("run tx: begin: %w", err)
+		}
+		return nil
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	lost := func(what string, err error) error {
+		// The transaction is gone: nothing of it commits.
+		g.s.log.Warn("idempotency transaction group lost", zap.String("step", what), zap.Error(err))
+		for _, m := range ms {
+			if m.commit || !m.done {
+				m.commit, m.claim, m.err = false, Claim{}, fmt.Errorf("run tx: %s: %w", what, err)
+			}
+		}
+		return nil
+	}
+	for _, m := range ms {
+		m.done = true
+		if cerr := m.op.ctx.Err(); cerr != nil {
+			m.err = fmt.Errorf("run tx: %w", context.Cause(m.op.ctx))
+			continue
+		}
+		// The savepoint and the claim in one round trip.
+		b := &pgx.Batch{}
+		b.Queue("SAVEPOINT onceler_task")
+		b.Queue(g.s.q.claimOne, m.op.p.Task, m.op.p.Key, string(m.token), m.op.p.Owner, m.op.p.TaskID,
+			m.op.p.Fingerprint, m.op.p.Lease.Microseconds(), m.op.p.Message, false, m.op.p.AllowMismatch)
+		br := tx.SendBatch(ctx, b)
+		_, serr := br.Exec()
+		var row claimRow
+		cerr := serr
+		if cerr == nil {
+			cerr = row.scan(br.QueryRow())
+		}
+		if berr := br.Close(); cerr == nil {
+			cerr = berr
+		}
+		if cerr != nil {
+			if !isServerError(cerr) {
+				return lost("claim", cerr)
+			}
+			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT onceler_task"); rerr != nil {
+				return lost("rollback to savepoint", rerr)
+			}
+			m.err = fmt.Errorf("run tx: claim: %w", cerr)
+			continue
+		}
+		m.claim = row.claim(m.token)
+		m.commit = true
+		if m.claim.Outcome != OutcomeFirst {
+			continue // answered after the commit, which keeps the duplicate count
+		}
+		result, ferr := m.op.fn(m.op.ctx, tx)
+		if ferr == nil {
+			m.res, ferr = checkResult(result)
+			if ferr != nil {
+				ferr = fmt.Errorf("run tx: %w", ferr)
+			}
+		}
+		if ferr != nil {
+			// As in a transaction of its own: no record, no effect.
+			m.commit, m.claim, m.err = false, Claim{}, ferr
+			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT onceler_task"); rerr != nil {
+				return lost("rollback to savepoint", rerr)
+			}
+			continue
+		}
+		m.result = result
+	}
+	var firsts []*member
+	for _, m := range ms {
+		if m.commit && m.claim.Outcome == OutcomeFirst {
+			firsts = append(firsts, m)
+		}
+	}
+	if len(firsts) > 0 {
+		n := len(firsts)
+		tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+		for i, m := range firsts {
+			tasks[i], keys[i], tokens[i], results[i] = m.op.p.Task, m.op.p.Key, string(m.claim.Token), m.res
+		}
+		rows, qerr := tx.Query(ctx, g.s.q.complete, tasks, keys, tokens, results)
+		done := map[opKey]bool{}
+		if qerr == nil {
+			for rows.Next() {
+				var k opKey
+				if serr := rows.Scan(&k.task, &k.key); serr != nil {
+					qerr = serr
+					break
+				}
+				done[k] = true
+			}
+			rows.Close()
+			if qerr == nil {
+				qerr = rows.Err()
+			}
+		}
+		if qerr != nil {
+			return lost("complete", qerr)
+		}
+		for _, m := range firsts {
+			if !done[opKey{m.op.p.Task, m.op.p.Key}] {
+				return lost("complete", ErrFenced)
+			}
+		}
+	}
+	if !slices.ContainsFunc(ms, func(m *member) bool { return m.commit }) {
+		return nil
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return writeError("run tx: commit", err)
+	}
+	return nil
+}
+
+// isServerError reports an error the server answered with: the connection
+// and the transaction (after a rollback to a savepoint) are still usable.
+func isServerError(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr)
+}

@@ -1,0 +1,122 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+// TestRunTxGroup runs many same-database tasks at once through transaction
+// groups: every effect lands once, a task whose function fails leaves no
+// record and no effect while the others of its group commit, a repeat is
+// answered from the record, and the groups commit far fewer transactions
+// than tasks.
+func TestRunTxGroup(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 2})
+	tbl := e.effects(t)
+	ctx := context.Background()
+	errBoom := errors.New("boom")
+	const n = 200
+	run := func(key string, fail bool) func(context.Context, pgx.Tx) ([]byte, error) {
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key); err != nil {
+				return nil, err
+			}
+			if fail {
+				return nil, errBoom
+			}
+			return []byte(`{"key":"` + key + `"}`), nil
+		}
+	}
+	var commits0 int64
+	if err := e.pool.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&commits0); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	claims := make([]idempotency.Claim, n)
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("op%d", i)
+			claims[i], errs[i] = e.store.RunTx(ctx, params("credit", key), run(key, i%10 == 9))
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		if i%10 == 9 {
+			if !errors.Is(errs[i], errBoom) {
+				t.Fatalf("task %d: err %v, want the function's error", i, errs[i])
+			}
+			continue
+		}
+		if errs[i] != nil || claims[i].Outcome != idempotency.OutcomeFirst || claims[i].Status != idempotency.StatusCompleted {
+			t.Fatalf("task %d: %+v %v", i, claims[i], errs[i])
+		}
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+tbl); got != n-n/10 {
+		t.Fatalf("%d effects, want %d", got, n-n/10)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE status = 'completed'`); got != n-n/10 {
+		t.Fatalf("%d completed records, want %d", got, n-n/10)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE key = 'op9'`); got != 0 {
+		t.Fatalf("the failed task left %d records", got)
+	}
+
+	// Repeats, concurrently with a retry of a failed one.
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("op%d", i)
+			claims[i], errs[i] = e.store.RunTx(ctx, params("credit", key), run(key, false))
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		want := idempotency.OutcomeCompleted
+		if i%10 == 9 {
+			want = idempotency.OutcomeFirst
+		}
+		if errs[i] != nil || claims[i].Outcome != want {
+			t.Fatalf("repeat %d: %+v %v, want %v", i, claims[i], errs[i], want)
+		}
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+tbl); got != n {
+		t.Fatalf("%d effects after the repeats, want %d", got, n)
+	}
+	if got := e.count(t, `SELECT coalesce(sum(duplicate_count), 0) FROM `+e.schema+`.records`); got != n-n/10 {
+		t.Fatalf("%d duplicates counted, want %d", got, n-n/10)
+	}
+	var commits1 int64
+	if _, err := e.pool.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.pool.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&commits1); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d commits in the database for %d tasks (other sessions count too)", commits1-commits0, 2*n)
+}
+
+// TestRunTxGroupCancelled: a call whose context is cancelled before its
+// group runs it is never written.
+func TestRunTxGroupCancelled(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 8, GroupFlushers: 1})
+	tbl := e.effects(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := e.store.RunTx(ctx, params("credit", "gone"), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('gone', 1)`)
+		return nil, err
+	})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err %v, want context.Canceled", err)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records`); got != 0 {
+		t.Fatalf("%d records written", got)
+	}
+}
