@@ -45,6 +45,7 @@ type childJob struct {
 	Concurrency int
 	PoolConns   int
 	Flushers    int // record batch flushers (0: the store's default)
+	GroupTx     int // same-database tasks per group transaction (0: none)
 	Timeout     time.Duration
 	CPUProfile  string
 	MemProfile  string
@@ -199,7 +200,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	defer pool.Close()
 	log := zap.NewNop()
 	store, err := idempotency.New(pool, idempotency.Config{Schema: job.Schema, Logger: log,
-		Batch: idempotency.BatchConfig{Flushers: job.Flushers}})
+		Batch: idempotency.BatchConfig{Flushers: job.Flushers, GroupTx: job.GroupTx}})
 	if err != nil {
 		return res, fmt.Errorf("worker: store: %w", err)
 	}

@@ -85,7 +85,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		defer func() { _ = os.Remove(doneFile) }()
 	}
 	job := childJob{Kind: "worker", DoneFile: doneFile, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers,
+		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, GroupTx: b.o.groupTx,
 		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
 	ready := make(chan struct{})
 	type outcome struct {
