@@ -152,34 +152,48 @@ func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
 // ErrLeaseLost (see context.Cause) and the task must not complete. The
 // returned stop function ends the heartbeat, waits for it, and cancels the
 // context; call it before Complete or Fail (with the caller's context).
+//
+// Most tasks end before their first renewal is due, so the heartbeat
+// goroutine starts only then (a timer until the first renewal).
 func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context.Context, func()) {
 	kctx, cancel := context.WithCancelCause(ctx)
+	if lease <= 0 {
+		lease = time.Minute
+	}
+	began := time.Now()
 	stop := make(chan struct{})
 	done := make(chan struct{})
-	go func() {
+	first := time.AfterFunc(lease/3, func() {
 		defer close(done)
-		s.keep(kctx, cancel, stop, ref, lease)
-	}()
+		s.keep(kctx, cancel, stop, ref, lease, began)
+	})
 	var once sync.Once
 	return kctx, func() {
 		once.Do(func() {
 			close(stop)
-			<-done
+			if !first.Stop() {
+				<-done // the heartbeat started: wait for it
+			}
 			cancel(context.Canceled)
 		})
 	}
 }
 
-func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <-chan struct{}, ref Ref, lease time.Duration) {
-	if lease <= 0 {
-		lease = time.Minute
-	}
+// keep is the heartbeat, started when the first renewal is due.
+func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <-chan struct{}, ref Ref, lease time.Duration, began time.Time) {
 	// The lease began at the claim, a little before Keep was called: stop a
 	// tenth of the lease early rather than run past the database's lease.
 	margin := lease / 10
-	deadline := time.Now().Add(lease - margin)
+	deadline := began.Add(lease - margin)
 	interval := lease / 3
-	t := time.NewTimer(interval)
+	select {
+	case <-stop:
+		return
+	case <-ctx.Done():
+		return
+	default:
+	}
+	t := time.NewTimer(0) // the first renewal is due now
 	defer t.Stop()
 	// tick waits for the timer; false when stopped or ctx is done.
 	tick := func() bool {
