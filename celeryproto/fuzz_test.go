@@ -27,6 +27,9 @@ func FuzzDecode(f *testing.F) {
 		if json.Unmarshal([]byte(headersJSON), &headers) != nil {
 			headers = map[string]any{"task": headersJSON}
 		}
+		if headers == nil { // "null"
+			headers = map[string]any{}
+		}
 		if compression != "" {
 			headers["compression"] = compression
 		}
