@@ -120,10 +120,11 @@ func (w *Worker) Stats() map[string]any {
 		total[k] = v
 	}
 	scheduled := w.scheduled
+	started := w.started
 	w.mu.Unlock()
 	uptime := 0
-	if !w.started.IsZero() {
-		uptime = int(time.Since(w.started).Seconds())
+	if !started.IsZero() {
+		uptime = int(time.Since(started).Seconds())
 	}
 	return map[string]any{
 		"total":          total,

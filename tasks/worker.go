@@ -29,7 +29,7 @@ type Worker struct {
 	pub      *amqp.Publisher
 	dec      *celeryproto.Decoder
 	m        *metrics
-	started  time.Time
+	started  time.Time // guarded by mu: Stats reads it
 
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).
 	kill    func()
@@ -168,7 +168,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.running.Store(false)
 	defer w.closeStore()
 	defer func() { _ = w.pub.Close() }()
+	w.mu.Lock() // Stats reads it from remote-control goroutines
 	w.started = time.Now()
+	w.mu.Unlock()
 
 	for _, q := range w.cfg.Queues {
 		spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
