@@ -3,7 +3,6 @@ package tasks
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
@@ -100,64 +99,18 @@ func pyRepr(v any, tuple bool) string {
 			if i > 0 {
 				b.WriteString(", ")
 			}
-			reprValue(&b, a, 0)
+			writeRepr(&b, a)
 		}
 		if len(args) == 1 {
 			b.WriteByte(',')
 		}
 		b.WriteByte(')')
 	} else {
-		reprValue(&b, v, 0)
+		writeRepr(&b, v)
 	}
 	s := b.String()
-	if len(s) > 1024 {
-		s = s[:1021] + "..."
+	if len(s) > reprMax {
+		s = s[:reprMax-3] + "..."
 	}
 	return s
-}
-
-func reprValue(b *strings.Builder, v any, depth int) {
-	if depth > 8 || b.Len() > 1100 {
-		b.WriteString("...")
-		return
-	}
-	switch x := v.(type) {
-	case nil:
-		b.WriteString("None")
-	case bool:
-		if x {
-			b.WriteString("True")
-		} else {
-			b.WriteString("False")
-		}
-	case string:
-		b.WriteString("'" + strings.ReplaceAll(strings.ReplaceAll(x, `\`, `\\`), "'", `\'`) + "'")
-	case []any:
-		b.WriteByte('[')
-		for i, e := range x {
-			if i > 0 {
-				b.WriteString(", ")
-			}
-			reprValue(b, e, depth+1)
-		}
-		b.WriteByte(']')
-	case map[string]any:
-		keys := make([]string, 0, len(x))
-		for k := range x {
-			keys = append(keys, k)
-		}
-		slices.Sort(keys)
-		b.WriteByte('{')
-		for i, k := range keys {
-			if i > 0 {
-				b.WriteString(", ")
-			}
-			reprValue(b, k, depth+1)
-			b.WriteString(": ")
-			reprValue(b, x[k], depth+1)
-		}
-		b.WriteByte('}')
-	default:
-		fmt.Fprint(b, x)
-	}
 }

@@ -15,7 +15,7 @@ func TestPyRepr(t *testing.T) {
 		{[]any{int64(3), "x"}, true, "(3, 'x')"},
 		{[]any{int64(3)}, true, "(3,)"},
 		{[]any{}, true, "()"},
-		{map[string]any{"b": nil, "a": []any{true, 2.5, "it's"}}, false, `{'a': [True, 2.5, 'it\'s'], 'b': None}`},
+		{map[string]any{"b": nil, "a": []any{true, 2.5, "it's"}}, false, `{'a': [True, 2.5, "it's"], 'b': None}`},
 		{map[string]any{}, false, "{}"},
 	}
 	for _, c := range cases {
