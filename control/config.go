@@ -4,7 +4,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -176,20 +175,6 @@ func NodeName(pattern string) (string, error) {
 		return "", fmt.Errorf("control: node name %q has no name before @", name)
 	}
 	return name, nil
-}
-
-// redactURL hides the password of a broker URL.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparsable url>"
-	}
-	if u.User != nil {
-		if _, ok := u.User.Password(); ok {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-		}
-	}
-	return u.String()
 }
 
 // dialURL adapts a Celery-style URL for amqp091: pyamqp:// is amqp://, and

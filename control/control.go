@@ -13,6 +13,8 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
 )
 
 // Exchanges and queue arguments of Celery's pidbox and events, declared with
@@ -214,11 +216,11 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 		},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("control: dial %s: %w", redactURL(c.cfg.URL), err)
+		return nil, fmt.Errorf("control: dial %s: %w", amqp.RedactURL(c.cfg.URL), err)
 	}
 	if !stop() {
 		_ = conn.Close()
-		return nil, fmt.Errorf("control: dial %s: %w", redactURL(c.cfg.URL), dctx.Err())
+		return nil, fmt.Errorf("control: dial %s: %w", amqp.RedactURL(c.cfg.URL), dctx.Err())
 	}
 	return conn, nil
 }
@@ -246,7 +248,7 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 	c.connected.Store(true)
 	c.sessions.Add(1)
 	defer c.evCh.Store(nil)
-	c.log.Info("control connected", zap.String("broker", redactURL(c.cfg.URL)), zap.String("queue", c.queueName()))
+	c.log.Info("control connected", zap.String("broker", amqp.RedactURL(c.cfg.URL)), zap.String("queue", c.queueName()))
 
 	if !*online {
 		c.sendWorkerEvent("worker-online")

@@ -13,6 +13,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -142,7 +143,7 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 		return c.queryTask(req.Arguments["ids"]), nil
 	case "conf":
 		return map[string]any{
-			"broker_url":                 redactURL(c.cfg.URL),
+			"broker_url":                 amqp.RedactURL(c.cfg.URL),
 			"worker_concurrency":         c.cfg.Concurrency,
 			"worker_send_task_events":    c.TaskEvents(),
 			"event_exchange":             EventExchange,
@@ -326,7 +327,7 @@ func (c *Controller) stats() map[string]any {
 			"max-concurrency": c.cfg.Concurrency,
 			"processes":       []any{os.Getpid()},
 		},
-		"broker":   map[string]any{"transport": "amqp", "url": redactURL(c.cfg.URL)},
+		"broker":   map[string]any{"transport": "amqp", "url": amqp.RedactURL(c.cfg.URL)},
 		"rusage":   rusage,
 		"events":   map[string]any{"enabled": c.TaskEvents(), "sent": sent, "dropped": dropped},
 		"control":  map[string]any{"commands": commands, "revoked": c.revoked.Len()},
