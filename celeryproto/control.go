@@ -1,8 +1,6 @@
 package celeryproto
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
 	"math"
 	"strings"
@@ -51,11 +49,13 @@ func DecodeControl(d *Delivery) (*ControlRequest, error) {
 	if c, ok := d.Headers["compression"]; ok && c != nil {
 		return nil, ctlError(fmt.Sprintf("compressed control messages are not supported (%v)", c), ErrCompression)
 	}
-	dec := json.NewDecoder(bytes.NewReader(d.Body))
-	dec.UseNumber()
-	var raw map[string]any
-	if err := dec.Decode(&raw); err != nil {
+	v, err := decodeJSON(&defaultDecoder.scratch, d.Body)
+	raw, isObject := v.(map[string]any)
+	if err != nil {
 		return nil, ctlError("control body is not a JSON object: "+err.Error(), ErrMalformed)
+	}
+	if !isObject && v != nil { // null reads as no fields, as before: no method
+		return nil, ctlError(fmt.Sprintf("control body is not a JSON object: got %T", v), ErrMalformed)
 	}
 	req := &ControlRequest{Arguments: map[string]any{}}
 	var ok bool
@@ -66,7 +66,7 @@ func DecodeControl(d *Delivery) (*ControlRequest, error) {
 	case nil:
 	case map[string]any:
 		for k, v := range a {
-			req.Arguments[k] = ctlValue(v)
+			req.Arguments[k] = v
 		}
 	default:
 		return nil, ctlError(fmt.Sprintf("control arguments must be an object, got %T", a), ErrShape)
@@ -131,30 +131,6 @@ func EncodeControlReply(node string, result any, ticket string, clock int64) (*P
 
 func ctlError(detail string, reason error) error {
 	return &DecodeError{Reason: reason, Detail: detail}
-}
-
-// ctlValue turns json.Number into int64 or float64, recursively.
-func ctlValue(v any) any {
-	switch x := v.(type) {
-	case json.Number:
-		if i, err := x.Int64(); err == nil {
-			return i
-		}
-		f, _ := x.Float64()
-		return f
-	case []any:
-		for i := range x {
-			x[i] = ctlValue(x[i])
-		}
-		return x
-	case map[string]any:
-		for k := range x {
-			x[k] = ctlValue(x[k])
-		}
-		return x
-	default:
-		return v
-	}
 }
 
 func ctlHeaderInt(v any) int64 {
