@@ -430,3 +430,10 @@ func (d *jsonDecoder) hex4() (rune, bool) {
 	d.pos += 4
 	return r, true
 }
+
+// DecodeJSON reads one JSON value the way message bodies are read:
+// integers as int64 (float64 beyond its range), other numbers as float64,
+// objects as map[string]any, arrays as []any, and kombu ≥ 5.3 "__type__"
+// envelopes unwrapped. Strings may share memory with data, which must not
+// change afterwards.
+func DecodeJSON(data []byte) (any, error) { return decodeJSON(&defaultDecoder.scratch, data) }

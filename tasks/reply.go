@@ -1,7 +1,6 @@
 package tasks
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -30,8 +29,6 @@ const (
 	// HeaderTime is when it was quarantined (RFC 3339, UTC).
 	HeaderTime = "x-onceler-quarantined-at"
 )
-
-func bytesReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
 
 // opTimeout bounds one publish or one final record write.
 const opTimeout = 30 * time.Second

@@ -2,7 +2,6 @@ package tasks
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -393,33 +392,11 @@ func jsonValue(b []byte) (any, error) {
 	if len(b) == 0 {
 		return nil, nil
 	}
-	dec := json.NewDecoder(bytesReader(b))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
+	v, err := celeryproto.DecodeJSON(b)
+	if err != nil {
 		return nil, fmt.Errorf("decode stored result: %w", err)
 	}
-	return numbers(v), nil
-}
-
-func numbers(v any) any {
-	switch x := v.(type) {
-	case json.Number:
-		if i, err := x.Int64(); err == nil {
-			return i
-		}
-		f, _ := x.Float64()
-		return f
-	case []any:
-		for i := range x {
-			x[i] = numbers(x[i])
-		}
-	case map[string]any:
-		for k, e := range x {
-			x[k] = numbers(e)
-		}
-	}
-	return v
+	return v, nil
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {
