@@ -14,13 +14,17 @@ import (
 
 // The batcher is a group commit: Claim and Complete calls queue up, and a
 // flusher takes what is queued (at most MaxSize of each kind, one per key)
-// and writes it as one claim statement and one complete statement, sent as
-// one pipeline with a single Sync, so they commit together in one implicit
-// transaction. There is no fixed wait: when fewer than Flushers flushes are
+// and writes it as one claim statement and a completion statement per
+// record, sent as one pipeline with a single Sync, so they commit together
+// in one implicit transaction. There is no fixed wait: when no flush is
 // running, the caller itself leads at once (flushing its own call and
 // whatever else queued), so an idle store answers a lone call in one round
-// trip; while flushes run, new calls queue for the next one. A leader whose
-// own call is answered hands the rest of the queue to a background flusher.
+// trip; while flushes run, new calls queue for the next one. A further flush
+// (up to Flushers at once, each on its own connection) starts only once as
+// many calls are queued as the flush last taken carried: two flushes then
+// overlap one's commit with the other's statements, and batches stay as
+// large as the load allows. A leader whose own call is answered hands the
+// rest of the queue to a background flusher.
 
 type opState int
 
@@ -97,6 +101,7 @@ type batcher struct {
 	claims    []*claimOp
 	completes []*completeOp
 	active    int // flushes running or handed off, at most cfg.Flushers
+	lastTaken int // calls in the flush last taken
 	closed    bool
 
 	flushes, rows atomic.Int64
@@ -140,7 +145,9 @@ func (b *batcher) close() {
 	}
 }
 
-// enqueue adds an op under the lock and says whether the caller leads.
+// enqueue adds an op under the lock and says whether the caller leads: when
+// no flush runs, or when another may start and the queue holds as many calls
+// as the last flush took.
 func (b *batcher) enqueue(add func()) (lead bool, err error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -148,7 +155,7 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 		return false, ErrClosed
 	}
 	add()
-	if b.active < b.cfg.Flushers {
+	if b.active == 0 || (b.active < b.cfg.Flushers && len(b.claims)+len(b.completes) >= b.lastTaken) {
 		b.active++
 		return true, nil
 	}
@@ -275,6 +282,7 @@ func (b *batcher) take() ([]*claimOp, []*completeOp) {
 		b.active--
 		return nil, nil
 	}
+	b.lastTaken = len(claims) + len(completes)
 	b.flushes.Add(1)
 	b.rows.Add(int64(len(claims) + len(completes)))
 	return claims, completes
@@ -360,13 +368,8 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 		}
 		batch.Queue(b.s.q.claimBatch, tasks, keys, tokens, owners, ids, fps, leases, msgs)
 	}
-	if n := len(completes); n > 0 {
-		tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
-		results := make([]*string, n)
-		for i, op := range completes {
-			tasks[i], keys[i], tokens[i], results[i] = op.ref.Task, op.ref.Key, string(op.ref.Token), op.result
-		}
-		batch.Queue(b.s.q.complete, tasks, keys, tokens, results)
+	for _, op := range completes {
+		batch.Queue(b.s.q.complete, b.s.completeArgs(op.ref, op.result)...)
 	}
 	res := b.s.pool.SendBatch(ctx, batch)
 	var rows []claimRow
@@ -391,22 +394,13 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 				return err
 			}
 		}
-		if len(completes) > 0 {
-			rs, err := res.Query()
+		completed = make(map[opKey]bool, len(completes))
+		for _, op := range completes {
+			ok, err := scanCompleted(res.QueryRow())
 			if err != nil {
 				return err
 			}
-			completed = make(map[opKey]bool, len(completes))
-			for rs.Next() {
-				var k opKey
-				if err := rs.Scan(&k.task, &k.key); err != nil {
-					rs.Close()
-					return err
-				}
-				completed[k] = true
-			}
-			rs.Close()
-			return rs.Err()
+			completed[op.key()] = ok
 		}
 		return nil
 	}()

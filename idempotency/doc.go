@@ -93,12 +93,21 @@
 // # Batching
 //
 // Claims and completions of concurrent deliveries are group-committed: a
-// caller that finds a flusher slot free flushes at once (so an idle store
+// caller that finds no flush running flushes at once (so an idle store
 // costs one round trip), and calls arriving meanwhile queue and go out
-// together as one claim statement and one completion statement over
-// unnest() arrays, pipelined with a single Sync, so one commit. Each caller
-// still gets its own exact outcome; repeats of a key within a flush wait
-// for the next flush. BatchConfig.Disabled turns it off.
+// together as one claim statement over unnest() arrays and one completion
+// statement per record, pipelined with a single Sync, so one commit. A
+// second flush (BatchConfig.Flushers, default 2) starts once as many calls
+// are queued as the last flush carried, so that one flush's commit overlaps
+// the next one's statements. Each caller still gets its own exact outcome;
+// repeats of a key within a flush wait for the next flush.
+// BatchConfig.Disabled turns it off.
+//
+// Every statement that changes a claim finds its record by the primary key
+// alone: the status test is written so that no index on status can serve
+// it (see currentClaim in sql.go), since those indexes hold every claim in
+// flight and the dead versions of finished ones. Task names and keys
+// compare bytewise (collation "C").
 //
 // # Errors
 //

@@ -53,17 +53,22 @@ func (s *Store) completeOne(ctx context.Context, q querier, ref Ref, res *string
 }
 
 func (s *Store) completeRaw(ctx context.Context, q querier, ref Ref, res *string) (bool, error) {
-	rows, err := q.Query(ctx, s.q.complete, []string{ref.Task}, []string{ref.Key},
-		[]string{string(ref.Token)}, []*string{res})
-	if err != nil {
-		return false, err
+	return scanCompleted(q.QueryRow(ctx, s.q.complete, s.completeArgs(ref, res)...))
+}
+
+func (s *Store) completeArgs(ref Ref, res *string) []any {
+	return []any{ref.Task, ref.Key, string(ref.Token), res}
+}
+
+// scanCompleted reads the answer of one completion statement: whether it
+// completed the record (false: the claim was not current).
+func scanCompleted(row pgx.Row) (bool, error) {
+	var ok bool
+	err := row.Scan(&ok)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
 	}
-	n := 0
-	for rows.Next() {
-		n++
-	}
-	rows.Close()
-	return n == 1, rows.Err()
+	return ok, err
 }
 
 // checkFenced explains why a write on ref changed no row: nil when the

@@ -79,17 +79,26 @@ const claimOneSource = `(VALUES ($1::text, $2::text, $3::text, $4::text, $5::tex
 const claimBatchSource = `unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[], $7::bigint[], $8::bytea[])
          AS v(task, key, token, owner, task_id, fp, lease_us, message)`
 
-// completeSQL completes every (task, key, token) whose claim is current.
+// currentClaim matches the record ($1 task, $2 key) while $3 is its current
+// claim. The status test is written so that it cannot use the indexes on
+// status (the partial index of claimed leases, the status index): they hold
+// every in-flight claim and, until a vacuum, the dead versions of finished
+// ones, and a plan that scans them instead of looking the record up by its
+// key grows slower with every claim in flight. This way the only index that
+// serves the statement is the primary key, whatever the statistics.
+const currentClaim = `task = $1 AND key = $2 AND token = $3 AND status IS NOT DISTINCT FROM 'claimed'`
+
+// completeSQL completes the record ($1 task, $2 key) while $3 is its current
+// claim, storing result $4, and returns a row if it did. A flush queues one
+// per completion: a statement per record keeps the plan a primary-key
+// lookup, where one statement joining an array of keys is planned from the
+// table's size and statistics at the time its plan is cached.
 const completeSQL = `
-WITH v AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS v(task, key, token, result)
-)
-UPDATE {S}.records AS r SET
-    status = 'completed', result = v.result::jsonb, completed_at = now(), updated_at = now(),
+UPDATE {S}.records SET
+    status = 'completed', result = $4::jsonb, completed_at = now(), updated_at = now(),
     lease_until = NULL, message = NULL
-FROM v
-WHERE r.task = v.task AND r.key = v.key AND r.token = v.token AND r.status = 'claimed'
-RETURNING r.task, r.key`
+WHERE ` + currentClaim + `
+RETURNING true`
 
 func newQueries(schema string) queries {
 	fill := func(q string) string { return strings.ReplaceAll(q, "{S}", schema) }
@@ -111,7 +120,7 @@ func newQueries(schema string) queries {
 	endClaim := func(set, kind string) string {
 		return fill(`WITH up AS (
     UPDATE {S}.records SET ` + set + `, lease_until = NULL, updated_at = now()
-    WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'
+    WHERE ` + currentClaim + `
     RETURNING task, key
 ), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, '` + kind + `' FROM up)
 SELECT count(*) FROM up`)
@@ -121,11 +130,11 @@ SELECT count(*) FROM up`)
 		claimBatch: claim(claimBatchSource, "false", "false"),
 		complete:   fill(completeSQL),
 		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'
-WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed' AND lease_until > now()`),
+WHERE ` + currentClaim + ` AND lease_until > now()`),
 		fail: endClaim(`status = 'failed', error = $4`, "failure"),
 		release: fill(`UPDATE {S}.records SET status = 'failed', error = '', reason = 'released',
     lease_until = NULL, updated_at = now()
-WHERE task = $1 AND key = $2 AND token = $3 AND status = 'claimed'`),
+WHERE ` + currentClaim),
 		skip:  endClaim(`status = 'skipped', reason = $4`, "skipped"),
 		hold:  endClaim(`status = 'held', reason = $5, message = COALESCE($4, message)`, "held"),
 		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),

@@ -59,8 +59,9 @@ type BatchConfig struct {
 	// MaxSize is the most claims (and, separately, completions) in one
 	// flush. Default 256.
 	MaxSize int
-	// Flushers is the number of flushing goroutines, each using one pool
-	// connection at a time. Default 1.
+	// Flushers is the most flushes running at once, each on one pool
+	// connection; a flush beyond the first starts only when as many calls
+	// are queued as the last flush carried. Default 2.
 	Flushers int
 	// GroupTx, when above 1, runs up to that many concurrent RunTx calls
 	// (same-database tasks) in one transaction, each in a savepoint of its
@@ -108,7 +109,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		cfg.Batch.MaxSize = 256
 	}
 	if cfg.Batch.Flushers <= 0 {
-		cfg.Batch.Flushers = 1
+		cfg.Batch.Flushers = 2
 	}
 	if cfg.Batch.Timeout <= 0 {
 		cfg.Batch.Timeout = 30 * time.Second

@@ -288,26 +288,23 @@ func (g *txGroup) write(ctx context.Context, ms []*member) (err error) {
 		}
 	}
 	if len(firsts) > 0 {
-		n := len(firsts)
-		tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
-		for i, m := range firsts {
-			tasks[i], keys[i], tokens[i], results[i] = m.op.p.Task, m.op.p.Key, string(m.claim.Token), m.res
+		batch := &pgx.Batch{}
+		for _, m := range firsts {
+			batch.Queue(g.s.q.complete, g.s.completeArgs(m.op.p.Ref(m.claim.Token), m.res)...)
 		}
-		rows, qerr := tx.Query(ctx, g.s.q.complete, tasks, keys, tokens, results)
+		br := tx.SendBatch(ctx, batch)
 		done := map[opKey]bool{}
-		if qerr == nil {
-			for rows.Next() {
-				var k opKey
-				if serr := rows.Scan(&k.task, &k.key); serr != nil {
-					qerr = serr
-					break
-				}
-				done[k] = true
+		var qerr error
+		for _, m := range firsts {
+			ok, err := scanCompleted(br.QueryRow())
+			if err != nil {
+				qerr = err
+				break
 			}
-			rows.Close()
-			if qerr == nil {
-				qerr = rows.Err()
-			}
+			done[opKey{m.op.p.Task, m.op.p.Key}] = ok
+		}
+		if err := br.Close(); qerr == nil {
+			qerr = err
 		}
 		if qerr != nil {
 			return lost("complete", qerr)
