@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -27,6 +28,8 @@ type scenario struct {
 	Replies   bool
 	DupEvery  int
 	Latency   bool // measure latency at half load
+	Events    bool // remote control and task events on, a monitor consuming them
+	Round     int  // the pair's round, for (f) and its (b) twins
 }
 
 var scenarios = []scenario{
@@ -36,7 +39,12 @@ var scenarios = []scenario{
 	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
 	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
 	{ID: "e", Title: "Python Celery 5.2.6 prefork, same claim + completion", Kind: "python", Task: taskOutside},
+	{ID: "f", Title: "(b) with remote control and task events on, a monitor consuming celeryev", Kind: "worker", Task: taskOutside, Events: true},
 }
+
+// pairedWith is the scenario (f) alternates with: (b), measured again next
+// to each run of (f) so that the ratio compares runs minutes apart at most.
+const pairedWith = "b"
 
 // row is one measured scenario.
 type row struct {
@@ -51,7 +59,8 @@ type row struct {
 	cpuUS      float64 // consumer process CPU µs per task
 	pgCPUUS    float64 // the worker's PostgreSQL backends' CPU µs per task
 	note       string
-	polls      int // the bench's own queries on the bench database during the run
+	polls      int     // the bench's own queries on the bench database during the run
+	pairRatio  float64 // (f): median over the rounds of (f) / (b) in the same round
 	drainError error
 }
 
@@ -112,7 +121,12 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "(%s) %s: draining...\n", sc.ID, sc.Title)
-		r := b.drain(ctx, sc)
+		var r row
+		if sc.Events {
+			r = b.paired(ctx, sc)
+		} else {
+			r = b.drain(ctx, sc)
+		}
 		if r.drainError != nil {
 			errs = append(errs, fmt.Errorf("(%s): %w", sc.ID, r.drainError))
 			fmt.Fprintf(os.Stderr, "(%s) failed: %v\n", sc.ID, r.drainError)
@@ -147,8 +161,56 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 	return rows, errors.Join(errs...)
 }
 
+// paired drains sc (f) and its twin without events (b) in turn, b.o.pairs
+// times (the first of each pair alternating), and returns the row of the median (f) run with the
+// median of the per-round ratios (f) / (b): the cost of events measured
+// against runs next to it rather than against a (b) drained minutes before
+// on a machine whose speed drifts.
+func (b *bench) paired(ctx context.Context, sc scenario) row {
+	var twin scenario
+	for _, s := range scenarios {
+		if s.ID == pairedWith {
+			twin = s
+		}
+	}
+	var fs []row
+	var ratios []float64
+	var notes []string
+	for round := 1; round <= max(1, b.o.pairs); round++ {
+		twin.Round, sc.Round = round, round
+		// Alternate which goes first, so that a drift of the machine's
+		// speed within a round does not favour one side.
+		var rb, rf row
+		if round%2 == 1 {
+			rb, rf = b.drain(ctx, twin), b.drain(ctx, sc)
+		} else {
+			rf, rb = b.drain(ctx, sc), b.drain(ctx, twin)
+		}
+		if rb.drainError != nil {
+			return row{sc: sc, n: b.o.n, drainError: fmt.Errorf("round %d, (%s) without events: %w", round, twin.ID, rb.drainError)}
+		}
+		if rf.drainError != nil {
+			return rf
+		}
+		fs = append(fs, rf)
+		ratios = append(ratios, rf.rate/rb.rate)
+		notes = append(notes, fmt.Sprintf("%.0f/%.0f", rf.rate, rb.rate))
+		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f\n", sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate)
+	}
+	slices.SortFunc(fs, func(x, y row) int { return cmp.Compare(x.rate, y.rate) })
+	r := fs[len(fs)/2]
+	slices.Sort(ratios)
+	r.pairRatio = ratios[len(ratios)/2]
+	r.note = fmt.Sprintf("median of %d rounds; with/without events per round: %s; median ratio %.3f",
+		len(fs), strings.Join(notes, ", "), r.pairRatio)
+	return r
+}
+
 // names returns the queue and schema of a scenario run.
 func (b *bench) names(sc scenario, suffix string) (queue, schema string) {
+	if sc.Round > 0 {
+		suffix = fmt.Sprintf("-r%d", sc.Round) + suffix
+	}
 	id := strings.ReplaceAll(sc.ID, "'", "2")
 	return "onceler-bench-" + b.runID + "-" + id + suffix, "bench_" + b.runID + "_" + id + strings.ReplaceAll(suffix, "-", "_")
 }
@@ -209,12 +271,26 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, GroupTx: b.o.groupTx,
 				Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
-			if sc.ID == "b" {
+			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
+			}
+			var mon *monitor
+			if sc.Events {
+				job.Events = true
+				mqueue, _ := b.names(sc, ".events")
+				if mon, err = startMonitor(b.broker, mqueue); err != nil {
+					return err
+				}
+				defer mon.close()
 			}
 			res, err := spawn(ctx, job, nil)
 			if err != nil {
 				return err
+			}
+			if mon != nil {
+				if err := mon.wait(r.n, 10*time.Second); err != nil {
+					return err
+				}
 			}
 			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
 			r.rssKiB = res.PeakRSSKiB

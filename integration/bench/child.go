@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/tasks"
 )
@@ -52,6 +53,7 @@ type childJob struct {
 	Debug       bool
 	GOGC        int    // 0: the runtime's default
 	DoneFile    string // when set, the commit time of each task is written there
+	Events      bool   // remote control on, task events on (Celery's -E)
 }
 
 // childResult is what the child reports.
@@ -211,10 +213,24 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	metrics := newCountingRegistry()
 	var obs *doneObserver
-	var taskObs tasks.Observer // stays a nil interface without DoneFile
+	var taskObs tasks.Observer // stays a nil interface without DoneFile or Events
 	if job.DoneFile != "" {
 		obs = newDoneObserver()
 		taskObs = obs
+	}
+	hostname := "onceler-bench@" + strconv.Itoa(os.Getpid())
+	var ctl *control.Controller
+	if job.Events {
+		if obs != nil {
+			return res, errors.New("worker: events and a done file together are not supported")
+		}
+		ctl, err = control.New(nil, control.Config{URL: job.AMQPURL, NodeName: hostname, TaskEvents: true,
+			Queues: control.QueuesFrom([]amqp.QueueSpec{amqp.CeleryQueue(job.Queue)}), Concurrency: job.Concurrency,
+			Prefetch: job.Prefetch, Logger: log})
+		if err != nil {
+			return res, fmt.Errorf("worker: remote control: %w", err)
+		}
+		taskObs = ctl
 	}
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
@@ -223,7 +239,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		Store:       store,
 		Concurrency: job.Concurrency,
 		Prefetch:    job.Prefetch,
-		Hostname:    "onceler-bench@" + strconv.Itoa(os.Getpid()),
+		Hostname:    hostname,
 		Logger:      log,
 		Metrics:     metrics,
 		Grace:       10 * time.Second,
@@ -234,6 +250,18 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	wctx, stopWorker := context.WithCancel(ctx)
 	defer stopWorker()
+	ctlDone := make(chan error, 1)
+	stopCtl := func() error { return nil }
+	if ctl != nil {
+		ctl.SetWorker(control.FromTasks(w))
+		cctx, cancel := context.WithCancel(ctx)
+		go func() { ctlDone <- ctl.Run(cctx) }()
+		stopCtl = func() error {
+			cancel()
+			return <-ctlDone
+		}
+	}
+	defer func() { _ = stopCtl() }()
 	runErr := make(chan error, 1)
 	go func() { runErr <- w.Run(wctx) }()
 
@@ -281,6 +309,14 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	stopWorker()
 	if err := <-runErr; err != nil && waitErr == nil {
 		waitErr = fmt.Errorf("worker: %w", err)
+	}
+	if ctl != nil {
+		if err := stopCtl(); err != nil && waitErr == nil {
+			waitErr = fmt.Errorf("remote control: %w", err)
+		}
+		stopCtl = func() error { return nil }
+		sent, dropped, _ := ctl.Counters()
+		res.Counts["events_sent"], res.Counts["events_dropped"] = float64(sent), float64(dropped)
 	}
 	res.PGCPU = backendCPU(context.WithoutCancel(ctx), pool)
 	if obs != nil && waitErr == nil {

@@ -49,9 +49,11 @@ type options struct {
 	python      string
 	quick       bool
 	only        string
+	pairs       int
 	latencySecs float64
 	latencyRate float64
 	cpuProfile  string
+	profiled    string
 	memProfile  string
 	timeout     time.Duration
 	debug       bool
@@ -87,18 +89,20 @@ func run() error {
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
-	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e", "scenarios to run, comma-separated")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
+	fs.IntVar(&o.pairs, "pairs", 3, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
 	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's measured rate)")
-	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in (b) to this file")
-	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in (b) to this file")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in the -profile scenario to this file")
+	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in the -profile scenario to this file")
+	fs.StringVar(&o.profiled, "profile", "b", "the scenario whose worker -cpuprofile and -memprofile profile (for (f): its first round)")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit of one scenario")
 	fs.BoolVar(&o.debug, "debug", false, "log the worker's debug output to stderr")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return err
 	}
 	if o.quick {
-		o.n, o.pyN, o.latencySecs = 2000, 500, 1
+		o.n, o.pyN, o.latencySecs, o.pairs = 2000, 500, 1, 1
 	}
 	if o.pyN <= 0 {
 		o.pyN = o.n

@@ -104,5 +104,8 @@ func targets(rows []row) string {
 		fmt.Sprintf("%.1f ms", float64(b.p99.Microseconds())/1000))
 	check("(b) worker peak RSS ≤ 100 MiB", okB && b.rssKiB <= 100*1024, okB && b.rssKiB > 0, fmt.Sprintf("%.1f MiB", float64(b.rssKiB)/1024))
 	check("(b) PostgreSQL commits per task ≤ 0.25", okB && b.commits <= 0.25, okB, fmt.Sprintf("%.3f", b.commits))
+	f, okF := by["f"]
+	check("(f) events and remote control cost < 5% of (b)'s throughput", okF && f.pairRatio >= 0.95, okF,
+		fmt.Sprintf("median (f)/(b) over the rounds %.3f, a cost of %.1f%%", f.pairRatio, 100*(1-f.pairRatio)))
 	return sb.String()
 }
