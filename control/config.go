@@ -58,7 +58,7 @@ type Config struct {
 	// never blocking a task. Default DefaultEventBuffer.
 	EventBuffer int
 	// EventLinger is how long the publisher waits to gather task events
-	// into one message (up to 24). Default DefaultEventLinger.
+	// into one task.multi message (up to 128). Default DefaultEventLinger.
 	EventLinger time.Duration
 	// Queues are the task queues the worker consumes, for active_queues.
 	Queues []Queue

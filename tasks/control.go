@@ -216,20 +216,28 @@ func keyHash(key string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
-// event hands an event to the Observer, with Celery's common task fields.
+// event hands an event to the Observer, with Celery's common task fields:
+// uuid always; the task name on the delivery's first event (task-received,
+// as Celery sends it) and the operation key's hash on the first event once
+// the key is known. Readers (celery.events.State, Flower) merge a task's
+// events, so repeating them would only make every event longer.
 func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[string]any) {
 	if w.cfg.Observer == nil || j.msg == nil {
 		return
 	}
 	if fields == nil {
-		fields = make(map[string]any, 4)
+		fields = make(map[string]any, 3)
 	}
 	fields["uuid"] = j.msg.ID
-	if _, ok := fields["name"]; !ok {
-		fields["name"] = j.msg.Task
+	if !j.named {
+		if _, ok := fields["name"]; !ok {
+			fields["name"] = j.msg.Task
+		}
+		j.named = true
 	}
-	if j.key != "" {
+	if j.key != "" && !j.keyed {
 		fields["onceler_key_sha256"] = keyHash(j.key)
+		j.keyed = true
 	}
 	w.cfg.Observer.Event(ctx, typ, fields)
 }

@@ -310,7 +310,9 @@
 // consuming and its database answers). The Observer receives Celery's task
 // events (task-received, task-started, task-succeeded, task-failed,
 // task-retried, task-revoked, task-rejected) with Celery's fields, plus
-// onceler_duplicate on answers from the record and onceler_key_sha256.
+// onceler_duplicate on answers from the record and onceler_key_sha256 (on
+// the first event once the operation key is known; the task name, as in
+// Celery, on the first event, task-received).
 // task-succeeded carries runtime (seconds) and result (the Python repr of
 // the result, at most 1024 bytes); task-failed and task-retried carry
 // exception (its Python repr) and traceback (a short one in Python's shape

@@ -86,6 +86,10 @@ type job struct {
 	// abandoned: the task did not return by its hard time limit and runs on
 	// unwatched; its outcome is unknown.
 	abandoned bool
+	// named, keyed: an event of this delivery carried the task name, the
+	// operation key's hash (later events leave them out: an event reader
+	// merges a task's events).
+	named, keyed bool
 }
 
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens

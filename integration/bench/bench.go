@@ -48,20 +48,21 @@ const pairedWith = "b"
 
 // row is one measured scenario.
 type row struct {
-	sc         scenario
-	n          int
-	rate       float64 // tasks/s
-	p50, p99   time.Duration
-	latN       int
-	latRate    float64
-	rssKiB     int64
-	commits    float64 // per task
-	cpuUS      float64 // consumer process CPU µs per task
-	pgCPUUS    float64 // the worker's PostgreSQL backends' CPU µs per task
-	note       string
-	polls      int     // the bench's own queries on the bench database during the run
-	pairRatio  float64 // (f): median over the rounds of (f) / (b) in the same round
-	drainError error
+	sc          scenario
+	n           int
+	rate        float64 // tasks/s
+	p50, p99    time.Duration
+	latN        int
+	latRate     float64
+	rssKiB      int64
+	commits     float64 // per task
+	cpuUS       float64 // consumer process CPU µs per task
+	pgCPUUS     float64 // the worker's PostgreSQL backends' CPU µs per task
+	brokerCPUUS float64 // the local RabbitMQ node's CPU µs per task while draining
+	note        string
+	polls       int     // the bench's own queries on the bench database during the run
+	pairRatio   float64 // (f): median over the rounds of (f) / (b) in the same round
+	drainError  error
 }
 
 type bench struct {
@@ -262,6 +263,13 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		if err != nil {
 			return err
 		}
+		bpid := brokerPID()
+		bcpu0 := procCPU(bpid)
+		defer func() {
+			if bpid > 0 {
+				r.brokerCPUUS = float64((procCPU(bpid) - bcpu0).Microseconds()) / float64(r.n)
+			}
+		}()
 		switch sc.Kind {
 		case "python":
 			if err := b.runPython(ctx, &r, queue, schema); err != nil {

@@ -412,20 +412,42 @@ func backendCPU(ctx context.Context, pool *pgxpool.Pool) time.Duration {
 	}
 	var total time.Duration
 	for _, pid := range pids {
-		b, err := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/stat")
+		total += procCPU(int(pid))
+	}
+	return total
+}
+
+// procCPU is the user and system CPU time of process pid so far, read from
+// /proc/<pid>/stat; 0 when it cannot be read.
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	// Fields after the command name (which is in parentheses): utime and
+	// stime are fields 14 and 15, in clock ticks (100 per second).
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond
+}
+
+// brokerPID is the process id of the local RabbitMQ node (beam.smp), 0 when
+// there is none on this machine.
+func brokerPID() int {
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
 		if err != nil {
 			continue
 		}
-		// Fields after the command name (which is in parentheses): utime and
-		// stime are fields 14 and 15, in clock ticks (100 per second).
-		s := string(b)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-		if len(f) < 13 {
-			continue
+		if comm, err := os.ReadFile("/proc/" + d.Name() + "/comm"); err == nil && strings.TrimSpace(string(comm)) == "beam.smp" {
+			return pid
 		}
-		ut, _ := strconv.ParseInt(f[11], 10, 64)
-		st, _ := strconv.ParseInt(f[12], 10, 64)
-		total += time.Duration(ut+st) * 10 * time.Millisecond
 	}
-	return total
+	return 0
 }

@@ -23,11 +23,11 @@ func report(o options, rows []row) string {
 			e = r.rate
 		}
 	}
-	sb.WriteString("| scenario | tasks | tasks/s | vs (a) | vs (e) | p50 ms | p99 ms | load for latency | peak RSS MiB | PG commits/task | consumer CPU µs/task | PG backend CPU µs/task |\n")
-	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	sb.WriteString("| scenario | tasks | tasks/s | vs (a) | vs (e) | p50 ms | p99 ms | load for latency | peak RSS MiB | PG commits/task | consumer CPU µs/task | PG backend CPU µs/task | broker CPU µs/task |\n")
+	sb.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rows {
 		if r.drainError != nil {
-			fmt.Fprintf(&sb, "| (%s) %s | %d | failed: %s | | | | | | | | | |\n", r.sc.ID, r.sc.Title, r.n,
+			fmt.Fprintf(&sb, "| (%s) %s | %d | failed: %s | | | | | | | | | | |\n", r.sc.ID, r.sc.Title, r.n,
 				strings.ReplaceAll(r.drainError.Error(), "|", "/"))
 			continue
 		}
@@ -43,7 +43,10 @@ func report(o options, rows []row) string {
 			}
 			return fmt.Sprintf("%.1f", float64(d.Microseconds())/1000)
 		}
-		load, rss, commits, cpu, pgCPU := "–", "–", "–", "–", "–"
+		load, rss, commits, cpu, pgCPU, brokerCPU := "–", "–", "–", "–", "–", "–"
+		if r.brokerCPUUS > 0 {
+			brokerCPU = fmt.Sprintf("%.0f", r.brokerCPUUS)
+		}
 		if r.cpuUS > 0 {
 			cpu = fmt.Sprintf("%.0f", r.cpuUS)
 		}
@@ -63,8 +66,8 @@ func report(o options, rows []row) string {
 		if r.note != "" {
 			title += " (" + r.note + ")"
 		}
-		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
-			ratio(a), ratio(e), lat(r.p50), lat(r.p99), load, rss, commits, cpu, pgCPU)
+		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
+			ratio(a), ratio(e), lat(r.p50), lat(r.p99), load, rss, commits, cpu, pgCPU, brokerCPU)
 	}
 	sb.WriteString("\n")
 	sb.WriteString(targets(rows))
