@@ -327,3 +327,103 @@ func TestConcurrentAcksAcrossReconnect(t *testing.T) {
 		t.Fatalf("queue depth %d after all acks", d)
 	}
 }
+
+// Acknowledgements are coalesced into multiple acks, but only over settled
+// deliveries: with the first delivery held unsettled (a slow task) the
+// others are still acknowledged (on their own once the linger is over), the
+// prefetch window keeps moving, and when the channel closes exactly the
+// unsettled one comes back. Deliveries settled nearly in order go out as
+// fewer frames than acks (how many fewer depends on how many settle while
+// a frame is written; TestAckerCoalescesInOrderRuns measures it).
+func TestCoalescedAcksAroundASlowDelivery(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_coalesce")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 60*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	const n = 400
+	publish := func(from int) {
+		for i := from; i < from+n; i++ {
+			must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish %d", i)
+		}
+	}
+	publish(0)
+	got := make(chan *Delivery, n)
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 40, DrainTimeout: 300 * time.Millisecond})
+	stop := runConsumer(t, c, func(d *Delivery) { got <- d })
+
+	slow := recv(t, got, 10*time.Second)
+	if string(slow.Body) != "0" {
+		t.Fatalf("first delivery %q", slow.Body)
+	}
+	// The others, settled by 4 goroutines as they come (nearly in order);
+	// every 50th is nacked with requeue the first time.
+	settleAll := func(got <-chan *Delivery, want int) {
+		t.Helper()
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		seen := map[string]bool{}
+		acked := 0
+		done := make(chan struct{})
+		for range 4 {
+			wg.Go(func() {
+				for {
+					var d *Delivery
+					select {
+					case d = <-got:
+					case <-done:
+						return
+					case <-ctx.Done():
+						return
+					}
+					var i int
+					_, _ = fmt.Sscan(string(d.Body), &i)
+					mu.Lock()
+					first := !seen[string(d.Body)]
+					seen[string(d.Body)] = true
+					mu.Unlock()
+					if first && i%50 == 25 {
+						must(t, d.Nack(true), "nack %d", i)
+						continue
+					}
+					must(t, d.Ack(), "ack %d", i)
+					mu.Lock()
+					acked++
+					if acked == want {
+						close(done)
+					}
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		if acked != want {
+			t.Fatalf("acked %d of %d", acked, want)
+		}
+	}
+	settleAll(got, n-1)
+	// Stop with the first still unsettled: only it comes back.
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	c2 := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 40})
+	again := make(chan *Delivery, 2*n)
+	runConsumer(t, c2, func(d *Delivery) { again <- d })
+	d := recv(t, again, 10*time.Second)
+	if string(d.Body) != "0" || !d.Redelivered {
+		t.Fatalf("redelivered %q (redelivered=%t), want only the unsettled first message", d.Body, d.Redelivered)
+	}
+	noRecv(t, again, 500*time.Millisecond)
+	must(t, d.Ack(), "ack the first")
+	before := d.ch.acks.counters()
+	publish(n)
+	settleAll(again, n)
+	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	after := d.ch.acks.counters()
+	acks, frames := after.acks-before.acks, after.frames-before.frames
+	if acks != n || frames >= acks {
+		t.Fatalf("%d acks in %d frames, want fewer frames than acks", acks, frames)
+	}
+	t.Logf("%d acks in %d frames", acks, frames)
+}

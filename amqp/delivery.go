@@ -39,6 +39,8 @@ type channelState struct {
 	closed atomic.Bool
 	// outstanding counts deliveries handed out and not yet settled.
 	outstanding atomic.Int64
+	// acks coalesces the channel's acknowledgements.
+	acks acker
 }
 
 func (s *channelState) dead() bool {
@@ -49,23 +51,44 @@ func (s *channelState) dead() bool {
 // acknowledging it is no longer possible.
 func (d *Delivery) Stale() bool { return d.ch == nil || d.ch.dead() }
 
-// Ack acknowledges the delivery (multiple=false): the broker forgets it.
+// Ack acknowledges the delivery: the broker forgets it. Acknowledgements
+// of one channel are coalesced: when this delivery and every earlier one of
+// its channel are settled, one basic.ack with multiple=true may answer them
+// together, sent by this call or by a concurrent one (whose write may still
+// be under way when this returns; if it fails, the channel is gone and the
+// broker delivers the message again). Only settled deliveries are ever
+// covered; a delivery settled while an earlier one is still out is
+// acknowledged on its own at once.
 func (d *Delivery) Ack() error {
-	return d.settle("ack", func(ch *amqp091.Channel) error { return ch.Ack(d.tag, false) })
+	return d.settle("ack", func(st *channelState) error {
+		return st.acks.ack(d.tag, func(tag uint64, multiple bool) error { return st.ch.Ack(tag, multiple) })
+	})
 }
 
 // Nack rejects the delivery; with requeue the broker queues it again
 // (redelivered=true), without it the broker drops or dead-letters it.
 func (d *Delivery) Nack(requeue bool) error {
-	return d.settle("nack", func(ch *amqp091.Channel) error { return ch.Nack(d.tag, false, requeue) })
+	return d.settle("nack", func(st *channelState) error {
+		if err := st.ch.Nack(d.tag, false, requeue); err != nil {
+			return err
+		}
+		st.acks.settledElsewhere(d.tag)
+		return nil
+	})
 }
 
 // Reject is basic.reject: like Nack, for one message.
 func (d *Delivery) Reject(requeue bool) error {
-	return d.settle("reject", func(ch *amqp091.Channel) error { return ch.Reject(d.tag, requeue) })
+	return d.settle("reject", func(st *channelState) error {
+		if err := st.ch.Reject(d.tag, requeue); err != nil {
+			return err
+		}
+		st.acks.settledElsewhere(d.tag)
+		return nil
+	})
 }
 
-func (d *Delivery) settle(op string, send func(*amqp091.Channel) error) error {
+func (d *Delivery) settle(op string, send func(*channelState) error) error {
 	if d.ch == nil {
 		return fmt.Errorf("%s: %w", op, ErrStaleDelivery)
 	}
@@ -75,7 +98,7 @@ func (d *Delivery) settle(op string, send func(*amqp091.Channel) error) error {
 	if d.settled.Swap(true) {
 		return fmt.Errorf("%s delivery %d: %w", op, d.tag, ErrAlreadySettled)
 	}
-	if err := send(d.ch.ch); err != nil {
+	if err := send(d.ch); err != nil {
 		if errors.Is(err, amqp091.ErrClosed) || d.ch.dead() {
 			return fmt.Errorf("%s delivery %d of channel generation %d: %w", op, d.tag, d.ch.gen, ErrStaleDelivery)
 		}

@@ -34,6 +34,7 @@ func (p *Publisher) Inspect(ctx context.Context, queue string, limit int, fn fun
 	seen := 0
 	err := p.withChannel(ctx, func(ch *amqp091.Channel) error {
 		st := &channelState{ch: ch}
+		st.acks.eager = true // Remove acknowledges before the walk goes on
 		for limit <= 0 || seen < limit {
 			if err := ctx.Err(); err != nil {
 				return fmt.Errorf("inspect %q: %w", queue, err)

@@ -103,6 +103,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 // close marks the channel dead before closing it, so that an Ack racing
 // with the close reports ErrStaleDelivery, then waits for the forwarders.
 func (s *consumeSession) close() {
+	s.st.acks.flush()
 	s.st.closed.Store(true)
 	s.c.ready.Store(false)
 	s.c.mu.Lock()
@@ -123,6 +124,7 @@ func (s *consumeSession) startConsumers() error {
 		return fmt.Errorf("set prefetch %d: %w", n, err)
 	}
 	s.applied = n
+	s.st.acks.setWindow(n)
 	for _, q := range s.c.cc.Queues {
 		s.seq++
 		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
@@ -208,6 +210,8 @@ func (s *consumeSession) drain(chClosed, connClosed <-chan *amqp091.Error) {
 		case t := <-s.merged:
 			if err := t.m.Nack(false, true); err != nil {
 				c.log.Debug("requeue after cancel", zap.Error(err))
+			} else {
+				s.st.acks.settledElsewhere(t.m.DeliveryTag)
 			}
 		case <-tick.C:
 			if s.st.outstanding.Load() <= 0 {
