@@ -52,6 +52,7 @@ type row struct {
 	n           int
 	rate        float64 // tasks/s
 	p50, p99    time.Duration
+	p99Cold     time.Duration // p99 with the warm-up's messages counted too
 	latN        int
 	latRate     float64
 	rssKiB      int64
@@ -150,7 +151,7 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 			if b.o.latencyRate > 0 {
 				r.latRate = b.o.latencyRate
 			}
-			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s...\n", r.sc.ID, r.latRate, b.o.latencySecs)
+			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s after %.0f s of warm-up...\n", r.sc.ID, r.latRate, b.o.latencySecs, b.o.latencyWarmup)
 			if err := b.latency(ctx, r); err != nil {
 				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
 				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)

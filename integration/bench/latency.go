@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -18,7 +19,8 @@ import (
 // or the same-database transaction committed, just before the ack).
 func (b *bench) latency(ctx context.Context, r *row) error {
 	sc := r.sc
-	n := max(200, int(r.latRate*b.o.latencySecs))
+	warm := int(r.latRate * b.o.latencyWarmup)
+	n := warm + max(200, int(r.latRate*b.o.latencySecs))
 	queue, schema := b.names(sc, "-lat")
 	reply := ""
 	if sc.Replies {
@@ -127,14 +129,31 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		}
 	}
 	lat := make([]time.Duration, 0, n)
+	var warmLat []time.Duration
 	for i := range ends {
 		if ends[i].IsZero() {
 			return fmt.Errorf("message %d has no end time", i)
 		}
-		lat = append(lat, max(0, ends[i].Sub(sent[i])))
+		l := max(0, ends[i].Sub(sent[i]))
+		if i < warm {
+			warmLat = append(warmLat, l)
+			continue
+		}
+		lat = append(lat, l)
+	}
+	if b.o.latencyDump != "" {
+		all := append(warmLat, lat...) // in sending order
+		if err := dumpLatencies(b.o.latencyDump+"."+strings.ReplaceAll(sc.ID, "'", "2")+".csv", sent, all); err != nil {
+			return err
+		}
 	}
 	sortDurations(lat)
-	r.latN, r.p50, r.p99 = n, percentile(lat, 0.50), percentile(lat, 0.99)
+	r.latN, r.p50, r.p99 = len(lat), percentile(lat, 0.50), percentile(lat, 0.99)
+	if warm > 0 {
+		all := append(warmLat, lat...)
+		sortDurations(all)
+		r.p99Cold = percentile(all, 0.99)
+	}
 	return nil
 }
 
@@ -158,4 +177,15 @@ func readReplies(ctx context.Context, in <-chan amqp091.Delivery, index map[stri
 			}
 		}
 	}
+}
+
+// dumpLatencies writes one line per message: when it was sent (ms since the
+// first) and its latency (ms), for finding when a tail happened.
+func dumpLatencies(path string, sent []time.Time, lat []time.Duration) error {
+	var sb strings.Builder
+	sb.WriteString("sent_ms,latency_ms\n")
+	for i := range lat {
+		fmt.Fprintf(&sb, "%.3f,%.3f\n", float64(sent[i].Sub(sent[0]).Microseconds())/1000, float64(lat[i].Microseconds())/1000)
+	}
+	return os.WriteFile(path, []byte(sb.String()), 0o644)
 }

@@ -37,26 +37,28 @@ import (
 )
 
 type options struct {
-	n, pyN      int
-	prefetch    int
-	concurrency int
-	poolConns   int
-	flushers    int
-	groupTx     int
-	workerGOGC  int
-	amqpURL     string
-	dbURL       string
-	python      string
-	quick       bool
-	only        string
-	pairs       int
-	latencySecs float64
-	latencyRate float64
-	cpuProfile  string
-	profiled    string
-	memProfile  string
-	timeout     time.Duration
-	debug       bool
+	n, pyN        int
+	prefetch      int
+	concurrency   int
+	poolConns     int
+	flushers      int
+	groupTx       int
+	workerGOGC    int
+	amqpURL       string
+	dbURL         string
+	python        string
+	quick         bool
+	only          string
+	pairs         int
+	latencyDump   string
+	latencySecs   float64
+	latencyWarmup float64
+	latencyRate   float64
+	cpuProfile    string
+	profiled      string
+	memProfile    string
+	timeout       time.Duration
+	debug         bool
 }
 
 func main() {
@@ -92,6 +94,8 @@ func run() error {
 	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
 	fs.IntVar(&o.pairs, "pairs", 3, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
+	fs.Float64Var(&o.latencyWarmup, "latency-warmup", 2, "seconds of the same load before each latency run's measured messages (a fresh worker's first seconds)")
+	fs.StringVar(&o.latencyDump, "latency-dump", "", "write each latency run's per-message send time and latency to PREFIX.<scenario>.csv")
 	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's measured rate)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in the -profile scenario to this file")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in the -profile scenario to this file")
@@ -102,7 +106,7 @@ func run() error {
 		return err
 	}
 	if o.quick {
-		o.n, o.pyN, o.latencySecs, o.pairs = 2000, 500, 1, 1
+		o.n, o.pyN, o.latencySecs, o.latencyWarmup, o.pairs = 2000, 500, 1, 0.5, 1
 	}
 	if o.pyN <= 0 {
 		o.pyN = o.n

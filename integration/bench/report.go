@@ -66,6 +66,9 @@ func report(o options, rows []row) string {
 		if r.note != "" {
 			title += " (" + r.note + ")"
 		}
+		if r.p99Cold > 0 {
+			title += fmt.Sprintf(" (p99 with the warm-up's messages: %.1f ms)", float64(r.p99Cold.Microseconds())/1000)
+		}
 		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
 			ratio(a), ratio(e), lat(r.p50), lat(r.p99), load, rss, commits, cpu, pgCPU, brokerCPU)
 	}
