@@ -115,6 +115,15 @@ func RedactURL(raw string) string {
 	return u.String()
 }
 
+// DialURL returns raw as amqp091 dials it: Celery's spellings (pyamqp://,
+// pyamqps://, surrounding blanks) mapped onto amqp:// and amqps://, and the
+// result checked. A Celery-style "host//" names vhost "/", as amqp091 reads
+// it. Its errors never contain the URL (they wrap ErrConfig).
+func DialURL(raw string) (string, error) {
+	s, _, err := normalizeURL(raw)
+	return s, err
+}
+
 // normalizeURL maps Celery's spellings onto what amqp091 parses, and checks
 // the result. Its errors never contain the URL (a url.Error would quote the
 // password).

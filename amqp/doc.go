@@ -57,6 +57,21 @@
 // Delivery also refuses a second Ack (ErrAlreadySettled) instead of letting
 // a double ack close the channel under every other delivery in flight.
 //
+// # Coalesced acknowledgements
+//
+// Tags are consecutive on a channel, so Ack answers a run of settled
+// deliveries with one basic.ack multiple=true: the caller that finds no send
+// in progress sends for everyone who acked meanwhile. A multiple ack only
+// ever covers the unbroken run of explicitly settled tags from the lowest
+// tag not yet settled, so a delivery still running (or never handed out)
+// is never acknowledged on its behalf. An ack above such a gap waits for it
+// to close, at most 20 ms and while no more than half the prefetch window
+// waits, then goes out on its own. Nack and Reject are sent at once and
+// then counted as settled, so a later multiple ack follows them on the
+// channel. Waiting acks are sent before the channel closes; those of a
+// channel that died are lost with it, and the broker redelivers their
+// messages to be answered from the record.
+//
 // # Topology
 //
 // CeleryQueue(name) declares what kombu declares for a Celery queue: a

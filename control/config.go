@@ -176,16 +176,3 @@ func NodeName(pattern string) (string, error) {
 	}
 	return name, nil
 }
-
-// dialURL adapts a Celery-style URL for amqp091: pyamqp:// is amqp://, and
-// "host//" names vhost "/".
-func dialURL(raw string) string {
-	raw = strings.TrimSpace(raw)
-	if rest, ok := strings.CutPrefix(raw, "py"); ok && (strings.HasPrefix(rest, "amqp://") || strings.HasPrefix(rest, "amqps://")) {
-		raw = rest
-	}
-	if strings.HasSuffix(raw, "//") {
-		return strings.TrimSuffix(raw, "//") + "/%2f"
-	}
-	return raw
-}

@@ -196,7 +196,11 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 		}
 	})
 	defer stop()
-	conn, err := amqp091.DialConfig(dialURL(c.cfg.URL), amqp091.Config{
+	url, err := amqp.DialURL(c.cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("control: %w", err)
+	}
+	conn, err := amqp091.DialConfig(url, amqp091.Config{
 		Properties:      props,
 		Heartbeat:       10 * time.Second,
 		TLSClientConfig: c.cfg.TLS,

@@ -197,19 +197,6 @@ func BenchmarkEvent(b *testing.B) {
 	}
 }
 
-func TestDialURL(t *testing.T) {
-	for in, want := range map[string]string{
-		"amqp://u:p@h:5672//":   "amqp://u:p@h:5672/%2f",
-		"pyamqp://u:p@h:5672/v": "amqp://u:p@h:5672/v",
-		"pyamqps://h//":         "amqps://h/%2f",
-		" amqp://h/ ":           "amqp://h/",
-	} {
-		if got := dialURL(in); got != want {
-			t.Errorf("dialURL(%q) = %q, want %q", in, got, want)
-		}
-	}
-}
-
 func TestRunStopsWhileUnreachable(t *testing.T) {
 	c, err := New(nil, Config{URL: "amqp://guest:guest@10.255.255.1:5672/", NodeName: "n@h", MinBackoff: 10 * time.Millisecond})
 	if err != nil {

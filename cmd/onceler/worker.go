@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -222,7 +224,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
-	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema),
+	gogc := workerGCPercent()
+	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
 		zap.Strings("queues", strings.Split(f.queues, ",")))
 
 	var wg sync.WaitGroup
@@ -345,4 +348,23 @@ func probeBroker(ctx context.Context, cfg amqp.Config, q amqp.QueueSpec) error {
 func isPrecondition(err error) bool {
 	var pe *amqp.PreconditionError
 	return errors.As(err, &pe)
+}
+
+// workerGOGC is the garbage collector's target the worker runs with when
+// the GOGC environment variable is unset: the worker's heap is small (tens
+// of MiB at a prefetch of 256) and mostly short-lived per-message garbage,
+// so collecting at 4× the live heap instead of 2× cuts its CPU per task by
+// about a quarter for a few MiB more resident memory (docs/performance.md).
+const workerGOGC = 400
+
+// workerGCPercent applies workerGOGC unless GOGC is set, and returns the
+// percentage in effect (-1: off).
+func workerGCPercent() int {
+	if _, ok := os.LookupEnv("GOGC"); ok {
+		p := debug.SetGCPercent(-1) // read it back
+		debug.SetGCPercent(p)
+		return p
+	}
+	debug.SetGCPercent(workerGOGC)
+	return workerGOGC
 }

@@ -84,7 +84,7 @@ func run() error {
 	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
 	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
 	fs.IntVar(&o.flushers, "flushers", 0, "record batch flushers of the onceler worker (0: the store's default)")
-	fs.IntVar(&o.workerGOGC, "worker-gogc", 0, "GOGC of the worker process (0: Go's default, 100)")
+	fs.IntVar(&o.workerGOGC, "worker-gogc", 400, "GOGC of the worker process: 400 is the onceler worker's own when GOGC is unset; 100 is Go's default")
 	fs.IntVar(&o.groupTx, "group-tx", 32, "same-database tasks per group transaction of the worker's record (0: a transaction each)")
 	fs.StringVar(&o.amqpURL, "amqp", envOr("ONCELER_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
 	fs.StringVar(&o.dbURL, "db", envOr("ONCELER_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/onceler_bench?sslmode=disable"),
