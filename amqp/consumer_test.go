@@ -55,12 +55,7 @@ func TestConsumeAndAck(t *testing.T) {
 // An unacknowledged delivery goes back to the queue when its channel
 // closes, and comes again with redelivered set; its old tag is stale.
 func TestLateAckRedelivered(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_late")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 30*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_late", 30*time.Second)
 	must(t, p.Publish(ctx, "", q, textMessage(`"late"`), PublishOptions{}), "publish")
 
 	got := make(chan *Delivery, 10)
@@ -132,12 +127,7 @@ func TestReconnectAfterBrokerClosesConnection(t *testing.T) {
 }
 
 func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_qos")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 30*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_qos", 30*time.Second)
 	for i := range 5 {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
 	}
@@ -162,12 +152,7 @@ func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
 // With DrainTimeout, deliveries handed out before shutdown can still be
 // acknowledged; what the broker sends after the cancel goes back.
 func TestDrainOnShutdown(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_drain")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 30*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_drain", 30*time.Second)
 	must(t, p.Publish(ctx, "", q, textMessage(`"a"`), PublishOptions{}), "publish")
 
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 1, DrainTimeout: 10 * time.Second})
@@ -257,12 +242,7 @@ func TestQueueDeletedRedeclared(t *testing.T) {
 // acks either succeed or report ErrStaleDelivery, and every message ends
 // up acknowledged once the consumer has reconnected.
 func TestConcurrentAcksAcrossReconnect(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_acks")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 60*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_acks", 60*time.Second)
 	const n = 1000
 	for i := range n {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
@@ -336,12 +316,7 @@ func TestConcurrentAcksAcrossReconnect(t *testing.T) {
 // fewer frames than acks (how many fewer depends on how many settle while
 // a frame is written; TestAckerCoalescesInOrderRuns measures it).
 func TestCoalescedAcksAroundASlowDelivery(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_coalesce")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 60*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_coalesce", 60*time.Second)
 	const n = 400
 	publish := func(from int) {
 		for i := from; i < from+n; i++ {

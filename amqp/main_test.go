@@ -104,6 +104,20 @@ func closeConnection(t *testing.T, prefix string) int {
 	return n
 }
 
+// declaredQueue declares a fresh Celery queue named after prefix (deleted
+// when the test ends) and returns the test config, the queue's name, a
+// publisher and a context that ends after d.
+func declaredQueue(t *testing.T, prefix string, d time.Duration) (Config, string, *Publisher, context.Context) {
+	t.Helper()
+	cfg := testConfig(t)
+	q := testenv.Name(prefix)
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, d)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	return cfg, q, p, ctx
+}
+
 // waitFor polls cond until it holds or the deadline passes.
 func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 	t.Helper()

@@ -14,12 +14,7 @@ import (
 
 // Everything handed to Publish arrives as sent, headers included.
 func TestPublishConfirmedRoundTrip(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_pub")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 20*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	_, q, p, ctx := declaredQueue(t, "onceler_amqp_pub", 20*time.Second)
 	when := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
 	msg := &celeryproto.Publishing{
 		ContentType: "application/json", ContentEncoding: "utf-8",
@@ -69,12 +64,7 @@ func TestPublishConfirmedRoundTrip(t *testing.T) {
 }
 
 func TestPublishMandatoryUnroutableReturned(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_mand")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 20*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	_, q, p, ctx := declaredQueue(t, "onceler_amqp_mand", 20*time.Second)
 	missing := testenv.Name("onceler_amqp_nosuchqueue")
 
 	// Routed and unroutable publishes interleaved from many goroutines: each
@@ -131,12 +121,7 @@ func TestPublishNacked(t *testing.T) {
 // Publishing to a missing exchange fails alone; the shared channel and the
 // other publishes are unharmed.
 func TestPublishMissingExchange(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_noex")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 20*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	_, q, p, ctx := declaredQueue(t, "onceler_amqp_noex", 20*time.Second)
 	must(t, p.Publish(ctx, "", q, textMessage("1"), PublishOptions{}), "publish before")
 	err := p.Publish(ctx, testenv.Name("onceler_amqp_noexchange"), "k", textMessage("x"), PublishOptions{})
 	if !errors.Is(err, ErrNotFound) {
@@ -150,12 +135,7 @@ func TestPublishMissingExchange(t *testing.T) {
 
 // The broker closes the publisher's connection; the next Publish reconnects.
 func TestPublisherReconnects(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_pubrecon")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 30*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_pubrecon", 30*time.Second)
 	must(t, p.Publish(ctx, "", q, textMessage("1"), PublishOptions{}), "publish before")
 	if n := closeConnection(t, cfg.Name+" publish"); n != 1 {
 		t.Fatalf("closed %d publisher connections, want 1", n)
@@ -176,12 +156,7 @@ func TestPublisherReconnects(t *testing.T) {
 }
 
 func TestInspectKeepRemoveStop(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_inspect")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 20*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	_, q, p, ctx := declaredQueue(t, "onceler_amqp_inspect", 20*time.Second)
 	for i := range 4 {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
 	}
@@ -266,12 +241,7 @@ func TestPublishWaitsWhileBlocked(t *testing.T) {
 // every confirmed message is in the queue, and every failure says the
 // outcome is unknown (never a silent loss, never a false ErrNacked).
 func TestPublishDuringConnectionLoss(t *testing.T) {
-	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_publoss")
-	cleanupQueue(t, q)
-	p := newPublisher(t, cfg)
-	ctx := ctxTimeout(t, 60*time.Second)
-	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_publoss", 60*time.Second)
 	var (
 		mu        sync.Mutex
 		confirmed int
