@@ -92,7 +92,7 @@ func run() error {
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
 	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
-	fs.IntVar(&o.pairs, "pairs", 3, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
+	fs.IntVar(&o.pairs, "pairs", 5, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
 	fs.Float64Var(&o.latencyWarmup, "latency-warmup", 2, "seconds of the same load before each latency run's measured messages (a fresh worker's first seconds)")
 	fs.StringVar(&o.latencyDump, "latency-dump", "", "write each latency run's per-message send time and latency to PREFIX.<scenario>.csv")
