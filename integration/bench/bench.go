@@ -197,7 +197,8 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 		fs = append(fs, rf)
 		ratios = append(ratios, rf.rate/rb.rate)
 		notes = append(notes, fmt.Sprintf("%.0f/%.0f", rf.rate, rb.rate))
-		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f\n", sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate)
+		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f; CPU µs/task with/without: worker %.0f/%.0f, PostgreSQL %.0f/%.0f, broker %.0f/%.0f\n",
+			sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate, rf.cpuUS, rb.cpuUS, rf.pgCPUUS, rb.pgCPUUS, rf.brokerCPUUS, rb.brokerCPUUS)
 	}
 	slices.SortFunc(fs, func(x, y row) int { return cmp.Compare(x.rate, y.rate) })
 	r := fs[len(fs)/2]
