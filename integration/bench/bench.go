@@ -30,6 +30,7 @@ type scenario struct {
 	Latency   bool // measure latency at half load
 	Events    bool // remote control and task events on, a monitor consuming them
 	Round     int  // the pair's round, for (f) and its (b) twins
+	N         int  // messages, when not -n
 }
 
 var scenarios = []scenario{
@@ -176,8 +177,9 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 		}
 	}
 	var fs []row
-	var ratios []float64
+	var ratios, cpuRatios []float64
 	var notes []string
+	twin.N, sc.N = b.o.pairN, b.o.pairN
 	for round := 1; round <= max(1, b.o.pairs); round++ {
 		twin.Round, sc.Round = round, round
 		// Alternate which goes first, so that a drift of the machine's
@@ -196,6 +198,7 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 		}
 		fs = append(fs, rf)
 		ratios = append(ratios, rf.rate/rb.rate)
+		cpuRatios = append(cpuRatios, (rf.cpuUS+rf.pgCPUUS+rf.brokerCPUUS)/(rb.cpuUS+rb.pgCPUUS+rb.brokerCPUUS))
 		notes = append(notes, fmt.Sprintf("%.0f/%.0f", rf.rate, rb.rate))
 		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f; CPU µs/task with/without: worker %.0f/%.0f, PostgreSQL %.0f/%.0f, broker %.0f/%.0f\n",
 			sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate, rf.cpuUS, rb.cpuUS, rf.pgCPUUS, rb.pgCPUUS, rf.brokerCPUUS, rb.brokerCPUUS)
@@ -203,9 +206,11 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 	slices.SortFunc(fs, func(x, y row) int { return cmp.Compare(x.rate, y.rate) })
 	r := fs[len(fs)/2]
 	slices.Sort(ratios)
+	slices.Sort(cpuRatios)
 	r.pairRatio = ratios[len(ratios)/2]
-	r.note = fmt.Sprintf("median of %d rounds; with/without events per round: %s; median ratio %.3f",
-		len(fs), strings.Join(notes, ", "), r.pairRatio)
+	r.note = fmt.Sprintf("N = %d, median of %d rounds; tasks/s with/without events per round: %s; median ratio %.3f (quartiles %.3f–%.3f); "+
+		"CPU per task of worker, PostgreSQL and broker together, with/without events: median %.3f",
+		r.n, len(fs), strings.Join(notes, ", "), r.pairRatio, ratios[len(ratios)/4], ratios[len(ratios)*3/4], cpuRatios[len(cpuRatios)/2])
 	return r
 }
 
@@ -220,6 +225,9 @@ func (b *bench) names(sc scenario, suffix string) (queue, schema string) {
 
 func (b *bench) drain(ctx context.Context, sc scenario) row {
 	r := row{sc: sc, n: b.o.n}
+	if sc.N > 0 {
+		r.n = sc.N
+	}
 	if sc.Kind == "python" {
 		r.n = b.o.pyN
 		if r.n != b.o.n {

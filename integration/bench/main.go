@@ -50,6 +50,7 @@ type options struct {
 	quick         bool
 	only          string
 	pairs         int
+	pairN         int
 	latencyDump   string
 	latencySecs   float64
 	latencyWarmup float64
@@ -92,7 +93,8 @@ func run() error {
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
 	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
-	fs.IntVar(&o.pairs, "pairs", 5, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
+	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
+	fs.IntVar(&o.pairN, "pair-n", 20000, "messages per run of (f) and of its (b) twin (0: -n); shorter runs, more rounds")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
 	fs.Float64Var(&o.latencyWarmup, "latency-warmup", 2, "seconds of the same load before each latency run's measured messages (a fresh worker's first seconds)")
 	fs.StringVar(&o.latencyDump, "latency-dump", "", "write each latency run's per-message send time and latency to PREFIX.<scenario>.csv")
@@ -106,10 +108,13 @@ func run() error {
 		return err
 	}
 	if o.quick {
-		o.n, o.pyN, o.latencySecs, o.latencyWarmup, o.pairs = 2000, 500, 1, 0.5, 1
+		o.n, o.pyN, o.latencySecs, o.latencyWarmup, o.pairs, o.pairN = 2000, 500, 1, 0.5, 1, 2000
 	}
 	if o.pyN <= 0 {
 		o.pyN = o.n
+	}
+	if o.pairN <= 0 {
+		o.pairN = o.n
 	}
 	if o.n < 2 {
 		return fmt.Errorf("-n must be at least 2")
