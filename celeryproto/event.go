@@ -88,21 +88,11 @@ type EventStamp struct {
 // EncodeEvent for a publisher that batches events itself; fields' keys are
 // not sorted.
 func AppendEvent(dst []byte, s EventStamp, fields map[string]any) ([]byte, error) {
-	if s.Type == "" || s.Hostname == "" {
-		return dst, errors.New("append event: type and hostname are required")
+	b, err := appendStamp(dst, s)
+	if err != nil {
+		return dst, err
 	}
-	b := append(dst, `{"type":`...)
-	b = appendEventString(b, s.Type)
-	b = append(b, `,"hostname":`...)
-	b = appendEventString(b, s.Hostname)
-	b = append(b, `,"pid":`...)
-	b = strconv.AppendInt(b, int64(s.PID), 10)
-	b = append(b, `,"clock":`...)
-	b = strconv.AppendInt(b, s.Clock, 10)
-	b = append(b, `,"utcoffset":`...)
-	b = strconv.AppendInt(b, int64(s.UTCOffset), 10)
 	ts := s.Timestamp
-	var err error
 	for k, v := range fields {
 		switch k {
 		case "type", "hostname", "pid", "clock", "utcoffset":
@@ -125,6 +115,25 @@ func AppendEvent(dst []byte, s EventStamp, fields map[string]any) ([]byte, error
 		return dst, fmt.Errorf("append event %s: timestamp: %w", s.Type, err)
 	}
 	return append(b, '}'), nil
+}
+
+// appendStamp opens an event object with the stamp's fields but the
+// timestamp (which closes it).
+func appendStamp(dst []byte, s EventStamp) ([]byte, error) {
+	if s.Type == "" || s.Hostname == "" {
+		return dst, errors.New("append event: type and hostname are required")
+	}
+	b := append(dst, `{"type":`...)
+	b = appendEventString(b, s.Type)
+	b = append(b, `,"hostname":`...)
+	b = appendEventString(b, s.Hostname)
+	b = append(b, `,"pid":`...)
+	b = strconv.AppendInt(b, int64(s.PID), 10)
+	b = append(b, `,"clock":`...)
+	b = strconv.AppendInt(b, s.Clock, 10)
+	b = append(b, `,"utcoffset":`...)
+	b = strconv.AppendInt(b, int64(s.UTCOffset), 10)
+	return b, nil
 }
 
 // EventPublishing wraps an encoded event body (an object, or a list of

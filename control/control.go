@@ -31,8 +31,9 @@ const (
 )
 
 // Controller sends a worker's events on celeryev and answers remote control
-// on celery.pidbox. It implements tasks.Observer: give it to the worker as
-// Config.Observer.
+// on celery.pidbox. It implements tasks.Observer (and
+// tasks.TaskEventObserver, which spares the worker a map per event): give it
+// to the worker as Config.Observer.
 type Controller struct {
 	cfg     Config
 	w       atomic.Pointer[workerBox]

@@ -40,10 +40,12 @@ func KeyHash(key string) string {
 }
 
 // queuedEvent is an event waiting for the publisher: its stamp and the
-// caller's fields, encoded only by the publisher goroutine.
+// caller's fields (a task event's as a value, any other's as a map),
+// encoded only by the publisher goroutine.
 type queuedEvent struct {
 	stamp  celeryproto.EventStamp
 	fields map[string]any
+	task   *celeryproto.TaskEvent
 }
 
 // Event implements tasks.Observer. It never blocks: when task events are off
@@ -56,9 +58,22 @@ func (c *Controller) Event(_ context.Context, typ string, fields map[string]any)
 	if strings.HasPrefix(typ, "task-") && !c.taskEvents.Load() {
 		return
 	}
+	c.queue(queuedEvent{stamp: c.stamp(typ), fields: fields})
+}
+
+// TaskEvent implements tasks.TaskEventObserver: Event for a task event
+// given as a value, encoded without a map. The controller owns e.
+func (c *Controller) TaskEvent(_ context.Context, e *celeryproto.TaskEvent) {
+	if !c.taskEvents.Load() {
+		return
+	}
+	c.queue(queuedEvent{stamp: c.stamp(e.Type), task: e})
+}
+
+func (c *Controller) queue(ev queuedEvent) {
 	c.pending.Add(1)
 	select {
-	case c.events <- queuedEvent{stamp: c.stamp(typ), fields: fields}:
+	case c.events <- ev:
 	default:
 		c.pending.Add(-1)
 		c.dropped.Add(1)
@@ -164,7 +179,12 @@ func (c *Controller) publishBatch(ctx context.Context, buf []byte, batch []queue
 			buf = append(buf, ',')
 		}
 		var err error
-		if buf, err = celeryproto.AppendEvent(buf, ev.stamp, ev.fields); err != nil {
+		if ev.task != nil {
+			buf, err = celeryproto.AppendTaskEvent(buf, ev.stamp, ev.task)
+		} else {
+			buf, err = celeryproto.AppendEvent(buf, ev.stamp, ev.fields)
+		}
+		if err != nil {
 			buf = buf[:mark]
 			c.failed.Add(1)
 			c.log.Warn("event not encodable: dropped", zap.String("type", ev.stamp.Type), zap.Error(err))

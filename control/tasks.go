@@ -45,3 +45,6 @@ func QueuesFrom(specs []amqp.QueueSpec) []Queue {
 	}
 	return out
 }
+
+// The worker hands task events to the controller as values.
+var _ tasks.TaskEventObserver = (*Controller)(nil)

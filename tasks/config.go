@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 )
 
@@ -173,4 +174,13 @@ func FromEnv() CrashConfig {
 // doc.go). Event must not block: it is called on the task path.
 type Observer interface {
 	Event(ctx context.Context, typ string, fields map[string]any)
+}
+
+// TaskEventObserver is an Observer that also takes task events as values
+// (control.Controller is one): the worker then hands it each task event as a
+// *celeryproto.TaskEvent, which it owns from then on, and builds no field
+// map. TaskEvent must not block either.
+type TaskEventObserver interface {
+	Observer
+	TaskEvent(ctx context.Context, e *celeryproto.TaskEvent)
 }

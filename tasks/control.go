@@ -216,44 +216,46 @@ func keyHash(key string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
-// event hands an event to the Observer, with Celery's common task fields:
-// uuid always; the task name on the delivery's first event (task-received,
-// as Celery sends it) and the operation key's hash on the first event once
-// the key is known. Readers (celery.events.State, Flower) merge a task's
-// events, so repeating them would only make every event longer.
-func (w *Worker) event(ctx context.Context, typ string, j *job, fields map[string]any) {
+// event hands a task event to the Observer, with Celery's common task
+// fields: uuid always; the task name on the delivery's first event
+// (task-received, as Celery sends it) and the operation key's hash on the
+// first event once the key is known. Readers (celery.events.State, Flower)
+// merge a task's events, so repeating them would only make every event
+// longer. An Observer with a TaskEvent method gets the value; any other gets
+// its fields as a map.
+func (w *Worker) event(ctx context.Context, j *job, e *celeryproto.TaskEvent) {
 	if w.cfg.Observer == nil || j.msg == nil {
 		return
 	}
-	if fields == nil {
-		fields = make(map[string]any, 3)
-	}
-	fields["uuid"] = j.msg.ID
+	e.UUID = j.msg.ID
 	if !j.named {
-		if _, ok := fields["name"]; !ok {
-			fields["name"] = j.msg.Task
+		if e.Name == "" {
+			e.Name = j.msg.Task
 		}
 		j.named = true
 	}
 	if j.key != "" && !j.keyed {
-		fields["onceler_key_sha256"] = keyHash(j.key)
+		e.KeyHash = keyHash(j.key)
 		j.keyed = true
 	}
-	w.cfg.Observer.Event(ctx, typ, fields)
+	if w.taskObs != nil {
+		w.taskObs.TaskEvent(ctx, e)
+		return
+	}
+	w.cfg.Observer.Event(ctx, e.Type, e.Fields())
 }
 
-func (w *Worker) receivedFields(j *job) map[string]any {
+func receivedEvent(j *job) *celeryproto.TaskEvent {
 	m := j.msg
-	f := make(map[string]any, 10) // + uuid, name, onceler_key_sha256
-	f["args"], f["kwargs"], f["root_id"], f["parent_id"] = m.ArgsRepr, m.KwargsRepr, m.RootID, m.ParentID
-	f["retries"], f["eta"], f["expires"] = m.Retries, nil, nil
+	e := &celeryproto.TaskEvent{Type: "task-received", Args: m.ArgsRepr, Kwargs: m.KwargsRepr,
+		RootID: m.RootID, ParentID: m.ParentID, Retries: m.Retries}
 	if !m.ETA.IsZero() {
-		f["eta"] = celeryproto.FormatTime(m.ETA)
+		e.ETA = celeryproto.FormatTime(m.ETA)
 	}
 	if !m.Expires.IsZero() {
-		f["expires"] = celeryproto.FormatTime(m.Expires)
+		e.Expires = celeryproto.FormatTime(m.Expires)
 	}
-	return f
+	return e
 }
 
 // HealthHandler serves /healthz (200 while Run runs) and /readyz (200 only

@@ -13,31 +13,20 @@ import (
 // resultrepr_maxsize (1024).
 const reprMax = 1024
 
-// succeededFields are task-succeeded's fields: result, the Python repr of
-// the JSON result (as Celery's saferepr), and runtime in seconds.
-func succeededFields(res []byte, runtime float64, duplicate bool) map[string]any {
-	n := 2
-	if duplicate {
-		n++
-	}
-	f := make(map[string]any, n+3) // + uuid, name, onceler_key_sha256
-	f["result"] = resultRepr(res)
-	f["runtime"] = runtime
-	if duplicate {
-		f["onceler_duplicate"] = true
-	}
-	return f
+// succeededEvent is task-succeeded: result, the Python repr of the JSON
+// result (as Celery's saferepr), and runtime in seconds.
+func succeededEvent(res []byte, runtime float64, duplicate bool) *celeryproto.TaskEvent {
+	return &celeryproto.TaskEvent{Type: "task-succeeded", Result: resultRepr(res), Runtime: runtime, Duplicate: duplicate}
 }
 
-// failedFields are task-failed's (and task-retried's) fields: exception, the
-// Python repr of the exception, and traceback. A Go task has no Python
-// traceback: a short one in Python's shape names the task and the exception.
-func failedFields(task string, exc *celeryproto.Exception) map[string]any {
-	f := make(map[string]any, 5)
-	f["exception"] = exc.Type + "(" + pyString(exc.Message) + ")"
-	f["traceback"] = "Traceback (most recent call last):\n  onceler Go task " + pyString(task) + "\n" +
-		exc.Type + ": " + exc.Message + "\n"
-	return f
+// failedEvent is task-failed (or task-retried): exception, the Python repr of
+// the exception, and traceback. A Go task has no Python traceback: a short
+// one in Python's shape names the task and the exception.
+func failedEvent(typ, task string, exc *celeryproto.Exception) *celeryproto.TaskEvent {
+	return &celeryproto.TaskEvent{Type: typ,
+		Exception: exc.Type + "(" + pyString(exc.Message) + ")",
+		Traceback: "Traceback (most recent call last):\n  onceler Go task " + pyString(task) + "\n" +
+			exc.Type + ": " + exc.Message + "\n"}
 }
 
 // resultRepr is the Python repr of a JSON result, at most reprMax bytes

@@ -89,7 +89,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		w.m.received.WithLabelValues("unregistered").Inc()
 		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
 		if w.wantEvents() {
-			w.event(ctx, "task-rejected", j, map[string]any{"requeue": false})
+			w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-rejected"})
 		}
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
@@ -101,7 +101,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	j.h = h
 	w.m.received.WithLabelValues(h.name).Inc()
 	if w.wantEvents() {
-		w.event(ctx, "task-received", j, w.receivedFields(j))
+		w.event(ctx, j, receivedEvent(j))
 	}
 	args, err := h.bind(msg.Args, msg.Kwargs)
 	if err == nil && h.key != nil {
@@ -305,7 +305,7 @@ func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 		ce.Write(w.fields(j)...)
 	}
 	if w.wantEvents() {
-		w.event(ctx, "task-succeeded", j, succeededFields(stored, 0, true))
+		w.event(ctx, j, succeededEvent(stored, 0, true))
 	}
 	if !w.followUp(ctx, j, stored) || !w.replySuccess(ctx, j, stored) {
 		return

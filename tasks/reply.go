@@ -180,7 +180,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	w.m.retried.WithLabelValues(j.h.name).Inc()
 	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
 	if w.wantEvents() {
-		w.event(ctx, "task-retried", j, failedFields(j.h.name, exc))
+		w.event(ctx, j, failedEvent("task-retried", j.h.name, exc))
 	}
 	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
 		return
@@ -198,7 +198,7 @@ func (w *Worker) revokeDelivery(ctx context.Context, j *job, expired bool) {
 	}
 	w.log.Info("task "+msg, w.fields(j)...)
 	if w.wantEvents() {
-		w.event(ctx, "task-revoked", j, map[string]any{"terminated": false, "signum": nil, "expired": expired})
+		w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-revoked", Expired: expired})
 	}
 	exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: msg}
 	if w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {

@@ -206,7 +206,7 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 	w.mu.Unlock()
 	w.m.inFlight.Inc()
 	if w.wantEvents() {
-		w.event(ctx, "task-started", j, make(map[string]any, 3))
+		w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-started"})
 	}
 	defer func() {
 		w.mu.Lock()
@@ -332,7 +332,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 			ce.Write(w.fields(j)...)
 		}
 		if w.wantEvents() {
-			w.event(ctx, "task-succeeded", j, succeededFields(res, j.runtime.Seconds(), false))
+			w.event(ctx, j, succeededEvent(res, j.runtime.Seconds(), false))
 		}
 		// Workflow steps (link callbacks, the chain's next step) go out, with
 		// a confirm, before the result: Celery publishes them before it
@@ -353,7 +353,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		w.m.revoked.WithLabelValues(j.h.name).Inc()
 		w.log.Info("running task terminated by revoke", w.fields(j)...)
 		if w.wantEvents() {
-			w.event(ctx, "task-revoked", j, map[string]any{"terminated": true, "signum": 15, "expired": false})
+			w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-revoked", Terminated: true, Signum: 15})
 		}
 		exc := &celeryproto.Exception{Type: "TaskRevokedError", Module: "celery.exceptions", Message: "terminated"}
 		if w.publishResult(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateRevoked, Exception: exc}) {
@@ -373,7 +373,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: strconv.FormatFloat(w.hardLimit(j).Seconds(), 'g', -1, 64)}
 	}
 	if w.wantEvents() {
-		w.event(ctx, "task-failed", j, failedFields(j.h.name, exc))
+		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
 	}
 	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
 		return

@@ -37,6 +37,8 @@ type Worker struct {
 	// taskEvents reports whether the Observer wants task events now (its
 	// TaskEvents method); nil: it always does.
 	taskEvents func() bool
+	// taskObs is the Observer when it takes task events as values.
+	taskObs TaskEventObserver
 
 	jobs chan *job     // deliveries waiting for a task goroutine
 	quit chan struct{} // closed when shutdown begins: take no new jobs
@@ -125,6 +127,9 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	}
 	if te, ok := cfg.Observer.(interface{ TaskEvents() bool }); ok {
 		w.taskEvents = te.TaskEvents
+	}
+	if to, ok := cfg.Observer.(TaskEventObserver); ok {
+		w.taskObs = to
 	}
 	if needRecord && !cfg.NoRecord {
 		w.store = cfg.Store

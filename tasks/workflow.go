@@ -428,7 +428,7 @@ func (w *Worker) refuseWorkflow(ctx context.Context, j *job, why string) {
 	err := errors.New("onceler: " + why)
 	exc := &celeryproto.Exception{Type: "NotImplementedError", Module: "builtins", Message: err.Error()}
 	if w.wantEvents() {
-		w.event(ctx, "task-failed", j, failedFields(j.h.name, exc))
+		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
 	}
 	if !w.replyFailure(ctx, j, exc, err) || !w.failWorkflow(ctx, j, exc, err.Error()) {
 		return
