@@ -61,6 +61,7 @@ type row struct {
 	cpuUS       float64 // consumer process CPU µs per task
 	pgCPUUS     float64 // the worker's PostgreSQL backends' CPU µs per task
 	brokerCPUUS float64 // the local RabbitMQ node's CPU µs per task while draining
+	benchCPUUS  float64 // this process's (the events monitor's, for (f)) CPU µs per task while draining
 	note        string
 	polls       int     // the bench's own queries on the bench database during the run
 	pairRatio   float64 // (f): median over the rounds of (f) / (b) in the same round
@@ -200,8 +201,8 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 		ratios = append(ratios, rf.rate/rb.rate)
 		cpuRatios = append(cpuRatios, (rf.cpuUS+rf.pgCPUUS+rf.brokerCPUUS)/(rb.cpuUS+rb.pgCPUUS+rb.brokerCPUUS))
 		notes = append(notes, fmt.Sprintf("%.0f/%.0f", rf.rate, rb.rate))
-		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f; CPU µs/task with/without: worker %.0f/%.0f, PostgreSQL %.0f/%.0f, broker %.0f/%.0f\n",
-			sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate, rf.cpuUS, rb.cpuUS, rf.pgCPUUS, rb.pgCPUUS, rf.brokerCPUUS, rb.brokerCPUUS)
+		fmt.Fprintf(os.Stderr, "(%s) round %d: %.0f tasks/s with events, %.0f without: %.3f; CPU µs/task with/without: worker %.0f/%.0f, PostgreSQL %.0f/%.0f, broker %.0f/%.0f, bench and monitor %.0f/%.0f\n",
+			sc.ID, round, rf.rate, rb.rate, rf.rate/rb.rate, rf.cpuUS, rb.cpuUS, rf.pgCPUUS, rb.pgCPUUS, rf.brokerCPUUS, rb.brokerCPUUS, rf.benchCPUUS, rb.benchCPUUS)
 	}
 	slices.SortFunc(fs, func(x, y row) int { return cmp.Compare(x.rate, y.rate) })
 	r := fs[len(fs)/2]
@@ -293,6 +294,8 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 			}
 			var mon *monitor
+			self0 := cpuTime()
+			defer func() { r.benchCPUUS = float64((cpuTime() - self0).Microseconds()) / float64(r.n) }()
 			if sc.Events {
 				job.Events = true
 				mqueue, _ := b.names(sc, ".events")
