@@ -298,6 +298,8 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			defer func() { r.benchCPUUS = float64((cpuTime() - self0).Microseconds()) / float64(r.n) }()
 			if sc.Events {
 				job.Events = true
+			}
+			if sc.Events && !b.o.noMonitor {
 				mqueue, _ := b.names(sc, ".events")
 				if mon, err = startMonitor(b.broker, mqueue); err != nil {
 					return err
@@ -307,6 +309,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			res, err := spawn(ctx, job, nil)
 			if err != nil {
 				return err
+			}
+			if sent := res.Counts["events_sent"]; sc.Events && sent < float64(3*r.n) {
+				return fmt.Errorf("the worker published %.0f events, want at least 3 per task (%d)", sent, 3*r.n)
 			}
 			if mon != nil {
 				if err := mon.wait(r.n, 10*time.Second); err != nil {
