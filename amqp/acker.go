@@ -52,6 +52,8 @@ const (
 	// defaultMaxHeld is how many acks may wait above a gap when the
 	// prefetch window is not known.
 	defaultMaxHeld = 16
+	// flushWait bounds how long flush waits for a sender at work.
+	flushWait = 5 * time.Second
 )
 
 // setWindow sizes the acks that may wait to half of a prefetch window of n
@@ -166,14 +168,21 @@ func (a *acker) expire() {
 }
 
 // flush sends the held acks now and holds none from now on: the channel is
-// about to close, and a held ack would be lost with it.
+// about to close, and a held ack would be lost with it. It waits for a
+// sender at work at most flushWait (a write stuck on a dead connection ends
+// when amqp091's heartbeat gives up on it; the acks are then lost and the
+// broker redelivers their messages).
 func (a *acker) flush() {
+	deadline := time.Now().Add(flushWait)
 	for {
 		a.mu.Lock()
 		a.eager = true
 		if a.sending {
 			// The sender sends the held acks at its next round.
 			a.mu.Unlock()
+			if time.Now().After(deadline) {
+				return
+			}
 			time.Sleep(100 * time.Microsecond)
 			continue
 		}
