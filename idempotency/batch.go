@@ -353,20 +353,10 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 		return nil, map[opKey]bool{{op.ref.Task, op.ref.Key}: ok}, err
 	}
 	batch := &pgx.Batch{}
-	if n := len(claims); n > 0 {
-		tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
-		owners, ids := make([]string, n), make([]string, n)
-		fps, msgs := make([][]byte, n), make([][]byte, n)
-		leases := make([]int64, n)
-		for i, op := range claims {
-			tasks[i], keys[i], tokens[i] = op.p.Task, op.p.Key, string(op.token)
-			owners[i], ids[i] = op.p.Owner, op.p.TaskID
-			fps[i], msgs[i], leases[i] = op.p.Fingerprint, op.p.Message, op.p.Lease.Microseconds()
-			if fps[i] == nil {
-				fps[i] = []byte{}
-			}
-		}
-		batch.Queue(b.s.q.claimBatch, tasks, keys, tokens, owners, ids, fps, leases, msgs)
+	if len(claims) > 0 {
+		batch.Queue(b.s.q.claimBatch, claimBatchArgs(len(claims), func(i int) (ClaimParams, Token) {
+			return claims[i].p, claims[i].token
+		})...)
 	}
 	for _, op := range completes {
 		batch.Queue(b.s.q.complete, b.s.completeArgs(op.ref, op.result)...)
@@ -427,4 +417,23 @@ func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows []clai
 	for _, op := range completes {
 		op.done <- completeResult{ok: completed[opKey{op.ref.Task, op.ref.Key}]}
 	}
+}
+
+// claimBatchArgs are the arguments of the claimBatch statement for n claims;
+// at(i) gives the i-th claim and its token.
+func claimBatchArgs(n int, at func(int) (ClaimParams, Token)) []any {
+	tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
+	owners, ids := make([]string, n), make([]string, n)
+	fps, msgs := make([][]byte, n), make([][]byte, n)
+	leases := make([]int64, n)
+	for i := range n {
+		p, token := at(i)
+		tasks[i], keys[i], tokens[i] = p.Task, p.Key, string(token)
+		owners[i], ids[i] = p.Owner, p.TaskID
+		fps[i], msgs[i], leases[i] = p.Fingerprint, p.Message, p.Lease.Microseconds()
+		if fps[i] == nil {
+			fps[i] = []byte{}
+		}
+	}
+	return []any{tasks, keys, tokens, owners, ids, fps, leases, msgs}
 }

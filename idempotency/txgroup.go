@@ -208,8 +208,104 @@ func (g *txGroup) flush(ops []*txOp) {
 }
 
 // write runs the group's transaction. Its error belongs to every member
-// marked commit.
-func (g *txGroup) write(ctx context.Context, ms []*member) (err error) {
+// marked commit. It tries the fast path first: one claim statement for the
+// whole group, then the functions one after another without savepoints.
+// When that cannot finish (a function failed, a claim was refused, the
+// connection went), its transaction is rolled back and the group runs again
+// member by member, each in a savepoint, so that one failure stays its own:
+// a function may then run a second time, its first effects rolled back.
+func (g *txGroup) write(ctx context.Context, ms []*member) error {
+	if done, err := g.writeBatched(ctx, ms); done {
+		return err
+	}
+	for _, m := range ms {
+		*m = member{op: m.op, token: m.token}
+	}
+	return g.writeEach(ctx, ms)
+}
+
+// lose marks every member that was to commit, or had not had its turn,
+// failed by err: the transaction is gone and nothing of it commits.
+func (g *txGroup) lose(ms []*member, what string, err error) error {
+	g.s.log.Warn("idempotency transaction group lost", zap.String("step", what), zap.Error(err))
+	for _, m := range ms {
+		if m.commit || !m.done {
+			m.commit, m.claim, m.err = false, Claim{}, fmt.Errorf("run tx: %s: %w", what, err)
+		}
+	}
+	return nil
+}
+
+// writeBatched is write's fast path; done is false when the group must run
+// member by member instead (nothing of this attempt commits then).
+func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, err error) {
+	var live []*member
+	for _, m := range ms {
+		if m.op.p.AllowMismatch {
+			return false, nil // the batch statement refuses a mismatch for all
+		}
+		if m.op.ctx.Err() == nil {
+			live = append(live, m)
+		}
+	}
+	if len(live) < 2 {
+		return false, nil // alone, the savepoint path costs the same
+	}
+	tx, err := g.s.pool.Begin(ctx)
+	if err != nil {
+		return false, nil
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	rows, err := tx.Query(ctx, g.s.q.claimBatch, claimBatchArgs(len(live), func(i int) (ClaimParams, Token) {
+		return live[i].op.p, live[i].token
+	})...)
+	if err != nil {
+		return false, nil
+	}
+	byKey := make(map[opKey]claimRow, len(live))
+	for rows.Next() {
+		var r claimRow
+		if err := r.scan(rows); err != nil {
+			rows.Close()
+			return false, nil
+		}
+		byKey[opKey{r.task, r.key}] = r
+	}
+	rows.Close()
+	if rows.Err() != nil {
+		return false, nil
+	}
+	for _, m := range live {
+		r, ok := byKey[opKey{m.op.p.Task, m.op.p.Key}]
+		if !ok {
+			return false, nil
+		}
+		m.claim, m.commit = r.claim(m.token), true
+	}
+	for _, m := range live {
+		if m.claim.Outcome != OutcomeFirst {
+			continue // answered after the commit, which keeps the duplicate count
+		}
+		result, ferr := m.op.fn(m.op.ctx, tx)
+		if ferr == nil {
+			m.res, ferr = checkResult(result)
+		}
+		if ferr != nil {
+			return false, nil
+		}
+		m.result = result
+	}
+	for _, m := range ms {
+		m.done = true
+		if !m.commit {
+			m.err = fmt.Errorf("run tx: %w", context.Cause(m.op.ctx))
+		}
+	}
+	return true, g.finish(ctx, tx, ms)
+}
+
+// writeEach runs the group member by member, each in a savepoint.
+func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 	tx, err := g.s.pool.Begin(ctx)
 	if err != nil {
 		for _, m := range ms {
@@ -218,16 +314,7 @@ func (g *txGroup) write(ctx context.Context, ms []*member) (err error) {
 		return nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	lost := func(what string, err error) error {
-		// The transaction is gone: nothing of it commits.
-		g.s.log.Warn("idempotency transaction group lost", zap.String("step", what), zap.Error(err))
-		for _, m := range ms {
-			if m.commit || !m.done {
-				m.commit, m.claim, m.err = false, Claim{}, fmt.Errorf("run tx: %s: %w", what, err)
-			}
-		}
-		return nil
-	}
+	lost := func(what string, err error) error { return g.lose(ms, what, err) }
 	for _, m := range ms {
 		m.done = true
 		if cerr := m.op.ctx.Err(); cerr != nil {
@@ -281,6 +368,12 @@ func (g *txGroup) write(ctx context.Context, ms []*member) (err error) {
 		}
 		m.result = result
 	}
+	return g.finish(ctx, tx, ms)
+}
+
+// finish completes the group's first claims and commits.
+func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
+	lost := func(what string, err error) error { return g.lose(ms, what, err) }
 	var firsts []*member
 	for _, m := range ms {
 		if m.commit && m.claim.Outcome == OutcomeFirst {
