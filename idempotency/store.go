@@ -64,10 +64,13 @@ type BatchConfig struct {
 	// are queued as the last flush carried. Default 2.
 	Flushers int
 	// GroupTx, when above 1, runs up to that many concurrent RunTx calls
-	// (same-database tasks) in one transaction, each in a savepoint of its
-	// own, committed once: a group commit. The functions of a group run one
-	// after another, so it suits short tasks. At most 32; default 0 (each
-	// RunTx its own transaction).
+	// (same-database tasks) in one transaction, committed once: a group
+	// commit. The group's claims go out as one statement and the functions
+	// run one after another; when one fails, the group is rolled back and
+	// run again with each member in a savepoint of its own, so a failure
+	// stays its own (and the functions before it run a second time, their
+	// first effects rolled back). Suits short tasks. At most 32; default 0
+	// (each RunTx its own transaction).
 	GroupTx int
 	// GroupFlushers is the number of groups running at once, each on one
 	// pool connection. Default 4.
