@@ -286,14 +286,9 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		result, ferr := m.op.fn(m.op.ctx, tx)
-		if ferr == nil {
-			m.res, ferr = checkResult(result)
-		}
-		if ferr != nil {
+		if m.run(tx) != nil {
 			return false, nil
 		}
-		m.result = result
 	}
 	for _, m := range ms {
 		m.done = true
@@ -351,14 +346,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		result, ferr := m.op.fn(m.op.ctx, tx)
-		if ferr == nil {
-			m.res, ferr = checkResult(result)
-			if ferr != nil {
-				ferr = fmt.Errorf("run tx: %w", ferr)
-			}
-		}
-		if ferr != nil {
+		if ferr := m.run(tx); ferr != nil {
 			// As in a transaction of its own: no record, no effect.
 			m.commit, m.claim, m.err = false, Claim{}, ferr
 			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT onceler_task"); rerr != nil {
@@ -366,9 +354,21 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 			}
 			continue
 		}
-		m.result = result
 	}
 	return g.finish(ctx, tx, ms)
+}
+
+// run runs the member's function in tx and keeps its result.
+func (m *member) run(tx pgx.Tx) error {
+	result, err := m.op.fn(m.op.ctx, tx)
+	if err != nil {
+		return err
+	}
+	if m.res, err = checkResult(result); err != nil {
+		return fmt.Errorf("run tx: %w", err)
+	}
+	m.result = result
+	return nil
 }
 
 // finish completes the group's first claims and commits.
