@@ -16,11 +16,13 @@ import (
 
 // The transaction group is a group commit for same-database tasks
 // (BatchConfig.GroupTx): RunTx calls queue up and a flusher runs several of
-// them in one transaction, each inside its own savepoint (the claim, then
-// the task's effect), completes them with one statement and commits once.
-// A task whose function fails is rolled back to its savepoint alone, as if
-// it had run in a transaction of its own; the others commit. A commit that
-// fails fails every task of the group that was to commit.
+// them in one transaction: one claim statement for the group, the tasks'
+// functions one after another, the completions, one commit. When a function
+// fails (or a claim is refused), that transaction is rolled back and the
+// group runs again with each member inside its own savepoint, so a task
+// whose function fails is rolled back alone, as if it had run in a
+// transaction of its own; the others commit. A commit that fails fails
+// every task of the group that was to commit.
 //
 // The functions run one after another on the flusher's connection, so a
 // slow task delays the others of its group: groups suit short tasks.
@@ -32,6 +34,9 @@ type txOp struct {
 	state opState // guarded by txGroup.mu
 	done  chan txResult
 }
+
+func (op *txOp) key() opKey         { return opKey{op.p.Task, op.p.Key} }
+func (op *txOp) stateRef() *opState { return &op.state }
 
 type txResult struct {
 	c   Claim
@@ -112,30 +117,30 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 // lead runs groups in the caller's goroutine until its own op is answered,
 // then hands the rest of the queue to a goroutine of its own.
 func (g *txGroup) lead(mine *txOp) {
-	for {
-		ops := g.take()
-		if len(ops) == 0 {
-			g.wg.Done()
-			return
-		}
-		g.flush(ops)
+	for g.flushNext() {
 		g.mu.Lock()
 		own := mine.state != opQueued
 		g.mu.Unlock()
 		if own {
 			go func() {
-				for {
-					ops := g.take()
-					if len(ops) == 0 {
-						g.wg.Done()
-						return
-					}
-					g.flush(ops)
+				for g.flushNext() {
 				}
 			}()
 			return
 		}
 	}
+}
+
+// flushNext takes one group and runs it; false when there was nothing to
+// take (the flusher slot is given up).
+func (g *txGroup) flushNext() bool {
+	ops := g.take()
+	if len(ops) == 0 {
+		g.wg.Done()
+		return false
+	}
+	g.flush(ops)
+	return true
 }
 
 // take removes up to max queued ops, one per key, sorted by task and key so
@@ -144,22 +149,7 @@ func (g *txGroup) lead(mine *txOp) {
 func (g *txGroup) take() []*txOp {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	var ops []*txOp
-	seen := map[opKey]bool{}
-	rest := g.queue[:0]
-	for _, op := range g.queue {
-		k := opKey{op.p.Task, op.p.Key}
-		switch {
-		case op.state == opCancelled:
-		case len(ops) >= g.max || seen[k]:
-			rest = append(rest, op)
-		default:
-			seen[k] = true
-			op.state = opTaken
-			ops = append(ops, op)
-		}
-	}
-	clear(g.queue[len(rest):])
+	ops, rest := takeFrom(g.queue, g.max, map[opKey]bool{})
 	g.queue = rest
 	if len(ops) == 0 {
 		g.active--
