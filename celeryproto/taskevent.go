@@ -1,6 +1,26 @@
 package celeryproto
 
-import "strconv"
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"strconv"
+)
+
+// onceler's own task event fields; Celery's readers keep unknown fields as
+// attributes of the task, so Flower and celery.events.State show them.
+const (
+	// FieldDuplicate is true on a task-succeeded answered from the record.
+	FieldDuplicate = "onceler_duplicate"
+	// FieldKeyHash is KeyHash(operation key).
+	FieldKeyHash = "onceler_key_sha256"
+)
+
+// KeyHash identifies an operation key in events without revealing it: the
+// first 8 bytes of its SHA-256, in hex.
+func KeyHash(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return hex.EncodeToString(sum[:8])
+}
 
 // TaskEvent is a Celery task event as a value: the fields the worker sends
 // for each event type, without a map. AppendTaskEvent encodes it as
@@ -24,7 +44,7 @@ type TaskEvent struct {
 	Type    string
 	UUID    string
 	Name    string // "": left out
-	KeyHash string // "": left out
+	KeyHash string // KeyHash(operation key); "": left out
 
 	// task-received
 	Args, Kwargs     string // their Python reprs
@@ -58,7 +78,7 @@ func (e *TaskEvent) Fields() map[string]any {
 		f["name"] = e.Name
 	}
 	if e.KeyHash != "" {
-		f["onceler_key_sha256"] = e.KeyHash
+		f[FieldKeyHash] = e.KeyHash
 	}
 	orNil := func(s string) any {
 		if s == "" {
@@ -73,7 +93,7 @@ func (e *TaskEvent) Fields() map[string]any {
 	case "task-succeeded":
 		f["result"], f["runtime"] = e.Result, e.Runtime
 		if e.Duplicate {
-			f["onceler_duplicate"] = true
+			f[FieldDuplicate] = true
 		}
 	case "task-failed", "task-retried":
 		f["exception"], f["traceback"] = e.Exception, e.Traceback
@@ -102,7 +122,7 @@ func AppendTaskEvent(dst []byte, s EventStamp, e *TaskEvent) ([]byte, error) {
 		b = appendStringField(b, "name", e.Name)
 	}
 	if e.KeyHash != "" {
-		b = appendStringField(b, "onceler_key_sha256", e.KeyHash)
+		b = appendStringField(b, FieldKeyHash, e.KeyHash)
 	}
 	switch e.Type {
 	case "task-received":
@@ -121,7 +141,7 @@ func AppendTaskEvent(dst []byte, s EventStamp, e *TaskEvent) ([]byte, error) {
 			return dst, err
 		}
 		if e.Duplicate {
-			b = append(b, `,"onceler_duplicate":true`...)
+			b = appendBoolField(b, FieldDuplicate, true)
 		}
 	case "task-failed", "task-retried":
 		b = appendStringField(b, "exception", e.Exception)

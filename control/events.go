@@ -2,8 +2,6 @@ package control
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"os"
 	"runtime"
 	"strconv"
@@ -26,18 +24,15 @@ const (
 	// FieldDuplicate is set true on task-succeeded / task-failed when the
 	// delivery was a duplicate whose stored outcome was replied instead of
 	// running the task again.
-	FieldDuplicate = "onceler_duplicate"
+	FieldDuplicate = celeryproto.FieldDuplicate
 	// FieldKeyHash is KeyHash(operation key): it identifies the operation
 	// without revealing the key.
-	FieldKeyHash = "onceler_key_sha256"
+	FieldKeyHash = celeryproto.FieldKeyHash
 )
 
 // KeyHash returns the first 16 hex digits of the SHA-256 of an operation
 // key, for FieldKeyHash.
-func KeyHash(key string) string {
-	sum := sha256.Sum256([]byte(key))
-	return hex.EncodeToString(sum[:8])
-}
+func KeyHash(key string) string { return celeryproto.KeyHash(key) }
 
 // queuedEvent is an event waiting for the publisher: its stamp and the
 // caller's fields (a task event's as a value, any other's as a map),

@@ -2,8 +2,6 @@ package tasks
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"net/http"
 	"os"
 	"time"
@@ -209,13 +207,6 @@ func (s *revokedSet) purge(now time.Time) {
 
 func (s *revokedSet) len() int { return len(s.ids) }
 
-// keyHash identifies an operation key in events without revealing it: the
-// first 8 bytes of its SHA-256, in hex.
-func keyHash(key string) string {
-	sum := sha256.Sum256([]byte(key))
-	return hex.EncodeToString(sum[:8])
-}
-
 // event hands a task event to the Observer, with Celery's common task
 // fields: uuid always; the task name on the delivery's first event
 // (task-received, as Celery sends it) and the operation key's hash on the
@@ -235,7 +226,7 @@ func (w *Worker) event(ctx context.Context, j *job, e *celeryproto.TaskEvent) {
 		j.named = true
 	}
 	if j.key != "" && !j.keyed {
-		e.KeyHash = keyHash(j.key)
+		e.KeyHash = celeryproto.KeyHash(j.key)
 		j.keyed = true
 	}
 	if w.taskObs != nil {
