@@ -12,6 +12,7 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -250,16 +251,16 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	wctx, stopWorker := context.WithCancel(ctx)
 	defer stopWorker()
-	ctlDone := make(chan error, 1)
 	stopCtl := func() error { return nil }
 	if ctl != nil {
 		ctl.SetWorker(control.FromTasks(w))
 		cctx, cancel := context.WithCancel(ctx)
+		ctlDone := make(chan error, 1)
 		go func() { ctlDone <- ctl.Run(cctx) }()
-		stopCtl = func() error {
+		stopCtl = sync.OnceValue(func() error {
 			cancel()
 			return <-ctlDone
-		}
+		})
 	}
 	defer func() { _ = stopCtl() }()
 	runErr := make(chan error, 1)
@@ -314,7 +315,6 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		if err := stopCtl(); err != nil && waitErr == nil {
 			waitErr = fmt.Errorf("remote control: %w", err)
 		}
-		stopCtl = func() error { return nil }
 		sent, dropped, _ := ctl.Counters()
 		res.Counts["events_sent"], res.Counts["events_dropped"] = float64(sent), float64(dropped)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -128,29 +129,22 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 			ends[i] = done[m.CorrelationID]
 		}
 	}
-	lat := make([]time.Duration, 0, n)
-	var warmLat []time.Duration
+	all := make([]time.Duration, n) // in sending order
 	for i := range ends {
 		if ends[i].IsZero() {
 			return fmt.Errorf("message %d has no end time", i)
 		}
-		l := max(0, ends[i].Sub(sent[i]))
-		if i < warm {
-			warmLat = append(warmLat, l)
-			continue
-		}
-		lat = append(lat, l)
+		all[i] = max(0, ends[i].Sub(sent[i]))
 	}
 	if b.o.latencyDump != "" {
-		all := append(warmLat, lat...) // in sending order
 		if err := dumpLatencies(b.o.latencyDump+"."+strings.ReplaceAll(sc.ID, "'", "2")+".csv", sent, all); err != nil {
 			return err
 		}
 	}
+	lat := slices.Clone(all[warm:])
 	sortDurations(lat)
 	r.latN, r.p50, r.p99 = len(lat), percentile(lat, 0.50), percentile(lat, 0.99)
 	if warm > 0 {
-		all := append(warmLat, lat...)
 		sortDurations(all)
 		r.p99Cold = percentile(all, 0.99)
 	}
