@@ -68,19 +68,19 @@ func (d *Delivery) Ack() error {
 // Nack rejects the delivery; with requeue the broker queues it again
 // (redelivered=true), without it the broker drops or dead-letters it.
 func (d *Delivery) Nack(requeue bool) error {
-	return d.settle("nack", func(st *channelState) error {
-		if err := st.ch.Nack(d.tag, false, requeue); err != nil {
-			return err
-		}
-		st.acks.settledElsewhere(d.tag)
-		return nil
-	})
+	return d.refuse("nack", func(ch *amqp091.Channel) error { return ch.Nack(d.tag, false, requeue) })
 }
 
 // Reject is basic.reject: like Nack, for one message.
 func (d *Delivery) Reject(requeue bool) error {
-	return d.settle("reject", func(st *channelState) error {
-		if err := st.ch.Reject(d.tag, requeue); err != nil {
+	return d.refuse("reject", func(ch *amqp091.Channel) error { return ch.Reject(d.tag, requeue) })
+}
+
+// refuse sends a nack or reject at once and only then counts the delivery
+// settled for the acker, so that no multiple ack can cover it first.
+func (d *Delivery) refuse(op string, send func(*amqp091.Channel) error) error {
+	return d.settle(op, func(st *channelState) error {
+		if err := send(st.ch); err != nil {
 			return err
 		}
 		st.acks.settledElsewhere(d.tag)
