@@ -232,7 +232,11 @@ func (e *Env) openBroker() error {
 	if err != nil {
 		return fmt.Errorf("declare reply queue: %w", err)
 	}
-	msgs, err := e.replyCh.Consume(e.ReplyTo, "", true, false, false, false, nil)
+	// Replies are acknowledged once recorded: with automatic
+	// acknowledgement, replies already sent to this connection when it
+	// breaks would be gone, and a caller would wait for one the worker did
+	// publish. A reply delivered again after a reconnect is recorded twice.
+	msgs, err := e.replyCh.Consume(e.ReplyTo, "", false, false, false, false, nil)
 	if err != nil {
 		return fmt.Errorf("consume replies: %w", err)
 	}
@@ -267,6 +271,7 @@ func (e *Env) collect(msgs <-chan amqp091.Delivery) {
 		e.mu.Lock()
 		e.replies[r.TaskID] = append(e.replies[r.TaskID], r)
 		e.mu.Unlock()
+		_ = m.Ack(false) // a failed ack: the reply comes again on the next connection
 	}
 }
 
