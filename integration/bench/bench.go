@@ -28,7 +28,7 @@ type scenario struct {
 	Replies   bool
 	DupEvery  int
 	Latency   bool // measure latency at half load
-	Events    bool // remote control and task events on, a monitor consuming them
+	Events    bool // remote control and task events on, a monitor reading them (-monitor)
 	Round     int  // the pair's round, for (f) and its (b) twins
 	N         int  // messages, when not -n
 }
@@ -40,7 +40,7 @@ var scenarios = []scenario{
 	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
 	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
 	{ID: "e", Title: "Python Celery 5.2.6 prefork, same claim + completion", Kind: "python", Task: taskOutside},
-	{ID: "f", Title: "(b) with remote control and task events on, a monitor consuming celeryev", Kind: "worker", Task: taskOutside, Events: true},
+	{ID: "f", Title: "(b) with remote control and task events on, a monitor's queue bound to celeryev", Kind: "worker", Task: taskOutside, Events: true},
 }
 
 // pairedWith is the scenario (f) alternates with: (b), measured again next
@@ -209,9 +209,9 @@ func (b *bench) paired(ctx context.Context, sc scenario) row {
 	slices.Sort(ratios)
 	slices.Sort(cpuRatios)
 	r.pairRatio = ratios[len(ratios)/2]
-	r.note = fmt.Sprintf("N = %d, median of %d rounds; tasks/s with/without events per round: %s; median ratio %.3f (quartiles %.3f–%.3f); "+
+	r.note = fmt.Sprintf("N = %d, monitor %s, median of %d rounds; tasks/s with/without events per round: %s; median ratio %.3f (quartiles %.3f–%.3f); "+
 		"CPU per task of worker, PostgreSQL and broker together, with/without events: median %.3f",
-		r.n, len(fs), strings.Join(notes, ", "), r.pairRatio, ratios[len(ratios)/4], ratios[len(ratios)*3/4], cpuRatios[len(cpuRatios)/2])
+		r.n, b.o.monitor, len(fs), strings.Join(notes, ", "), r.pairRatio, ratios[len(ratios)/4], ratios[len(ratios)*3/4], cpuRatios[len(cpuRatios)/2])
 	return r
 }
 
@@ -299,9 +299,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			if sc.Events {
 				job.Events = true
 			}
-			if sc.Events && !b.o.noMonitor {
+			if sc.Events && b.o.monitor != monitorNone {
 				mqueue, _ := b.names(sc, ".events")
-				if mon, err = startMonitor(b.broker, mqueue); err != nil {
+				if mon, err = startMonitor(b.broker, mqueue, b.o.monitor == monitorLive); err != nil {
 					return err
 				}
 				defer mon.close()
@@ -309,6 +309,11 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			res, err := spawn(ctx, job, nil)
 			if err != nil {
 				return err
+			}
+			if mon != nil && b.o.monitor == monitorAfter {
+				if err := mon.consume(); err != nil {
+					return err
+				}
 			}
 			if sent := res.Counts["events_sent"]; sc.Events && sent < float64(3*r.n) {
 				return fmt.Errorf("the worker published %.0f events, want at least 3 per task (%d)", sent, 3*r.n)

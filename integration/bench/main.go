@@ -51,7 +51,7 @@ type options struct {
 	only          string
 	pairs         int
 	pairN         int
-	noMonitor     bool
+	monitor       string
 	latencyDump   string
 	latencySecs   float64
 	latencyWarmup float64
@@ -95,7 +95,8 @@ func run() error {
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
 	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
 	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
-	fs.BoolVar(&o.noMonitor, "no-monitor", false, "(f) without the events monitor: nobody consumes the events (the broker drops them, as when no Flower is connected)")
+	fs.StringVar(&o.monitor, "monitor", monitorAfter, "how (f)'s events monitor reads them: "+monitorAfter+" (its queue bound during the run, read once the worker is done, as by a monitor on another machine), "+
+		monitorLive+" (consumed during the run, on the same cores), "+monitorNone+" (no queue: the broker drops them, as when no Flower is connected)")
 	fs.IntVar(&o.pairN, "pair-n", 20000, "messages per run of (f) and of its (b) twin (0: -n); shorter runs, more rounds")
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
 	fs.Float64Var(&o.latencyWarmup, "latency-warmup", 2, "seconds of the same load before each latency run's measured messages (a fresh worker's first seconds)")
@@ -117,6 +118,11 @@ func run() error {
 	}
 	if o.pairN <= 0 {
 		o.pairN = o.n
+	}
+	switch o.monitor {
+	case monitorAfter, monitorLive, monitorNone:
+	default:
+		return fmt.Errorf("-monitor %q: want %s, %s or %s", o.monitor, monitorAfter, monitorLive, monitorNone)
 	}
 	if o.n < 2 {
 		return fmt.Errorf("-n must be at least 2")

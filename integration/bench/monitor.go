@@ -12,6 +12,21 @@ import (
 	"github.com/onceler/onceler/control"
 )
 
+// Monitor modes of (f): how the events reach a monitor.
+const (
+	// monitorAfter binds the monitor's queue before the run and reads it
+	// once the worker is done: the broker routes and keeps every event
+	// while the tasks drain, and the monitor's own reading, which belongs
+	// to the machine Flower runs on, falls outside the measured window.
+	monitorAfter = "after"
+	// monitorLive consumes the events while the tasks drain, on the same
+	// two cores as the worker, the broker and PostgreSQL.
+	monitorLive = "live"
+	// monitorNone binds no queue: the broker drops the events, as when no
+	// Flower is connected.
+	monitorNone = "none"
+)
+
 // monitor is what `celery events` or Flower does to a worker's events: a
 // queue of its own bound to the celeryev exchange for every event, consumed
 // without acknowledgements. It counts task-succeeded events (a task.multi
@@ -27,7 +42,9 @@ type monitor struct {
 
 var succeededMark = []byte(`"task-succeeded"`)
 
-func startMonitor(b *broker, queue string) (*monitor, error) {
+// startMonitor declares and binds the monitor's queue; with live it also
+// starts consuming it (else call consume later).
+func startMonitor(b *broker, queue string, live bool) (*monitor, error) {
 	ch, err := b.conn.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("monitor: channel: %w", err)
@@ -43,16 +60,9 @@ func startMonitor(b *broker, queue string) (*monitor, error) {
 		if err := ch.QueueBind(queue, "#", control.EventExchange, false, nil); err != nil {
 			return fmt.Errorf("monitor: bind %s: %w", queue, err)
 		}
-		in, err := ch.Consume(queue, "", true, true, false, false, nil)
-		if err != nil {
-			return fmt.Errorf("monitor: consume %s: %w", queue, err)
+		if live {
+			return m.consume()
 		}
-		m.done.Go(func() {
-			for d := range in {
-				m.messages.Add(1)
-				m.succeeded.Add(int64(bytes.Count(d.Body, succeededMark)))
-			}
-		})
 		return nil
 	}()
 	if err != nil {
@@ -60,6 +70,21 @@ func startMonitor(b *broker, queue string) (*monitor, error) {
 		return nil, err
 	}
 	return m, nil
+}
+
+// consume reads the queue until the channel closes, counting events.
+func (m *monitor) consume() error {
+	in, err := m.ch.Consume(m.queue, "", true, true, false, false, nil)
+	if err != nil {
+		return fmt.Errorf("monitor: consume %s: %w", m.queue, err)
+	}
+	m.done.Go(func() {
+		for d := range in {
+			m.messages.Add(1)
+			m.succeeded.Add(int64(bytes.Count(d.Body, succeededMark)))
+		}
+	})
+	return nil
 }
 
 // wait waits up to timeout for n task-succeeded events (the worker
