@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -106,13 +107,14 @@ type batcher struct {
 
 	flushes, rows atomic.Int64
 
+	arrive  chan struct{} // capacity 1: a call was queued
 	handoff chan struct{} // capacity cfg.Flushers >= handoffs outstanding
 	quit    chan struct{}
 	wg      sync.WaitGroup
 }
 
 func newBatcher(s *Store, cfg BatchConfig) *batcher {
-	b := &batcher{s: s, cfg: cfg, handoff: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
+	b := &batcher{s: s, cfg: cfg, arrive: make(chan struct{}, 1), handoff: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
 	for range cfg.Flushers {
 		b.wg.Go(b.run)
 	}
@@ -155,6 +157,10 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 		return false, ErrClosed
 	}
 	add()
+	select {
+	case b.arrive <- struct{}{}:
+	default:
+	}
 	if b.active == 0 || (b.active < b.cfg.Flushers && len(b.claims)+len(b.completes) >= b.lastTaken) {
 		b.active++
 		return true, nil
@@ -266,11 +272,48 @@ func (b *batcher) run() {
 	}
 }
 
+// gather waits, up to BatchConfig.Linger, while the queue holds some calls
+// but fewer than the last flush carried: the callers that flush answered
+// are on their way back with their next calls (a completion after its
+// claim), and a flush that waits for them carries them all, where one that
+// went at once would carry a few and leave the rest for another commit.
+// A lone call on an idle store does not wait (the last flush carried one);
+// the first after a busy spell waits once, Linger at most.
+func (b *batcher) gather() {
+	if b.cfg.Linger <= 0 {
+		return
+	}
+	var deadline time.Time
+	for {
+		b.mu.Lock()
+		n, want := len(b.claims)+len(b.completes), b.lastTaken
+		b.mu.Unlock()
+		if n == 0 || n >= want {
+			return
+		}
+		now := time.Now()
+		if deadline.IsZero() {
+			deadline = now.Add(b.cfg.Linger)
+		}
+		left := deadline.Sub(now)
+		if left <= 0 {
+			return
+		}
+		t := time.NewTimer(left)
+		select {
+		case <-b.arrive:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
 // take removes up to MaxSize claims and completions from the queue, at most
 // one per key of each kind (repeats wait for the next flush, which sees
 // this one's outcome). When there is nothing to take, it gives up the
 // caller's flusher slot.
 func (b *batcher) take() ([]*claimOp, []*completeOp) {
+	b.gather()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	seen := map[opKey]bool{}

@@ -106,17 +106,29 @@ func benchClaimComplete(b *testing.B, disabled bool, callers int) {
 // counts from then); nil: as soon as a caller is free. It returns the
 // latencies, sorted.
 func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func(start time.Time, i int64) time.Time) []time.Duration {
+	b.ResetTimer()
+	el, all := runOps(b, s, run, callers, 0, int64(b.N), due)
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
+	if len(all) > 0 {
+		b.ReportMetric(float64(all[len(all)*99/100].Microseconds())/1000, "p99-ms")
+	}
+	return all
+}
+
+// runOps runs claim+complete of operations from+1..from+n on callers
+// goroutines and returns how long they took and their latencies, sorted.
+func runOps(b *testing.B, s *idempotency.Store, run string, callers int, from, n int64, due func(start time.Time, i int64) time.Time) (time.Duration, []time.Duration) {
 	ctx := context.Background()
 	var next atomic.Int64
 	lat := make([][]time.Duration, callers)
-	b.ResetTimer()
 	start := time.Now()
 	var wg sync.WaitGroup
 	for w := range callers {
 		wg.Go(func() {
 			for {
 				i := next.Add(1)
-				if i > int64(b.N) {
+				if i > n {
 					return
 				}
 				t0 := time.Now()
@@ -124,7 +136,7 @@ func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func
 					t0 = due(start, i)
 					time.Sleep(time.Until(t0))
 				}
-				if err := claimComplete(ctx, s, run, i); err != nil {
+				if err := claimComplete(ctx, s, run, from+i); err != nil {
 					b.Error(err)
 					return
 				}
@@ -134,12 +146,41 @@ func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func
 	}
 	wg.Wait()
 	el := time.Since(start)
-	b.StopTimer()
 	all := slices.Concat(lat...)
 	slices.Sort(all)
-	b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
-	if len(all) > 0 {
-		b.ReportMetric(float64(all[len(all)*99/100].Microseconds())/1000, "p99-ms")
+	return el, all
+}
+
+// BenchmarkClaimCompletePaired compares batched and one-at-a-time
+// claim+complete at 16 callers in rounds that alternate between the two
+// (which goes first alternates too), each store in a schema of its own, and
+// reports the median of the per-round rates and ratios: a machine whose
+// speed drifts within a run moves both sides of a round alike. b.N
+// operations per mode, split over 9 rounds.
+func BenchmarkClaimCompletePaired(b *testing.B) {
+	const rounds, callers = 9, 16
+	batched, brun := benchStore(b, false)
+	single, srun := benchStore(b, true)
+	per := max(1, int64(b.N)/rounds)
+	var rb, rs, ratios []float64
+	b.ResetTimer()
+	for r := range int64(rounds) {
+		rate := func(s *idempotency.Store, run string) float64 {
+			el, _ := runOps(b, s, run, callers, r*per, per, nil)
+			return float64(per) / el.Seconds()
+		}
+		var x, y float64
+		if r%2 == 0 {
+			x, y = rate(batched, brun), rate(single, srun)
+		} else {
+			y, x = rate(single, srun), rate(batched, brun)
+		}
+		rb, rs, ratios = append(rb, x), append(rs, y), append(ratios, x/y)
 	}
-	return all
+	b.StopTimer()
+	median := func(v []float64) float64 { slices.Sort(v); return v[len(v)/2] }
+	b.ReportMetric(median(rb), "batched-ops/s")
+	b.ReportMetric(median(rs), "unbatched-ops/s")
+	b.ReportMetric(median(ratios), "ratio")
+	b.ReportMetric(float64(batched.BatchStats().Flushes)/float64(per*rounds), "commits/op")
 }

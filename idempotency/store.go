@@ -49,10 +49,14 @@ type Config struct {
 	Batch BatchConfig
 }
 
+// DefaultLinger is BatchConfig.Linger's default.
+const DefaultLinger = 200 * time.Microsecond
+
 // BatchConfig configures the group-commit batching of Claim and Complete.
-// Concurrent calls queue up and a flusher writes them as one statement each
-// in one implicit transaction, as soon as it is free: there is no fixed
-// wait, so an idle store answers a lone call at once.
+// Concurrent calls queue up and a flusher writes them in one implicit
+// transaction as soon as it is free, waiting (Linger at most) only for the
+// callers of the last flush to come back: there is no fixed wait, so an
+// idle store answers a lone call at once.
 type BatchConfig struct {
 	// Disabled sends every Claim and Complete as its own statement.
 	Disabled bool
@@ -63,6 +67,11 @@ type BatchConfig struct {
 	// connection; a flush beyond the first starts only when as many calls
 	// are queued as the last flush carried. Default 2.
 	Flushers int
+	// Linger is the most a flush waits for more calls when the queue holds
+	// fewer than the last flush carried (the callers it answered are
+	// coming back with their next calls): fuller flushes, fewer commits.
+	// A lone call never waits. Default DefaultLinger; negative: never.
+	Linger time.Duration
 	// GroupTx, when above 1, runs up to that many concurrent RunTx calls
 	// (same-database tasks) in one transaction, committed once: a group
 	// commit. The group's claims go out as one statement and the functions
@@ -113,6 +122,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	}
 	if cfg.Batch.Flushers <= 0 {
 		cfg.Batch.Flushers = 2
+	}
+	if cfg.Batch.Linger == 0 {
+		cfg.Batch.Linger = DefaultLinger
 	}
 	if cfg.Batch.Timeout <= 0 {
 		cfg.Batch.Timeout = 30 * time.Second
