@@ -84,3 +84,19 @@ func TestReplayDemo(t *testing.T) {
 		})
 	}
 }
+
+// TestReplayDemoGroupTx replays the same-database demo tasks with workers
+// that run them in transaction groups (--group-tx): claims, effects and
+// completions of several deliveries in one transaction, committed once.
+// Every scenario must hold as with a transaction per task.
+func TestReplayDemoGroupTx(t *testing.T) {
+	for _, tg := range demoTargets() {
+		if tg.Mode != tasks.ModeSameDB {
+			continue
+		}
+		t.Run(tg.Task, func(t *testing.T) {
+			tg.Env = append(tg.Env, "ONCELER_GROUP_TX=16")
+			replay.Run(t, tg)
+		})
+	}
+}

@@ -96,8 +96,9 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	return pool, nil
 }
 
-// openStore opens the pool and the record store on it.
-func openStore(ctx context.Context, cmd string, d dbFlags, logger *zap.Logger) (*pgxpool.Pool, *idempotency.Store, error) {
+// openStore opens the pool and the record store on it, with batch as its
+// BatchConfig (the zero value: the defaults).
+func openStore(ctx context.Context, cmd string, d dbFlags, logger *zap.Logger, batch idempotency.BatchConfig) (*pgxpool.Pool, *idempotency.Store, error) {
 	if err := checkIdent(cmd, "--schema", d.schema); err != nil {
 		return nil, nil, err
 	}
@@ -105,7 +106,7 @@ func openStore(ctx context.Context, cmd string, d dbFlags, logger *zap.Logger) (
 	if err != nil {
 		return nil, nil, err
 	}
-	store, err := idempotency.New(pool, idempotency.Config{Schema: d.schema, Logger: logger})
+	store, err := idempotency.New(pool, idempotency.Config{Schema: d.schema, Logger: logger, Batch: batch})
 	if err != nil {
 		pool.Close()
 		return nil, nil, fmt.Errorf("open record: %w", err)

@@ -30,7 +30,7 @@ upgrade of the binary.`,
 				if len(args) > 0 {
 					return usagef("migrate", "unexpected argument %q", args[0])
 				}
-				pool, store, err := openStore(ctx, "migrate", d, zap.NewNop())
+				pool, store, err := openStore(ctx, "migrate", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
 					return err
 				}
@@ -100,7 +100,7 @@ full (result, error, reason). --json prints JSON instead of a table.`,
 				if limit <= 0 {
 					return usagef("records", "--limit must be positive")
 				}
-				pool, store, err := openStore(ctx, "records", d, zap.NewNop())
+				pool, store, err := openStore(ctx, "records", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
 					return err
 				}
@@ -271,7 +271,7 @@ and skipped operations, argument mismatches and failures.`,
 				if err != nil {
 					return err
 				}
-				pool, store, err := openStore(ctx, "repeats", d, zap.NewNop())
+				pool, store, err := openStore(ctx, "repeats", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
 					return err
 				}

@@ -47,7 +47,7 @@ status, and deletes nothing.`,
 				if batch <= 0 {
 					return usagef("purge", "--batch-size must be positive")
 				}
-				pool, store, err := openStore(ctx, "purge", d, zap.NewNop())
+				pool, store, err := openStore(ctx, "purge", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
 					return err
 				}

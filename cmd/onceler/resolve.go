@@ -97,7 +97,7 @@ the outside system whether the effect happened, then:
 					}
 					res = []byte(result)
 				}
-				pool, store, err := openStore(ctx, "resolve", d, zap.NewNop())
+				pool, store, err := openStore(ctx, "resolve", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
 					return err
 				}

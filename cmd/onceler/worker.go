@@ -20,6 +20,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -45,6 +46,7 @@ type workerFlags struct {
 	migrate      bool
 	events       bool
 	noControl    bool
+	groupTx      int
 }
 
 func (f *workerFlags) defineLog(fs *flagSet) {
@@ -75,6 +77,7 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Int(&f.concurrency, "concurrency", 0, "tasks run at once; 0 means 4 × CPUs, at least 8")
 			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency")
 			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
+			fs.Int(&f.groupTx, "group-tx", 0, "run up to N same-database tasks in one transaction, committed once (a group commit: fewer commits, more throughput for short tasks; a task that fails is rolled back alone); 0 means each in a transaction of its own; at most 32")
 			fs.Duration(&f.grace, "grace", 30*time.Second, "on shutdown, how long running tasks may take to finish before they are cancelled")
 			fs.String(&f.hostname, "hostname", "NAME", control.DefaultNodeName, "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; the default is unique per process, a fixed name must differ between the workers on a host")
 			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
@@ -131,6 +134,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return usagef("worker", "--lease must be positive")
 	case f.grace <= 0:
 		return usagef("worker", "--grace must be positive")
+	case f.groupTx < 0 || f.groupTx > 32:
+		return usagef("worker", "--group-tx must be between 0 and 32")
 	}
 	if !f.demo {
 		return usagef("worker", "no tasks to serve: this binary only has the demo tasks (--demo); build your own binary for your tasks (docs/example)")
@@ -150,7 +155,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	broker.MaxBackoff = 0
 	broker.Logger = logger
 
-	pool, store, err := openStore(ctx, "worker", f.db, logger)
+	pool, store, err := openStore(ctx, "worker", f.db, logger, idempotency.BatchConfig{GroupTx: f.groupTx})
 	if err != nil {
 		return err
 	}
