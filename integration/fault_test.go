@@ -129,7 +129,7 @@ func TestBrokerResetWorkerConnections(t *testing.T) {
 	w1 := e.StartWorker(replay.WorkerOptions{})
 	w2 := e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "reset", 300)
+	mixed(wl, "reset"+replay.NewID()[:8], 300)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
 	n := closeConnections(t, w1.Name, w2.Name, "replay-harness-"+e.Queue)
 	if n < 3 {
@@ -184,7 +184,7 @@ func TestFaultBrokerRestart(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "restart", 400)
+	mixed(wl, "restart"+replay.NewID()[:8], 400)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
 	rb.mustCtl(t, "stop_app")
 	time.Sleep(5 * time.Second)
