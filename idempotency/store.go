@@ -70,7 +70,8 @@ type BatchConfig struct {
 	// Linger is the most a flush waits for more calls when the queue holds
 	// fewer than the last flush carried (the callers it answered are
 	// coming back with their next calls): fuller flushes, fewer commits.
-	// A lone call never waits. Default DefaultLinger; negative: never.
+	// A lone call on an idle store does not wait. Default DefaultLinger;
+	// negative: never.
 	Linger time.Duration
 	// GroupTx, when above 1, runs up to that many concurrent RunTx calls
 	// (same-database tasks) in one transaction, committed once: a group

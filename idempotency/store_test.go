@@ -452,3 +452,46 @@ func TestCancelQueuedCall(t *testing.T) {
 	// The store still works.
 	mustClaim(t, e.store, params("slow", "c"), idempotency.OutcomeFirst)
 }
+
+// TestLingerNeverHoldsALoneCall: with a linger of an hour, calls made one
+// at a time are still answered at once (the last flush carried one, so
+// there is nobody to wait for); after a burst, a lone call waits at most
+// the linger.
+func TestLingerNeverHoldsALoneCall(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{Linger: time.Hour})
+	for i := range 5 {
+		done := make(chan error, 1)
+		go func() {
+			p := params("linger", fmt.Sprint("lone-", i))
+			c, err := e.store.Claim(context.Background(), p)
+			if err == nil {
+				err = e.store.Complete(context.Background(), p.Ref(c.Token), []byte(`1`))
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("lone call %d: %v", i, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("lone call %d held for 10 s by a linger of an hour", i)
+		}
+	}
+
+	e = newEnv(t, idempotency.BatchConfig{Linger: 300 * time.Millisecond})
+	var wg sync.WaitGroup
+	for i := range 16 {
+		wg.Go(func() {
+			if _, err := e.store.Claim(context.Background(), params("linger", fmt.Sprint("burst-", i))); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	start := time.Now()
+	mustClaim(t, e.store, params("linger", "after"), idempotency.OutcomeFirst)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Fatalf("a lone call after a burst took %v, want at most the linger (300ms) and a round trip", took)
+	}
+}
