@@ -36,9 +36,10 @@ func TestKillMidTaskFullPrefetch(t *testing.T) {
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 16})
 	wl := newWorkload(e)
 	const n = 48
+	run := "kill" + replay.NewID()[:8]
 	for i := range n {
 		task := []string{demo.TaskSleep, "replay.notify", demo.TaskCharge, demo.TaskSleep}[i%4]
-		wl.send(task, opName("kill", i))
+		wl.send(task, opName(run, i))
 	}
 	if !replay.Eventually(60*time.Second, func() bool { return wl.answered() >= 4 }) {
 		t.Fatalf("only %d answered before the kill", wl.answered())
@@ -346,12 +347,13 @@ func TestTerminateWorkerBackends(t *testing.T) {
 	w2 := e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	const n = 200
+	run := "term" + replay.NewID()[:8]
 	for i := range n {
 		task := demo.TaskCredit
 		if i%10 == 0 {
 			task = demo.TaskSleep
 		}
-		wl.send(task, opName("term", i))
+		wl.send(task, opName(run, i))
 	}
 	terminate := func() int {
 		var k int
@@ -363,10 +365,20 @@ func TestTerminateWorkerBackends(t *testing.T) {
 		}
 		return k
 	}
+	// A worker whose connections were just terminated may hold none for a
+	// moment (its deliveries wait to be retried): try again until one has
+	// some, while the workload still runs.
+	terminateSome := func() int {
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			if k := terminate(); k > 0 || wl.answered() >= n || time.Now().After(deadline) {
+				return k
+			}
+		}
+	}
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
-	k1 := terminate()
+	k1 := terminateSome()
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/2 })
-	k2 := terminate()
+	k2 := terminateSome()
 	if !wl.wait(2 * time.Minute) {
 		t.Errorf("%d of %d answered", wl.answered(), n)
 	}
