@@ -351,7 +351,7 @@ func (b *batcher) fail(claims []*claimOp, completes []*completeOp, err error) {
 func (b *batcher) flush(claims []*claimOp, completes []*completeOp) {
 	var err error
 	for attempt := range 3 {
-		var cr []claimRow
+		var cr map[opKey]claimRow
 		var ck map[opKey]bool
 		cr, ck, err = b.write(claims, completes)
 		if err == nil {
@@ -382,13 +382,13 @@ func (b *batcher) flush(claims []*claimOp, completes []*completeOp) {
 	b.fail(claims, completes, writeError("batch", err))
 }
 
-func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow, map[opKey]bool, error) {
+func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]claimRow, map[opKey]bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.Timeout)
 	defer cancel()
 	// A lone call (an idle store) takes the plain single-statement path.
 	if len(claims) == 1 && len(completes) == 0 {
 		r, err := b.s.claimRow(ctx, b.s.pool, claims[0].p, claims[0].token, false)
-		return []claimRow{r}, nil, err
+		return map[opKey]claimRow{claims[0].key(): r}, nil, err
 	}
 	if len(claims) == 0 && len(completes) == 1 {
 		op := completes[0]
@@ -405,7 +405,7 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 		batch.Queue(b.s.q.complete, b.s.completeArgs(op.ref, op.result)...)
 	}
 	res := b.s.pool.SendBatch(ctx, batch)
-	var rows []claimRow
+	var rows map[opKey]claimRow
 	var completed map[opKey]bool
 	err := func() error {
 		if len(claims) > 0 {
@@ -413,17 +413,7 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 			if err != nil {
 				return err
 			}
-			rows = make([]claimRow, 0, len(claims))
-			for rs.Next() {
-				var r claimRow
-				if err := r.scan(rs); err != nil {
-					rs.Close()
-					return err
-				}
-				rows = append(rows, r)
-			}
-			rs.Close()
-			if err := rs.Err(); err != nil {
+			if rows, err = scanClaimRows(rs, len(claims)); err != nil {
 				return err
 			}
 		}
@@ -444,13 +434,9 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) ([]claimRow,
 	return rows, completed, err
 }
 
-func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows []claimRow, completed map[opKey]bool) {
-	byKey := make(map[opKey]*claimRow, len(rows))
-	for i := range rows {
-		byKey[opKey{rows[i].task, rows[i].key}] = &rows[i]
-	}
+func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows map[opKey]claimRow, completed map[opKey]bool) {
 	for _, op := range claims {
-		r, ok := byKey[opKey{op.p.Task, op.p.Key}]
+		r, ok := rows[op.key()]
 		if !ok {
 			op.done <- claimResult{err: errors.New("idempotency: batch returned no row for a claim")}
 			continue

@@ -81,6 +81,21 @@ func (r *claimRow) scan(row pgx.Row) error {
 		&r.leaseUntil, &r.owner, &r.taskID, &r.note)
 }
 
+// scanClaimRows reads the rows of the claimBatch statement (n claims) by
+// task and key, and closes them.
+func scanClaimRows(rs pgx.Rows, n int) (map[opKey]claimRow, error) {
+	defer rs.Close()
+	byKey := make(map[opKey]claimRow, n)
+	for rs.Next() {
+		var r claimRow
+		if err := r.scan(rs); err != nil {
+			return nil, err
+		}
+		byKey[opKey{r.task, r.key}] = r
+	}
+	return byKey, rs.Err()
+}
+
 func (r *claimRow) claim(mine Token) Claim {
 	c := Claim{
 		Token:   Token(r.token),

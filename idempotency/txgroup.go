@@ -252,21 +252,12 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 	if err != nil {
 		return false, nil
 	}
-	byKey := make(map[opKey]claimRow, len(live))
-	for rows.Next() {
-		var r claimRow
-		if err := r.scan(rows); err != nil {
-			rows.Close()
-			return false, nil
-		}
-		byKey[opKey{r.task, r.key}] = r
-	}
-	rows.Close()
-	if rows.Err() != nil {
+	byKey, err := scanClaimRows(rows, len(live))
+	if err != nil {
 		return false, nil
 	}
 	for _, m := range live {
-		r, ok := byKey[opKey{m.op.p.Task, m.op.p.Key}]
+		r, ok := byKey[m.op.key()]
 		if !ok {
 			return false, nil
 		}
