@@ -165,25 +165,24 @@ func AppendTaskEvent(dst []byte, s EventStamp, e *TaskEvent) ([]byte, error) {
 	return append(b, '}'), nil
 }
 
-func appendStringField(b []byte, key, v string) []byte {
+// appendKey appends the separator and key of the next field: ,"key":
+func appendKey(b []byte, key string) []byte {
 	b = append(b, ',', '"')
 	b = append(b, key...)
-	b = append(b, '"', ':')
-	return appendEventString(b, v)
+	return append(b, '"', ':')
+}
+
+func appendStringField(b []byte, key, v string) []byte {
+	return appendEventString(appendKey(b, key), v)
 }
 
 func appendNullableField(b []byte, key, v string) []byte {
 	if v == "" {
-		b = append(b, ',', '"')
-		b = append(b, key...)
-		return append(b, `":null`...)
+		return append(appendKey(b, key), "null"...)
 	}
 	return appendStringField(b, key, v)
 }
 
 func appendBoolField(b []byte, key string, v bool) []byte {
-	b = append(b, ',', '"')
-	b = append(b, key...)
-	b = append(b, '"', ':')
-	return strconv.AppendBool(b, v)
+	return strconv.AppendBool(appendKey(b, key), v)
 }
