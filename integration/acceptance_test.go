@@ -205,17 +205,16 @@ func TestTwoWorkerProcessesDuplicates(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 8})
 	e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 8})
 	wl := newWorkload(e)
-	prefix := "twodup" + replay.NewID()[:4]
 	start := time.Now()
 	for round := range copies {
 		for i := range ops {
 			switch {
 			case i%5 == 0 && round == 0: // all copies back to back
 				for range copies {
-					wl.send(demo.TaskCredit, opName(prefix, i))
+					wl.send(demo.TaskCredit, wl.op("twodup", i))
 				}
 			case i%5 != 0:
-				wl.send(demo.TaskCredit, opName(prefix, i))
+				wl.send(demo.TaskCredit, wl.op("twodup", i))
 			}
 		}
 	}

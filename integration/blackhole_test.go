@@ -211,10 +211,9 @@ func TestBlackhole(t *testing.T) {
 			}
 			wl := newWorkload(e)
 			const n = 200
-			run := replay.NewID()[:8]
 			for i := range n {
 				task := []string{demo.TaskCredit, demo.TaskCharge, demo.TaskCredit, "replay.notify"}[i%4]
-				wl.send(task, opName("hole"+service+run, i))
+				wl.send(task, wl.op("hole"+service, i))
 			}
 			replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
 			hole.on.Store(true)
@@ -262,9 +261,8 @@ func TestBlackholeIdlePostgres(t *testing.T) {
 	wl := newWorkload(e)
 	const n = 80
 	tasks := []string{demo.TaskCredit, demo.TaskCharge, "replay.notify", "replay.audit"}
-	run := "idlehole" + replay.NewID()[:8]
 	for i := range n / 2 {
-		wl.send(tasks[i%4], opName(run, i))
+		wl.send(tasks[i%4], wl.op("idlehole", i))
 	}
 	if !wl.wait(time.Minute) {
 		t.Fatalf("%d of %d answered before the black hole", wl.answered(), n/2)
@@ -275,7 +273,7 @@ func TestBlackholeIdlePostgres(t *testing.T) {
 	before := hole.seq.Load()
 	start := time.Now()
 	for i := n / 2; i < n; i++ {
-		wl.send(tasks[i%4], opName(run, i))
+		wl.send(tasks[i%4], wl.op("idlehole", i))
 	}
 	var first time.Duration
 	replay.Eventually(26*time.Second, func() bool {

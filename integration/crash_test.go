@@ -36,10 +36,9 @@ func TestKillMidTaskFullPrefetch(t *testing.T) {
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 16})
 	wl := newWorkload(e)
 	const n = 48
-	run := "kill" + replay.NewID()[:8]
 	for i := range n {
 		task := []string{demo.TaskSleep, "replay.notify", demo.TaskCharge, demo.TaskSleep}[i%4]
-		wl.send(task, opName(run, i))
+		wl.send(task, wl.op("kill", i))
 	}
 	if !replay.Eventually(60*time.Second, func() bool { return wl.answered() >= 4 }) {
 		t.Fatalf("only %d answered before the kill", wl.answered())
@@ -347,13 +346,12 @@ func TestTerminateWorkerBackends(t *testing.T) {
 	w2 := e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	const n = 200
-	run := "term" + replay.NewID()[:8]
 	for i := range n {
 		task := demo.TaskCredit
 		if i%10 == 0 {
 			task = demo.TaskSleep
 		}
-		wl.send(task, opName(run, i))
+		wl.send(task, wl.op("term", i))
 	}
 	terminate := func() int {
 		var k int

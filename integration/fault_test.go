@@ -50,7 +50,7 @@ func mixed(wl *workload, prefix string, n int) {
 		if task == demo.TaskSleep && i%12 != 5 {
 			task = demo.TaskCredit // few slow ones
 		}
-		wl.send(task, opName(prefix, i))
+		wl.send(task, wl.op(prefix, i))
 	}
 }
 
@@ -138,7 +138,7 @@ func TestBrokerResetWorkerConnections(t *testing.T) {
 	w1 := e.StartWorker(replay.WorkerOptions{})
 	w2 := e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "reset"+replay.NewID()[:8], 300)
+	mixed(wl, "reset", 300)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
 	n := closeConnections(t, w1.Name, w2.Name, "replay-harness-"+e.Queue)
 	if n < 3 {
@@ -162,7 +162,7 @@ func TestFaultBrokerCloseAllConnections(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "closeall"+replay.NewID()[:4], faultOps)
+	mixed(wl, "closeall", faultOps)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
 	at := wl.answered()
 	rb.mustCtl(t, "close_all_connections", "onceler fault test")
@@ -193,7 +193,7 @@ func TestFaultBrokerRestart(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
-	mixed(wl, "restart"+replay.NewID()[:8], 400)
+	mixed(wl, "restart", 400)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
 	rb.mustCtl(t, "stop_app")
 	time.Sleep(5 * time.Second)
@@ -221,7 +221,7 @@ func TestFaultPostgresRestart(t *testing.T) {
 			e.StartWorker(replay.WorkerOptions{})
 			wl := newWorkload(e)
 			wl.outsideDown = true
-			mixed(wl, "pg"+mode+replay.NewID()[:4], faultOps)
+			mixed(wl, "pg"+mode, faultOps)
 			replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
 			at := wl.answered()
 			took := pg.restart(t, mode)

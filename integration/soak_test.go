@@ -57,7 +57,7 @@ func TestSoak(t *testing.T) {
 			msgs = append(msgs, wl.add(o.task, o.op))
 			continue
 		}
-		msgs = append(msgs, wl.add(kinds[rng.IntN(len(kinds))], opName("soak", i)))
+		msgs = append(msgs, wl.add(kinds[rng.IntN(len(kinds))], wl.op("soak", i)))
 	}
 	dups := len(msgs) - len(wl.ops)
 	again := len(msgs) - len(wl.ids())

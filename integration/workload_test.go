@@ -35,9 +35,10 @@ type operation struct {
 // workload sends operations of the demo tasks (and the replayworker's
 // replay.notify) and checks each against its task's guarantee.
 type workload struct {
-	e   *replay.Env
-	ops []*operation
-	by  map[string]*operation
+	e    *replay.Env
+	salt string // in every operation name (op), so that no other run repeats them
+	ops  []*operation
+	by   map[string]*operation
 	// outsideDown accepts, for outside tasks, a failure answered to the
 	// caller when the simulated outside system itself was down (it lives in
 	// the database being restarted): the record says failed, and there is
@@ -47,7 +48,15 @@ type workload struct {
 }
 
 func newWorkload(e *replay.Env) *workload {
-	return &workload{e: e, by: make(map[string]*operation)}
+	return &workload{e: e, salt: replay.NewID()[:8], by: make(map[string]*operation)}
+}
+
+// op returns the name of the workload's operation i of a kind (prefix):
+// the same for the same arguments, and used by no other workload, of this
+// run or another (the demo tables are shared by every run, and -count
+// repeats a test in one process).
+func (w *workload) op(prefix string, i int) string {
+	return opName(prefix+"-"+w.salt, i)
 }
 
 // args returns the Celery arguments of an operation of task.
