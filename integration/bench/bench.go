@@ -289,16 +289,13 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		default:
 			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, GroupTx: b.o.groupTx,
-				Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
+				Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Events: sc.Events}
 			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 			}
 			var mon *monitor
 			self0 := cpuTime()
 			defer func() { r.benchCPUUS = float64((cpuTime() - self0).Microseconds()) / float64(r.n) }()
-			if sc.Events {
-				job.Events = true
-			}
 			if sc.Events && b.o.monitor != monitorNone {
 				mqueue, _ := b.names(sc, ".events")
 				if mon, err = startMonitor(b.broker, mqueue, b.o.monitor == monitorLive); err != nil {
