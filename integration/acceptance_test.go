@@ -227,7 +227,7 @@ func TestTwoWorkerProcessesDuplicates(t *testing.T) {
 	}
 	took := time.Since(start)
 	time.Sleep(time.Second) // a second answer to a call would show here
-	e.StopAll()
+	wl.stopWorkers()
 	tl := wl.check(t)
 	results, effectsTotal := 0, 0
 	owners := map[string]int{} // operations completed per worker process

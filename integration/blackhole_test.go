@@ -224,7 +224,7 @@ func TestBlackhole(t *testing.T) {
 			if !wl.wait(3 * time.Minute) {
 				t.Errorf("%d of %d answered after the black hole", wl.answered(), n)
 			}
-			e.StopAll()
+			wl.stopWorkers()
 			tl := wl.check(t)
 			detected := 0
 			for _, w := range ws {
@@ -293,7 +293,7 @@ func TestBlackholeIdlePostgres(t *testing.T) {
 	if !wl.wait(2 * time.Minute) {
 		t.Errorf("%d of %d answered after the black hole", wl.answered(), n)
 	}
-	e.StopAll()
+	wl.stopWorkers()
 	tl := wl.check(t)
 	t.Logf("old connections black-holed (%d of them), detection bound %v: first answer after %v, all %d after %v, %d fresh connections; %s",
 		before, deadAfter, first.Round(10*time.Millisecond), n/2, took.Round(10*time.Millisecond), fresh, tl)

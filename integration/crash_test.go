@@ -53,7 +53,7 @@ func TestKillMidTaskFullPrefetch(t *testing.T) {
 	if !wl.wait(2 * time.Minute) {
 		t.Errorf("after the kill: %d of %d answered", wl.answered(), n)
 	}
-	e.StopAll()
+	wl.stopWorkers()
 	tl := wl.check(t)
 	t.Logf("%s", tl)
 	if tl.retried > 0 {
@@ -380,7 +380,7 @@ func TestTerminateWorkerBackends(t *testing.T) {
 	if !wl.wait(2 * time.Minute) {
 		t.Errorf("%d of %d answered", wl.answered(), n)
 	}
-	e.StopAll()
+	wl.stopWorkers()
 	tl := wl.check(t)
 	t.Logf("terminated %d and %d backends; %s", k1, k2, tl)
 	if k1 == 0 || k2 == 0 {

@@ -55,9 +55,8 @@ func mixed(wl *workload, prefix string, n int) {
 }
 
 // finish waits for every call to be answered, re-asking (same task id)
-// those whose result may have been lost with the broker, and for the queue
-// to be empty, then stops the workers and checks every operation's
-// guarantee.
+// those whose result may have been lost with the broker, then stops the
+// workers once the queue is empty and checks every operation's guarantee.
 func finish(t *testing.T, e *replay.Env, wl *workload, reask bool) tally {
 	t.Helper()
 	if !wl.wait(90 * time.Second) {
@@ -71,15 +70,7 @@ func finish(t *testing.T, e *replay.Env, wl *workload, reask bool) tally {
 			}
 		}
 	}
-	// Deliveries whose acknowledgement the fault cut come back to the
-	// queue after their callers were answered; the workers answer them from
-	// the record once their consumers are back. Give them the time to, so
-	// that the queue check below sees a stall, not a reconnect in progress.
-	replay.Eventually(time.Minute, func() bool {
-		n, err := e.QueueDepth(e.Queue)
-		return err == nil && n == 0
-	})
-	e.StopAll()
+	wl.stopWorkers()
 	return wl.check(t)
 }
 

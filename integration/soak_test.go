@@ -133,7 +133,7 @@ func TestSoak(t *testing.T) {
 	if !done() {
 		t.Errorf("after %s: %d of %d calls answered, %d published", elapsed.Round(time.Second), wl.answered(), len(msgs), published.Load())
 	}
-	e.StopAll()
+	wl.stopWorkers()
 	byTask := wl.checkByTask(t)
 
 	var b strings.Builder

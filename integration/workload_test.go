@@ -51,6 +51,19 @@ func newWorkload(e *replay.Env) *workload {
 	return &workload{e: e, salt: replay.NewID()[:8], by: make(map[string]*operation)}
 }
 
+// stopWorkers stops the workers once the queue is empty (a minute at
+// most). Deliveries whose acknowledgement a fault cut come back to the
+// queue after their callers were answered, and the workers answer them from
+// the record once their consumers are back: the queue check of check then
+// sees a delivery nobody takes, not a reconnect in progress.
+func (w *workload) stopWorkers() {
+	replay.Eventually(time.Minute, func() bool {
+		n, err := w.e.QueueDepth(w.e.Queue)
+		return err == nil && n == 0
+	})
+	w.e.StopAll()
+}
+
 // op returns the name of the workload's operation i of a kind (prefix):
 // the same for the same arguments, and used by no other workload, of this
 // run or another (the demo tables are shared by every run, and -count
