@@ -274,16 +274,21 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		if err != nil {
 			return err
 		}
+		// The broker's CPU is read when the consumer is done: after it, (f)'s
+		// monitor reads the events and the run is verified, and neither is
+		// the drain's.
 		bpid := brokerPID()
 		bcpu0 := procCPU(bpid)
-		defer func() {
+		brokerDone := func() {
 			if bpid > 0 {
 				r.brokerCPUUS = float64((procCPU(bpid) - bcpu0).Microseconds()) / float64(r.n)
 			}
-		}()
+		}
 		switch sc.Kind {
 		case "python":
-			if err := b.runPython(ctx, &r, queue, schema); err != nil {
+			err := b.runPython(ctx, &r, queue, schema)
+			brokerDone()
+			if err != nil {
 				return err
 			}
 		default:
@@ -304,6 +309,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				defer mon.close()
 			}
 			res, err := spawn(ctx, job, nil)
+			brokerDone()
 			if err != nil {
 				return err
 			}
