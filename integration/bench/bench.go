@@ -293,7 +293,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			}
 		default:
 			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, GroupTx: b.o.groupTx,
+				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
 				Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Events: sc.Events}
 			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile

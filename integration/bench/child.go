@@ -46,8 +46,9 @@ type childJob struct {
 	Prefetch    int
 	Concurrency int
 	PoolConns   int
-	Flushers    int // record batch flushers (0: the store's default)
-	GroupTx     int // same-database tasks per group transaction (0: none)
+	Flushers    int           // record batch flushers (0: the store's default)
+	Linger      time.Duration // record batch linger (0: the store's default, negative: none)
+	GroupTx     int           // same-database tasks per group transaction (0: none)
 	Timeout     time.Duration
 	CPUProfile  string
 	MemProfile  string
@@ -203,7 +204,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	defer pool.Close()
 	log := zap.NewNop()
 	store, err := idempotency.New(pool, idempotency.Config{Schema: job.Schema, Logger: log,
-		Batch: idempotency.BatchConfig{Flushers: job.Flushers, GroupTx: job.GroupTx}})
+		Batch: idempotency.BatchConfig{Flushers: job.Flushers, Linger: job.Linger, GroupTx: job.GroupTx}})
 	if err != nil {
 		return res, fmt.Errorf("worker: store: %w", err)
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -88,7 +90,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		defer func() { _ = os.Remove(doneFile) }()
 	}
 	job := childJob{Kind: "worker", DoneFile: doneFile, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, GroupTx: b.o.groupTx,
+		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
 		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
 	ready := make(chan struct{})
 	type outcome struct {
@@ -105,6 +107,11 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	case o := <-done:
 		return fmt.Errorf("worker ended before consuming: %v", o.err)
 	}
+	// The bench's own garbage collection (its heap holds every message of
+	// the run) would take the cores from the worker in bursts of tens of
+	// milliseconds: it waits until the run is over.
+	runtime.GC()
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
 	sent, err := publishSteady(ctx, b.prod, queue, msgs, r.latRate)
 	if err != nil {
 		return err
