@@ -24,6 +24,8 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_LEASE": "soon"}, `invalid ONCELER_LEASE="soon"`},
 		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_CRASH_AT": "lunch"}, `invalid ONCELER_CRASH_AT="lunch"`},
 		{[]string{"worker", "--demo", "--group-tx", "33"}, nil, "--group-tx must be between 0 and 32"},
+		{[]string{"worker", "--demo", "--flushers", "17"}, nil, "--flushers must be between 0 and 16"},
+		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_FLUSHERS": "-1"}, "--flushers must be between 0 and 16"},
 		{[]string{"worker"}, nil, "no tasks to serve"},
 		{[]string{"worker", "--demo", "--queues", " , "}, nil, "--queues names no queue"},
 		{[]string{"records", "--schema", "bad-name;"}, nil, `invalid --schema "bad-name;"`},

@@ -86,7 +86,7 @@ func run() error {
 	fs.IntVar(&o.prefetch, "prefetch", 256, "prefetch of every consumer")
 	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
 	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
-	fs.IntVar(&o.flushers, "flushers", 0, "record batch flushers of the onceler worker (0: the store's default)")
+	fs.IntVar(&o.flushers, "flushers", 1, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, 2): one makes the largest batches, and with the broker and PostgreSQL on the same cores the fewest commits win")
 	fs.DurationVar(&o.linger, "linger", 0, "how long a flush of the worker's record waits for calls on their way (BatchConfig.Linger; 0: the store's default, negative: none)")
 	fs.IntVar(&o.workerGOGC, "worker-gogc", 400, "GOGC of the worker process: 400 is the onceler worker's own when GOGC is unset; 100 is Go's default")
 	fs.IntVar(&o.groupTx, "group-tx", 32, "same-database tasks per group transaction of the worker's record (0: a transaction each)")
