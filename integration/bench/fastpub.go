@@ -89,12 +89,7 @@ func (p *producer) publish(ctx context.Context, queue string, m *celeryproto.Pub
 	}
 	p.pending++
 	p.mu.Unlock()
-	err := p.ch.PublishWithContext(ctx, "", queue, false, false, amqp091.Publishing{
-		ContentType: m.ContentType, ContentEncoding: m.ContentEncoding, Headers: amqp091.Table(m.Headers),
-		Body: m.Body, CorrelationId: m.CorrelationID, ReplyTo: m.ReplyTo, DeliveryMode: m.DeliveryMode,
-		Priority: m.Priority, Expiration: m.Expiration,
-	})
-	if err != nil {
+	if err := p.ch.PublishWithContext(ctx, "", queue, false, false, amqpPublishing(m)); err != nil {
 		return fmt.Errorf("producer: publish: %w", err)
 	}
 	return nil
@@ -153,15 +148,19 @@ func publishSteady(ctx context.Context, p *producer, queue string, msgs []*celer
 		due := min(len(msgs), int(time.Since(start).Seconds()*rate)+1)
 		for ; next < due; next++ {
 			sent[next] = time.Now()
-			m := msgs[next]
-			if err := p.plain.PublishWithContext(ctx, "", queue, false, false, amqp091.Publishing{
-				ContentType: m.ContentType, ContentEncoding: m.ContentEncoding, Headers: amqp091.Table(m.Headers),
-				Body: m.Body, CorrelationId: m.CorrelationID, ReplyTo: m.ReplyTo, DeliveryMode: m.DeliveryMode,
-				Priority: m.Priority, Expiration: m.Expiration,
-			}); err != nil {
+			if err := p.plain.PublishWithContext(ctx, "", queue, false, false, amqpPublishing(msgs[next])); err != nil {
 				return nil, fmt.Errorf("message %d: %w", next, err)
 			}
 		}
 	}
 	return sent, nil
+}
+
+// amqpPublishing is m as amqp091 publishes it.
+func amqpPublishing(m *celeryproto.Publishing) amqp091.Publishing {
+	return amqp091.Publishing{
+		ContentType: m.ContentType, ContentEncoding: m.ContentEncoding, Headers: amqp091.Table(m.Headers),
+		Body: m.Body, CorrelationId: m.CorrelationID, ReplyTo: m.ReplyTo, DeliveryMode: m.DeliveryMode,
+		Priority: m.Priority, Expiration: m.Expiration,
+	}
 }
