@@ -292,9 +292,8 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				return err
 			}
 		default:
-			job := childJob{Kind: sc.Kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-				Expect: r.n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
-				Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Events: sc.Events}
+			job := b.childJob(sc.Kind, queue, schema, r.n)
+			job.Events = sc.Events
 			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 			}
@@ -340,6 +339,15 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 	}()
 	r.drainError = err
 	return r
+}
+
+// childJob is a consumer child of kind on queue and schema, expecting n
+// tasks, with the bench's worker settings.
+func (b *bench) childJob(kind, queue, schema string, n int) childJob {
+	return childJob{Kind: kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
+		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+		Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
+		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
 }
 
 // verify checks that the run did what it claims: the queue is empty, every

@@ -89,9 +89,8 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		_ = f.Close()
 		defer func() { _ = os.Remove(doneFile) }()
 	}
-	job := childJob{Kind: "worker", DoneFile: doneFile, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns, Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
-		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
+	job := b.childJob("worker", queue, schema, n)
+	job.DoneFile = doneFile
 	ready := make(chan struct{})
 	type outcome struct {
 		res childResult
