@@ -347,7 +347,7 @@ func (b *bench) childJob(kind, queue, schema string, n int) childJob {
 	return childJob{Kind: kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
 		Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
-		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC}
+		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Procs: b.o.workerProcs}
 }
 
 // verify checks that the run did what it claims: the queue is empty, every

@@ -54,6 +54,7 @@ type childJob struct {
 	MemProfile  string
 	Debug       bool
 	GOGC        int    // 0: the runtime's default
+	Procs       int    // GOMAXPROCS; 0: the runtime's default
 	DoneFile    string // when set, the commit time of each task is written there
 	Events      bool   // remote control on, task events on (Celery's -E)
 }
@@ -80,6 +81,9 @@ func childMain() error {
 	defer cancel()
 	if job.GOGC > 0 {
 		debug.SetGCPercent(job.GOGC)
+	}
+	if job.Procs > 0 {
+		runtime.GOMAXPROCS(job.Procs)
 	}
 	var res childResult
 	var err error

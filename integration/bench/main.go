@@ -45,6 +45,8 @@ type options struct {
 	linger        time.Duration
 	groupTx       int
 	workerGOGC    int
+	workerProcs   int
+	procs         int
 	amqpURL       string
 	dbURL         string
 	python        string
@@ -88,6 +90,8 @@ func run() error {
 	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
 	fs.IntVar(&o.flushers, "flushers", 1, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, 2): one makes the largest batches, and with the broker and PostgreSQL on the same cores the fewest commits win")
 	fs.DurationVar(&o.linger, "linger", 0, "how long a flush of the worker's record waits for calls on their way (BatchConfig.Linger; 0: the store's default, negative: none)")
+	fs.IntVar(&o.workerProcs, "worker-procs", 0, "GOMAXPROCS of the consumer processes (0: the runtime's default, the number of CPUs)")
+	fs.IntVar(&o.procs, "procs", 1, "GOMAXPROCS of the bench's own process, the load generator (publisher, events monitor, reply reader): one keeps its idle scheduler from spinning on the cores the measured processes share; 0: the runtime's default")
 	fs.IntVar(&o.workerGOGC, "worker-gogc", 400, "GOGC of the worker process: 400 is the onceler worker's own when GOGC is unset; 100 is Go's default")
 	fs.IntVar(&o.groupTx, "group-tx", 32, "same-database tasks per group transaction of the worker's record (0: a transaction each)")
 	fs.StringVar(&o.amqpURL, "amqp", envOr("ONCELER_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
@@ -111,6 +115,9 @@ func run() error {
 	fs.BoolVar(&o.debug, "debug", false, "log the worker's debug output to stderr")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return err
+	}
+	if o.procs > 0 {
+		runtime.GOMAXPROCS(o.procs)
 	}
 	if o.quick {
 		o.n, o.pyN, o.latencySecs, o.latencyWarmup, o.pairs, o.pairN = 2000, 500, 1, 0.5, 1, 2000
@@ -150,8 +157,12 @@ func envOr(name, def string) string {
 	return def
 }
 
-// machine describes where the numbers come from.
-func machine() string {
-	return fmt.Sprintf("%d CPUs (GOMAXPROCS %d), %s/%s, %s", runtime.NumCPU(), runtime.GOMAXPROCS(0),
-		runtime.GOOS, runtime.GOARCH, runtime.Version())
+// machine describes where the numbers come from: the CPUs, the GOMAXPROCS
+// of the consumers (workerProcs, 0: one per CPU) and of the bench itself.
+func machine(workerProcs int) string {
+	if workerProcs <= 0 {
+		workerProcs = runtime.NumCPU()
+	}
+	return fmt.Sprintf("%d CPUs (GOMAXPROCS %d for the consumers, %d for the bench's own process), %s/%s, %s", runtime.NumCPU(),
+		workerProcs, runtime.GOMAXPROCS(0), runtime.GOOS, runtime.GOARCH, runtime.Version())
 }

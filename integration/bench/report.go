@@ -13,7 +13,7 @@ func report(o options, rows []row) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "Command: `go run ./integration/bench %s`  \n", strings.Join(os.Args[1:], " "))
 	fmt.Fprintf(&sb, "Machine: %s; %s UTC; N = %d, prefetch %d, worker concurrency %d, worker pool %d connections.\n\n",
-		machine(), time.Now().UTC().Format("2006-01-02 15:04"), o.n, o.prefetch, o.concurrency, o.poolConns)
+		machine(o.workerProcs), time.Now().UTC().Format("2006-01-02 15:04"), o.n, o.prefetch, o.concurrency, o.poolConns)
 	var a, e float64
 	for _, r := range rows {
 		switch r.sc.ID {
