@@ -292,7 +292,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				return err
 			}
 		default:
-			job := b.childJob(sc.Kind, queue, schema, r.n)
+			job := b.consumerJob(sc.Kind, queue, schema, r.n)
 			job.Events = sc.Events
 			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
@@ -341,9 +341,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 	return r
 }
 
-// childJob is a consumer child of kind on queue and schema, expecting n
+// consumerJob is a consumer child of kind on queue and schema, expecting n
 // tasks, with the bench's worker settings.
-func (b *bench) childJob(kind, queue, schema string, n int) childJob {
+func (b *bench) consumerJob(kind, queue, schema string, n int) childJob {
 	return childJob{Kind: kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
 		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
 		Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,

@@ -89,7 +89,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		_ = f.Close()
 		defer func() { _ = os.Remove(doneFile) }()
 	}
-	job := b.childJob("worker", queue, schema, n)
+	job := b.consumerJob("worker", queue, schema, n)
 	job.DoneFile = doneFile
 	ready := make(chan struct{})
 	type outcome struct {
