@@ -169,7 +169,7 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 }
 
 func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
-	op := &claimOp{p: p, token: newToken(), done: make(chan claimResult, 1)}
+	op := &claimOp{p: p, token: p.Token, done: make(chan claimResult, 1)}
 	r, err := submit(ctx, b, "claim", func() { b.claims = append(b.claims, op) }, &op.state, op.done)
 	if err != nil {
 		return Claim{}, err

@@ -51,7 +51,7 @@ func (s *Store) TakeOver(ctx context.Context, p ClaimParams) (Claim, error) {
 }
 
 func (s *Store) claimOne(ctx context.Context, q querier, p ClaimParams, takeover bool) (Claim, error) {
-	token := newToken()
+	token := p.Token
 	r, err := s.claimRow(ctx, q, p, token, takeover)
 	if err != nil {
 		return Claim{}, writeError("claim", err)

@@ -117,5 +117,9 @@
 // happened (the connection was lost after the request was sent, or the
 // caller gave up while it was in flight) is ErrUnknownOutcome
 // (IsUnknownOutcome): the caller must not ack the message; Complete with the
-// same token is safe to repeat.
+// same token is safe to repeat, and so is a claim made with a token of the
+// caller's (ClaimParams.Token): a claim or takeover that committed while
+// its answer was lost is then found to be the caller's own (OutcomeFirst,
+// the same attempt), not another's claim in progress that would lapse into
+// the stale-claim policy.
 package idempotency

@@ -261,7 +261,7 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// Errors before the commit are definite: nothing was committed.
-	token := newToken()
+	token := p.Token
 	row, err := s.claimRow(ctx, tx, p, token, false)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: claim: %w", err)

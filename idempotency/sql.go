@@ -44,7 +44,7 @@ WITH up AS (
         token             = CASE WHEN {CLAIM} THEN EXCLUDED.token ELSE r.token END,
         owner             = CASE WHEN {CLAIM} THEN EXCLUDED.owner ELSE r.owner END,
         task_id           = CASE WHEN {CLAIM} THEN EXCLUDED.task_id ELSE r.task_id END,
-        attempt           = CASE WHEN {CLAIM} THEN r.attempt + 1 ELSE r.attempt END,
+        attempt           = CASE WHEN {CLAIM} AND NOT {OWN} THEN r.attempt + 1 ELSE r.attempt END,
         fingerprint       = CASE WHEN {CLAIM} THEN COALESCE(EXCLUDED.fingerprint, r.fingerprint) ELSE r.fingerprint END,
         claimed_at        = CASE WHEN {CLAIM} THEN now() ELSE r.claimed_at END,
         lease_until       = CASE WHEN {CLAIM} THEN EXCLUDED.lease_until ELSE r.lease_until END,
@@ -62,9 +62,16 @@ WITH up AS (
 )
 SELECT task, key, status, token, attempt, result, error, lease_until, owner, task_id, last_claim FROM up`
 
+// ownClaim is true when the existing row r is claimed with the token this
+// claim brings: a claim whose answer was lost committed, and its caller
+// claims again with the same token (ClaimParams.Token). It is the caller's
+// own claim, whatever its lease: first again, the attempt not counted twice.
+const ownClaim = `(r.status = 'claimed' AND r.token = EXCLUDED.token)`
+
 // claimNote is what a delivery found on an existing row r.
 const claimNote = `(CASE
             WHEN r.fingerprint <> EXCLUDED.fingerprint AND NOT {ALLOW} THEN 'mismatch'
+            WHEN {OWN} THEN 'first'
             WHEN r.status = 'failed' THEN 'first'
             WHEN r.status = 'completed' THEN 'completed'
             WHEN r.status = 'claimed' AND r.lease_until > now() THEN 'in_progress'
@@ -103,12 +110,13 @@ RETURNING true`
 func newQueries(schema string) queries {
 	fill := func(q string) string { return strings.ReplaceAll(q, "{S}", schema) }
 	claim := func(src, takeover, allow string) string {
-		note := strings.NewReplacer("{ALLOW}", allow, "{TAKEOVER}", takeover).Replace(claimNote)
+		note := strings.NewReplacer("{ALLOW}", allow, "{TAKEOVER}", takeover, "{OWN}", ownClaim).Replace(claimNote)
 		return fill(strings.NewReplacer(
 			"{SRC}", src,
 			"{CLAIM}", note+" IN ('first', 'takeover')",
 			"{DUP}", note+" IN ('completed', 'in_progress')",
 			"{NOTE}", note,
+			"{OWN}", ownClaim,
 		).Replace(claimSQL))
 	}
 	const cols = `task, key, status, token, owner, task_id, attempt, fingerprint, claimed_at,

@@ -181,7 +181,8 @@ func (s *Store) BatchStats() BatchStats {
 // require it, so an owner whose claim was taken over is fenced out.
 type Token string
 
-func newToken() Token {
+// NewToken returns a new random token (see ClaimParams.Token).
+func NewToken() Token {
 	var b [16]byte
 	_, _ = rand.Read(b[:])
 	return Token(hex.EncodeToString(b[:]))
@@ -214,6 +215,15 @@ type ClaimParams struct {
 	// stored fingerprint is replaced). By default a mismatch is reported as
 	// OutcomeMismatch and nothing changes.
 	AllowMismatch bool
+	// Token is the token the claim takes; empty means a new one. A caller
+	// whose claim ended with an unknown outcome (the connection was lost
+	// after the claim was sent) claims again with the same token (NewToken
+	// makes one to keep): if the lost claim committed, the record is claimed
+	// with this token and the retry gets OutcomeFirst again, under the same
+	// attempt and with the lease renewed, instead of finding its own claim
+	// in progress and, once it lapses, stale. Use a token for one claim only:
+	// once a claim's outcome is known, the next claim takes a new token.
+	Token Token
 }
 
 func (p *ClaimParams) validate() error {
@@ -227,6 +237,9 @@ func (p *ClaimParams) validate() error {
 	}
 	if p.Lease <= 0 {
 		p.Lease = time.Minute
+	}
+	if p.Token == "" {
+		p.Token = NewToken()
 	}
 	return nil
 }

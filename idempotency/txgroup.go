@@ -176,7 +176,7 @@ type member struct {
 func (g *txGroup) flush(ops []*txOp) {
 	ms := make([]*member, len(ops))
 	for i, op := range ops {
-		ms[i] = &member{op: op, token: newToken()}
+		ms[i] = &member{op: op, token: op.p.Token}
 	}
 	gctx, cancel := context.WithTimeout(context.Background(), g.timeout)
 	defer cancel()

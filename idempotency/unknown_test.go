@@ -1,131 +1,21 @@
 package idempotency_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"io"
-	"net"
-	"net/url"
-	"sync"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// cutProxy forwards TCP to Postgres; when armed with a byte pattern, it
-// forwards the first client write containing it and then cuts the
-// connection before the server answers: the write reaches the server, the
-// client never learns its outcome.
-type cutProxy struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	arm    []byte
-	conns  []net.Conn
-	wg     sync.WaitGroup
-}
-
-func newCutProxy(t *testing.T, target string) *cutProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &cutProxy{ln: ln, target: target}
-	p.wg.Go(p.accept)
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
-	return p
-}
-
-func (p *cutProxy) setArm(pattern string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.arm = []byte(pattern)
-}
-
-func (p *cutProxy) accept() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.target)
-		if err != nil {
-			_ = c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, s)
-		p.mu.Unlock()
-		p.wg.Go(func() {
-			_, _ = io.Copy(c, s)
-			_ = c.Close()
-			_ = s.Close()
-		})
-		p.wg.Go(func() {
-			buf := make([]byte, 64<<10)
-			for {
-				n, err := c.Read(buf)
-				if n > 0 {
-					if _, werr := s.Write(buf[:n]); werr != nil {
-						return
-					}
-					p.mu.Lock()
-					cut := len(p.arm) > 0 && bytes.Contains(buf[:n], p.arm)
-					if cut {
-						p.arm = nil
-					}
-					p.mu.Unlock()
-					if cut {
-						// The client loses the answer; the server reads the
-						// write, then end of stream.
-						_ = c.Close()
-						_ = s.(*net.TCPConn).CloseWrite()
-						return
-					}
-				}
-				if err != nil {
-					_ = s.Close()
-					return
-				}
-			}
-		})
-	}
-}
-
-func proxiedPool(t *testing.T) (*pgxpool.Pool, *cutProxy) {
-	t.Helper()
-	u, err := url.Parse(testenv.DatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := newCutProxy(t, u.Host)
-	u.Host = proxy.ln.Addr().String()
-	pool, err := pgxpool.New(context.Background(), u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool, proxy
-}
-
 func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 	for _, disabled := range []bool{false, true} {
-		pool, proxy := proxiedPool(t)
+		pool, proxy := testenv.ProxiedPool(t)
 		schema := testenv.Schema(t, testenv.Pool(t))
 		s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
 		if err != nil {
@@ -140,7 +30,7 @@ func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 		// Completion: the connection drops after the write reached the server.
 		p := params("pay", "k")
 		c := mustClaim(t, s, p, idempotency.OutcomeFirst)
-		proxy.setArm(string(c.Token))
+		proxy.Arm(string(c.Token))
 		err = s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`))
 		if !idempotency.IsUnknownOutcome(err) || idempotency.IsRetryable(err) {
 			t.Fatalf("batched=%v: complete over a cut connection: %v, want unknown outcome", !disabled, err)
@@ -156,7 +46,7 @@ func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 		// Same-database run: the connection drops after COMMIT was sent.
 		q := params("credit", "k")
 		_, err = s.RunTx(ctx, q, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-			proxy.setArm("commit")
+			proxy.Arm("commit")
 			return []byte(`1`), nil
 		})
 		if !idempotency.IsUnknownOutcome(err) {
@@ -174,6 +64,89 @@ func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
+	}
+}
+
+// TestUnknownClaimRetriedWithItsToken: a claim whose answer is lost did
+// commit. Claimed again with the same token (ClaimParams.Token), it is the
+// caller's own claim: first, same attempt, no duplicate counted, even once
+// its lease has lapsed. Claimed again with a new token, the caller would
+// find its own claim in progress, and stale once the lease lapsed (what a
+// retrying caller saw before the token was kept). The same holds for a
+// takeover whose answer is lost.
+func TestUnknownClaimRetriedWithItsToken(t *testing.T) {
+	for _, disabled := range []bool{false, true} {
+		t.Run(fmt.Sprintf("batched=%v", !disabled), func(t *testing.T) {
+			pool, proxy := testenv.ProxiedPool(t)
+			schema := testenv.Schema(t, testenv.Pool(t))
+			s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			ctx := context.Background()
+			if err := s.Migrate(ctx); err != nil {
+				t.Fatal(err)
+			}
+			// lostClaim claims key over a connection cut once the claim
+			// reached the server, and waits until it is committed.
+			lostClaim := func(key string) idempotency.ClaimParams {
+				p := params("mail", key)
+				p.Lease = 300 * time.Millisecond
+				p.Token = idempotency.NewToken()
+				proxy.Arm(string(p.Token))
+				if _, err := s.Claim(ctx, p); !idempotency.IsUnknownOutcome(err) {
+					t.Fatalf("claim over a cut connection: %v, want unknown outcome", err)
+				}
+				deadline := time.Now().Add(5 * time.Second)
+				for {
+					r, err := s.Get(ctx, "mail", key)
+					if err == nil && r.Status == idempotency.StatusClaimed && r.Token == p.Token {
+						return p
+					}
+					if time.Now().After(deadline) {
+						t.Fatalf("lost claim of %s: record %+v %v, want claimed with its token", key, r, err)
+					}
+					time.Sleep(20 * time.Millisecond)
+				}
+			}
+
+			p := lostClaim("same-token")
+			c := mustClaim(t, s, p, idempotency.OutcomeFirst)
+			if c.Token != p.Token || c.Attempt != 1 {
+				t.Fatalf("claim again with its token: %+v, want token %s, attempt 1", c, p.Token)
+			}
+			time.Sleep(2 * p.Lease) // lapsed: still its own
+			c = mustClaim(t, s, p, idempotency.OutcomeFirst)
+			if err := s.Complete(ctx, p.Ref(c.Token), []byte(`"sent"`)); err != nil {
+				t.Fatalf("complete: %v", err)
+			}
+			r, err := s.Get(ctx, "mail", "same-token")
+			if err != nil || r.Status != idempotency.StatusCompleted || r.Attempt != 1 || r.Duplicates != 0 {
+				t.Fatalf("record %+v %v, want completed, attempt 1, no duplicate", r, err)
+			}
+
+			q := lostClaim("new-token")
+			q.Token = ""
+			mustClaim(t, s, q, idempotency.OutcomeInProgress)
+			time.Sleep(2 * q.Lease)
+			stale := mustClaim(t, s, q, idempotency.OutcomeStale)
+
+			// A takeover (policy retry) whose answer is lost: the same
+			// token finds it, under the attempt it took.
+			q.Token = idempotency.NewToken()
+			proxy.Arm(string(q.Token))
+			if _, err := s.ApplyPolicy(ctx, q, stale, idempotency.StalePolicy{Policy: idempotency.PolicyRetry}); !idempotency.IsUnknownOutcome(err) {
+				t.Fatalf("takeover over a cut connection: %v, want unknown outcome", err)
+			}
+			c = mustClaim(t, s, q, idempotency.OutcomeFirst)
+			if c.Token != q.Token || c.Attempt != 2 {
+				t.Fatalf("claim again after a lost takeover: %+v, want token %s, attempt 2", c, q.Token)
+			}
+			if proxy.Lost() != 3 {
+				t.Fatalf("%d claims committed with their answers lost, want 3", proxy.Lost())
+			}
+		})
 	}
 }
 

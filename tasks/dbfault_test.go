@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testenv"
 )
 
 func TestDBFault(t *testing.T) {
@@ -241,6 +242,61 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 	for key, want := range map[string]int{"poison": limit + 2, "again": 2, "fresh": 1, "done": limit + 2} {
 		if n, err := e.store.CountAttempt(ctx, "t.credit", key); err != nil || n != want {
 			t.Errorf("%s: next attempt count %d (err %v), want %d", key, n, err, want)
+		}
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
+// TestLostClaimAnswer: the record's connection is cut just after a claim
+// reached the server, so the claim commits and the worker never hears of
+// it. The worker claims again with the same token and finds the claim its
+// own: the task runs once and completes, under attempt 1. Before, it found
+// its own claim in progress, waited for the lease to lapse and applied the
+// stale-claim policy to itself (hold: held, skip: skipped, nothing run).
+func TestLostClaimAnswer(t *testing.T) {
+	e := newEnv(t)
+	pool, proxy := testenv.ProxiedPool(t)
+	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(store.Close)
+	fx := &effects{}
+	reg := NewRegistry()
+	for _, tk := range []Task[payArgs]{{Name: "p.hold", Policy: PolicyHold}, {Name: "p.skip", Policy: PolicySkip}} {
+		tk.Mode = ModeOutside
+		tk.Key = func(a payArgs) (string, error) { return a.OrderID, nil }
+		tk.Run = func(_ context.Context, c *Call, a payArgs) (any, error) {
+			fx.add(c.Reference)
+			return map[string]any{"ran": a.OrderID, "attempt": c.Attempt}, nil
+		}
+		if err := Register(reg, tk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := e.config()
+	cfg.Store, cfg.Pool = store, pool
+	cfg.Lease = time.Second
+	e.start(reg, cfg)
+	replyTo, replies := e.replyQueue()
+	for i, task := range []string{"p.hold", "p.skip"} {
+		order := "lost-claim-" + task
+		proxy.Arm(order)
+		m := payMessage(task, 200+i, order, replyTo)
+		e.publish(m)
+		r := results(t, replies, 1, 30*time.Second)[m.ID][0]
+		if proxy.Lost() != i+1 {
+			t.Fatalf("%s: %d claims committed with their answers lost, want %d", task, proxy.Lost(), i+1)
+		}
+		if body, _ := jsonString(r["result"]); r["status"] != "SUCCESS" || !strings.Contains(body, `"attempt":1`) {
+			t.Errorf("%s: reply %v, want SUCCESS under attempt 1", task, r)
+		}
+		if n := fx.snapshot()[task+":"+order]; n != 1 {
+			t.Errorf("%s: %d effects, want 1", task, n)
+		}
+		rec, err := e.store.Get(context.Background(), task, order)
+		if err != nil || rec.Status != idempotency.StatusCompleted || rec.Attempt != 1 {
+			t.Errorf("%s: record %+v %v, want completed under attempt 1", task, rec, err)
 		}
 	}
 	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })

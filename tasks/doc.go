@@ -88,7 +88,11 @@
 // unknown (the database did not answer, a commit may or may not have
 // happened, the lease was lost), the delivery is not acknowledged: it is
 // looked at again later, or given back to the broker, whose redelivery reads
-// the record. Deliveries whose channel died are never acknowledged on
+// the record. An outside-system claim looked at again claims with the same
+// token until its outcome is known, so a claim that committed while its
+// answer was lost (the database restarting, say) is found to be the
+// delivery's own and runs, instead of waiting out its lease and meeting the
+// stale-claim policy. Deliveries whose channel died are never acknowledged on
 // another channel: they are dropped from the pool, the broker redelivers
 // them. Everything the pipeline does is correct if the process dies at any
 // point: the record and the broker's redelivery carry the state.

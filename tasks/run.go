@@ -22,6 +22,13 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		return
 	}
 	p := w.claimParams(j)
+	if j.claimToken == "" {
+		j.claimToken = idempotency.NewToken()
+	}
+	// Until the claim's outcome is known, every claim of this delivery takes
+	// the same token: a claim (or takeover) that committed while its answer
+	// was lost is then found to be this delivery's own, not in progress.
+	p.Token = j.claimToken
 	start := time.Now()
 	claim, err := w.store.Claim(ctx, p)
 	w.m.claimSecs.Observe(time.Since(start).Seconds())
@@ -36,6 +43,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 			return
 		}
 	}
+	j.claimToken = ""
 	if claim.Outcome != idempotency.OutcomeFirst {
 		w.answerClaim(ctx, j, claim, nil)
 		return

@@ -79,6 +79,9 @@ type job struct {
 	waiting  bool // deferred because the operation was in progress elsewhere
 	runtime  time.Duration
 	attempt  int // the record's attempt of the claim this delivery runs under
+	// claimToken: the token of a claim whose outcome is not known yet (see
+	// runOutside); empty once it is.
+	claimToken idempotency.Token
 	// redeliveries: the operation's redeliveries counted when this
 	// redelivered same-database message arrived (0: not counted).
 	redeliveries int
