@@ -15,9 +15,9 @@ import (
 
 // The batcher is a group commit: Claim and Complete calls queue up, and a
 // flusher takes what is queued (at most MaxSize of each kind, one per key)
-// and writes it as one claim statement and a completion statement per
-// record, sent as one pipeline with a single Sync, so they commit together
-// in one implicit transaction. There is no fixed wait: when no flush is
+// and writes it as one claim statement and one completion statement (the
+// function complete_batch, migration 0005), sent as one pipeline with a
+// single Sync, so they commit together in one implicit transaction. There is no fixed wait: when no flush is
 // running, the caller itself leads at once (flushing its own call and
 // whatever else queued), so an idle store answers a lone call in one round
 // trip; while flushes run, new calls queue for the next one. A further flush
@@ -401,8 +401,13 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 			return claims[i].p, claims[i].token
 		})...)
 	}
-	for _, op := range completes {
-		batch.Queue(b.s.q.complete, b.s.completeArgs(op.ref, op.result)...)
+	if len(completes) > 0 {
+		n := len(completes)
+		tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+		for i, op := range completes {
+			tasks[i], keys[i], tokens[i], results[i] = op.ref.Task, op.ref.Key, string(op.ref.Token), op.result
+		}
+		batch.Queue(b.s.q.completeBatch, tasks, keys, tokens, results)
 	}
 	res := b.s.pool.SendBatch(ctx, batch)
 	var rows map[opKey]claimRow
@@ -418,14 +423,22 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 			}
 		}
 		completed = make(map[opKey]bool, len(completes))
-		for _, op := range completes {
-			ok, err := scanCompleted(res.QueryRow())
-			if err != nil {
+		if len(completes) == 0 {
+			return nil
+		}
+		rs, err := res.Query()
+		if err != nil {
+			return err
+		}
+		defer rs.Close()
+		var k opKey
+		for rs.Next() {
+			if err := rs.Scan(&k.task, &k.key); err != nil {
 				return err
 			}
-			completed[op.key()] = ok
+			completed[k] = true
 		}
-		return nil
+		return rs.Err()
 	}()
 	// Close reads up to ReadyForQuery: only then has the transaction committed.
 	if cerr := res.Close(); err == nil {

@@ -96,7 +96,9 @@
 // caller that finds no flush running flushes at once (so an idle store
 // costs one round trip), and calls arriving meanwhile queue and go out
 // together as one claim statement over unnest() arrays and one completion
-// statement per record, pipelined with a single Sync, so one commit. A
+// statement (a function whose join finds each record by primary key, however
+// the table has grown since its plan was cached), pipelined with a single
+// Sync, so one commit. A
 // second flush (BatchConfig.Flushers, default 2) starts once as many calls
 // are queued as the last flush carried, so that one flush's commit overlaps
 // the next one's statements. Each caller still gets its own exact outcome;

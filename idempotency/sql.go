@@ -6,6 +6,7 @@ import "strings"
 type queries struct {
 	claimOne, claimBatch string
 	complete             string
+	completeBatch        string
 	renew                string
 	fail, release        string
 	skip, hold           string
@@ -96,10 +97,14 @@ const claimBatchSource = `unnest($1::text[], $2::text[], $3::text[], $4::text[],
 const currentClaim = `task = $1 AND key = $2 AND token = $3 AND status IS NOT DISTINCT FROM 'claimed'`
 
 // completeSQL completes the record ($1 task, $2 key) while $3 is its current
-// claim, storing result $4, and returns a row if it did. A flush queues one
-// per completion: a statement per record keeps the plan a primary-key
-// lookup, where one statement joining an array of keys is planned from the
-// table's size and statistics at the time its plan is cached.
+// claim, storing result $4, and returns a row if it did: a lone completion.
+// A flush of several completes them in one statement, the function
+// complete_batch (migration 0005): a plain statement joining arrays of keys
+// with the records is planned from the table's size and statistics when
+// its plan is cached, and a plan made while the table was young scans it
+// on every flush; the function plans its join with scans and hash or merge
+// joins off, so each element finds its record by primary key
+// (TestBatchedCompletionsNeverScan).
 const completeSQL = `
 UPDATE {S}.records SET
     status = 'completed', result = $4::jsonb, completed_at = now(), updated_at = now(),
@@ -137,6 +142,8 @@ SELECT count(*) FROM up`)
 		claimOne:   claim(claimOneSource, "$9::bool", "$10::bool"),
 		claimBatch: claim(claimBatchSource, "false", "false"),
 		complete:   fill(completeSQL),
+		completeBatch: fill(`SELECT done_task, done_key
+FROM {S}.complete_batch($1::text[], $2::text[], $3::text[], $4::jsonb[])`),
 		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'
 WHERE ` + currentClaim + ` AND lease_until > now()`),
 		fail: endClaim(`status = 'failed', error = $4`, "failure"),
