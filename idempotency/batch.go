@@ -17,15 +17,16 @@ import (
 // flusher takes what is queued (at most MaxSize of each kind, one per key)
 // and writes it as one claim statement and one completion statement (the
 // function complete_batch, migration 0005), sent as one pipeline with a
-// single Sync, so they commit together in one implicit transaction. There is no fixed wait: when no flush is
-// running, the caller itself leads at once (flushing its own call and
-// whatever else queued), so an idle store answers a lone call in one round
-// trip; while flushes run, new calls queue for the next one. A further flush
-// (up to Flushers at once, each on its own connection) starts only once as
-// many calls are queued as the flush last taken carried: two flushes then
-// overlap one's commit with the other's statements, and batches stay as
-// large as the load allows. A leader whose own call is answered hands the
-// rest of the queue to a background flusher.
+// single Sync, so they commit together in one implicit transaction. There
+// is no fixed wait: when no flush is running, the caller itself leads at
+// once (flushing its own call and whatever else queued), so an idle store
+// answers a lone call in one round trip; while flushes run, new calls
+// queue for the next one. A further flush (up to Flushers at once, each on
+// its own connection) starts only once as many calls are queued as the
+// flush last taken carried: two flushes then overlap one's commit with the
+// other's statements, and batches stay as large as the load allows. A
+// leader whose own call is answered hands the rest of the queue to a
+// background flusher.
 
 type opState int
 
