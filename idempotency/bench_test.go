@@ -67,27 +67,35 @@ func claimComplete(ctx context.Context, s *idempotency.Store, run string, i int6
 // benchStore opens a store on its own pool of 16 connections, in a fresh
 // schema, and returns a prefix for unique keys.
 func benchStore(b *testing.B, disabled bool) (*idempotency.Store, string) {
+	_, _, s := ownPoolStore(b, 16, idempotency.BatchConfig{Disabled: disabled})
+	return s, fmt.Sprint(time.Now().UnixNano())
+}
+
+// ownPoolStore opens a pool of conns connections of its own and a migrated
+// store on it, in a fresh schema; both close when the test ends.
+func ownPoolStore(tb testing.TB, conns int32, batch idempotency.BatchConfig) (*pgxpool.Pool, string, *idempotency.Store) {
+	tb.Helper()
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(b))
+	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(tb))
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
-	cfg.MaxConns = 16
+	cfg.MaxConns = conns
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
-	b.Cleanup(pool.Close)
-	schema := testenv.Schema(b, pool)
-	s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
+	tb.Cleanup(pool.Close)
+	schema := testenv.Schema(tb, pool)
+	s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: batch})
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
-	b.Cleanup(s.Close)
+	tb.Cleanup(s.Close)
 	if err := s.Migrate(ctx); err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
-	return s, fmt.Sprint(time.Now().UnixNano())
+	return pool, schema, s
 }
 
 func benchClaimComplete(b *testing.B, disabled bool, callers int) {

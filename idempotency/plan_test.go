@@ -6,10 +6,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/onceler/onceler/idempotency"
-	"github.com/onceler/onceler/internal/testenv"
 )
 
 // TestBatchedCompletionsNeverScan: a flush completes its records in one
@@ -21,25 +18,7 @@ import (
 // flushed them.
 func TestBatchedCompletionsNeverScan(t *testing.T) {
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	schema := testenv.Schema(t, pool)
-	s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Flushers: 1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Close)
-	if err := s.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	pool, schema, s := ownPoolStore(t, 1, idempotency.BatchConfig{Flushers: 1})
 	seqScans := func() int64 {
 		t.Helper()
 		if _, err := pool.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {

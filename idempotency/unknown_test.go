@@ -13,25 +13,33 @@ import (
 	"github.com/onceler/onceler/internal/testenv"
 )
 
+// proxiedStore returns a migrated store in a fresh schema whose pool's
+// connections pass through a CutProxy.
+func proxiedStore(t *testing.T, disabled bool) (*idempotency.Store, *testenv.CutProxy) {
+	t.Helper()
+	pool, proxy := testenv.ProxiedPool(t)
+	schema := testenv.Schema(t, testenv.Pool(t))
+	s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	if err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s, proxy
+}
+
 func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 	for _, disabled := range []bool{false, true} {
-		pool, proxy := testenv.ProxiedPool(t)
-		schema := testenv.Schema(t, testenv.Pool(t))
-		s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
+		s, proxy := proxiedStore(t, disabled)
 		ctx := context.Background()
-		if err := s.Migrate(ctx); err != nil {
-			t.Fatal(err)
-		}
 
 		// Completion: the connection drops after the write reached the server.
 		p := params("pay", "k")
 		c := mustClaim(t, s, p, idempotency.OutcomeFirst)
 		proxy.Arm(string(c.Token))
-		err = s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`))
+		err := s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`))
 		if !idempotency.IsUnknownOutcome(err) || idempotency.IsRetryable(err) {
 			t.Fatalf("batched=%v: complete over a cut connection: %v, want unknown outcome", !disabled, err)
 		}
@@ -77,17 +85,8 @@ func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 func TestUnknownClaimRetriedWithItsToken(t *testing.T) {
 	for _, disabled := range []bool{false, true} {
 		t.Run(fmt.Sprintf("batched=%v", !disabled), func(t *testing.T) {
-			pool, proxy := testenv.ProxiedPool(t)
-			schema := testenv.Schema(t, testenv.Pool(t))
-			s, err := idempotency.New(pool, idempotency.Config{Schema: schema, Batch: idempotency.BatchConfig{Disabled: disabled}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
+			s, proxy := proxiedStore(t, disabled)
 			ctx := context.Background()
-			if err := s.Migrate(ctx); err != nil {
-				t.Fatal(err)
-			}
 			// lostClaim claims key over a connection cut once the claim
 			// reached the server, and waits until it is committed.
 			lostClaim := func(key string) idempotency.ClaimParams {
