@@ -23,7 +23,6 @@ type CutProxy struct {
 	target string
 	mu     sync.Mutex
 	arm    []byte
-	cuts   int
 	lost   int
 	conns  []net.Conn
 	wg     sync.WaitGroup
@@ -60,13 +59,6 @@ func (p *CutProxy) Arm(pattern string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.arm = []byte(pattern)
-}
-
-// Cuts is how many connections the proxy has cut.
-func (p *CutProxy) Cuts() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cuts
 }
 
 // Lost is how many of the cut connections' last writes the server answered
@@ -145,7 +137,6 @@ func (p *CutProxy) forward(c, s net.Conn, cut chan<- struct{}) {
 			hit := len(p.arm) > 0 && bytes.Contains(buf[:n], p.arm)
 			if hit {
 				p.arm = nil
-				p.cuts++
 			}
 			p.mu.Unlock()
 			if hit {
