@@ -25,7 +25,8 @@ type modelKey struct {
 }
 
 // TestModel drives random interleavings of claim (single and concurrent
-// bursts), take over, renew, complete, fail, lease expiry and same-database
+// bursts, and again with the worker's last token, as after a lost answer),
+// take over, renew, complete, fail, lease expiry and same-database
 // runs for a few keys against real Postgres, and checks after every step
 // that the store agrees with a model and that: at most one worker holds a
 // valid token per key, completed is final, and no same-database effect is
@@ -111,6 +112,29 @@ func TestModel(t *testing.T) {
 		rt.Repeat(map[string]func(*rapid.T){
 			"claim":    func(rt *rapid.T) { claim(rt, false) },
 			"takeover": func(rt *rapid.T) { claim(rt, true) },
+			"reclaim": func(rt *rapid.T) {
+				// A claim retried with the worker's last token, as after an
+				// answer lost: its own current claim is first again (lease
+				// renewed, even past it), anything else as for a claim.
+				w, k := rapid.IntRange(0, workers-1).Draw(rt, "w"), rapid.IntRange(0, keys-1).Draw(rt, "k")
+				if tokens[w][k] == "" {
+					return
+				}
+				p := param(w, k)
+				p.Token = tokens[w][k]
+				want := expectClaim(outside[k], false)
+				if owns(w, k) {
+					want = idempotency.OutcomeFirst
+				}
+				c, err := e.store.Claim(ctx, p)
+				if err != nil {
+					rt.Fatal(err)
+				}
+				if c.Outcome != want || (want == idempotency.OutcomeFirst && c.Token != p.Token) {
+					rt.Fatalf("reclaim %s with its token: %v %s, model says %v", key(k), c.Outcome, c.Token, want)
+				}
+				apply(w, k, c)
+			},
 			"burst": func(rt *rapid.T) {
 				k := rapid.IntRange(0, keys-1).Draw(rt, "k")
 				want := expectClaim(outside[k], false)
