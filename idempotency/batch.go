@@ -38,7 +38,6 @@ const (
 
 type claimOp struct {
 	p     ClaimParams
-	token Token
 	state opState // guarded by batcher.mu
 	done  chan claimResult
 }
@@ -170,7 +169,7 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 }
 
 func (b *batcher) claim(ctx context.Context, p ClaimParams) (Claim, error) {
-	op := &claimOp{p: p, token: p.Token, done: make(chan claimResult, 1)}
+	op := &claimOp{p: p, done: make(chan claimResult, 1)}
 	r, err := submit(ctx, b, "claim", func() { b.claims = append(b.claims, op) }, &op.state, op.done)
 	if err != nil {
 		return Claim{}, err
@@ -388,7 +387,7 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 	defer cancel()
 	// A lone call (an idle store) takes the plain single-statement path.
 	if len(claims) == 1 && len(completes) == 0 {
-		r, err := b.s.claimRow(ctx, b.s.pool, claims[0].p, claims[0].token, false)
+		r, err := b.s.claimRow(ctx, b.s.pool, claims[0].p, false)
 		return map[opKey]claimRow{claims[0].key(): r}, nil, err
 	}
 	if len(claims) == 0 && len(completes) == 1 {
@@ -398,9 +397,7 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 	}
 	batch := &pgx.Batch{}
 	if len(claims) > 0 {
-		batch.Queue(b.s.q.claimBatch, claimBatchArgs(len(claims), func(i int) (ClaimParams, Token) {
-			return claims[i].p, claims[i].token
-		})...)
+		batch.Queue(b.s.q.claimBatch, claimBatchArgs(len(claims), func(i int) ClaimParams { return claims[i].p })...)
 	}
 	if len(completes) > 0 {
 		n := len(completes)
@@ -455,7 +452,7 @@ func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows map[op
 			op.done <- claimResult{err: errors.New("idempotency: batch returned no row for a claim")}
 			continue
 		}
-		op.done <- claimResult{c: r.claim(op.token)}
+		op.done <- claimResult{c: r.claim(op.p.Token)}
 	}
 	for _, op := range completes {
 		op.done <- completeResult{ok: completed[opKey{op.ref.Task, op.ref.Key}]}
@@ -463,15 +460,15 @@ func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows map[op
 }
 
 // claimBatchArgs are the arguments of the claimBatch statement for n claims;
-// at(i) gives the i-th claim and its token.
-func claimBatchArgs(n int, at func(int) (ClaimParams, Token)) []any {
+// at(i) gives the i-th claim, with its token.
+func claimBatchArgs(n int, at func(int) ClaimParams) []any {
 	tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
 	owners, ids := make([]string, n), make([]string, n)
 	fps, msgs := make([][]byte, n), make([][]byte, n)
 	leases := make([]int64, n)
 	for i := range n {
-		p, token := at(i)
-		tasks[i], keys[i], tokens[i] = p.Task, p.Key, string(token)
+		p := at(i)
+		tasks[i], keys[i], tokens[i] = p.Task, p.Key, string(p.Token)
 		owners[i], ids[i] = p.Owner, p.TaskID
 		fps[i], msgs[i], leases[i] = p.Fingerprint, p.Message, p.Lease.Microseconds()
 		if fps[i] == nil {

@@ -51,16 +51,15 @@ func (s *Store) TakeOver(ctx context.Context, p ClaimParams) (Claim, error) {
 }
 
 func (s *Store) claimOne(ctx context.Context, q querier, p ClaimParams, takeover bool) (Claim, error) {
-	token := p.Token
-	r, err := s.claimRow(ctx, q, p, token, takeover)
+	r, err := s.claimRow(ctx, q, p, takeover)
 	if err != nil {
 		return Claim{}, writeError("claim", err)
 	}
-	return r.claim(token), nil
+	return r.claim(p.Token), nil
 }
 
-func (s *Store) claimRow(ctx context.Context, q querier, p ClaimParams, token Token, takeover bool) (claimRow, error) {
-	row := q.QueryRow(ctx, s.q.claimOne, p.Task, p.Key, string(token), p.Owner, p.TaskID,
+func (s *Store) claimRow(ctx context.Context, q querier, p ClaimParams, takeover bool) (claimRow, error) {
+	row := q.QueryRow(ctx, s.q.claimOne, p.Task, p.Key, string(p.Token), p.Owner, p.TaskID,
 		p.Fingerprint, p.Lease.Microseconds(), p.Message, takeover, p.AllowMismatch)
 	var r claimRow
 	err := r.scan(row)

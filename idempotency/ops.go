@@ -261,12 +261,11 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// Errors before the commit are definite: nothing was committed.
-	token := p.Token
-	row, err := s.claimRow(ctx, tx, p, token, false)
+	row, err := s.claimRow(ctx, tx, p, false)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: claim: %w", err)
 	}
-	c := row.claim(token)
+	c := row.claim(p.Token)
 	if c.Outcome != OutcomeFirst {
 		if err := tx.Commit(ctx); err != nil { // keeps the duplicate count
 			return c, writeError("run tx: commit", err)

@@ -163,7 +163,6 @@ func (g *txGroup) take() []*txOp {
 // member is one op's progress through a group.
 type member struct {
 	op     *txOp
-	token  Token
 	claim  Claim
 	result []byte
 	res    *string
@@ -176,7 +175,7 @@ type member struct {
 func (g *txGroup) flush(ops []*txOp) {
 	ms := make([]*member, len(ops))
 	for i, op := range ops {
-		ms[i] = &member{op: op, token: op.p.Token}
+		ms[i] = &member{op: op}
 	}
 	gctx, cancel := context.WithTimeout(context.Background(), g.timeout)
 	defer cancel()
@@ -209,7 +208,7 @@ func (g *txGroup) write(ctx context.Context, ms []*member) error {
 		return err
 	}
 	for _, m := range ms {
-		*m = member{op: m.op, token: m.token}
+		*m = member{op: m.op}
 	}
 	return g.writeEach(ctx, ms)
 }
@@ -246,9 +245,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		return false, nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	rows, err := tx.Query(ctx, g.s.q.claimBatch, claimBatchArgs(len(live), func(i int) (ClaimParams, Token) {
-		return live[i].op.p, live[i].token
-	})...)
+	rows, err := tx.Query(ctx, g.s.q.claimBatch, claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p })...)
 	if err != nil {
 		return false, nil
 	}
@@ -261,7 +258,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		if !ok {
 			return false, nil
 		}
-		m.claim, m.commit = r.claim(m.token), true
+		m.claim, m.commit = r.claim(m.op.p.Token), true
 	}
 	for _, m := range live {
 		if m.claim.Outcome != OutcomeFirst {
@@ -300,7 +297,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 		// The savepoint and the claim in one round trip.
 		b := &pgx.Batch{}
 		b.Queue("SAVEPOINT onceler_task")
-		b.Queue(g.s.q.claimOne, m.op.p.Task, m.op.p.Key, string(m.token), m.op.p.Owner, m.op.p.TaskID,
+		b.Queue(g.s.q.claimOne, m.op.p.Task, m.op.p.Key, string(m.op.p.Token), m.op.p.Owner, m.op.p.TaskID,
 			m.op.p.Fingerprint, m.op.p.Lease.Microseconds(), m.op.p.Message, false, m.op.p.AllowMismatch)
 		br := tx.SendBatch(ctx, b)
 		_, serr := br.Exec()
@@ -322,7 +319,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 			m.err = fmt.Errorf("run tx: claim: %w", cerr)
 			continue
 		}
-		m.claim = row.claim(m.token)
+		m.claim = row.claim(m.op.p.Token)
 		m.commit = true
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
