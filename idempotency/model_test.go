@@ -30,9 +30,10 @@ type modelKey struct {
 // runs for a few keys against real Postgres, and checks after every step
 // that the store agrees with a model and that: at most one worker holds a
 // valid token per key, completed is final, and no same-database effect is
-// counted twice.
+// counted twice. Two flushers (not the default one), so that concurrent
+// bursts also meet in flushes running side by side.
 func TestModel(t *testing.T) {
-	e := newEnv(t, idempotency.BatchConfig{})
+	e := newEnv(t, idempotency.BatchConfig{Flushers: 2})
 	tbl := e.effects(t)
 	ctx := context.Background()
 	var run atomic.Int64

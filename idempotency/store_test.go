@@ -225,7 +225,7 @@ func TestConcurrentClaimsExactlyOneFirst(t *testing.T) {
 }
 
 func TestTakeOverRaceOneWins(t *testing.T) {
-	e := newEnv(t, idempotency.BatchConfig{})
+	e := newEnv(t, idempotency.BatchConfig{Flushers: 2})
 	ctx := context.Background()
 	for round := range 10 {
 		p := params("ship", "race")

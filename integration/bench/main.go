@@ -88,7 +88,7 @@ func run() error {
 	fs.IntVar(&o.prefetch, "prefetch", 256, "prefetch of every consumer")
 	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
 	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
-	fs.IntVar(&o.flushers, "flushers", 1, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, 2): one makes the largest batches, and with the broker and PostgreSQL on the same cores the fewest commits win")
+	fs.IntVar(&o.flushers, "flushers", 1, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, also 1): one makes the largest batches, and with the broker and PostgreSQL on the same cores the fewest commits win")
 	fs.DurationVar(&o.linger, "linger", 0, "how long a flush of the worker's record waits for calls on their way (BatchConfig.Linger; 0: the store's default, negative: none)")
 	fs.IntVar(&o.workerProcs, "worker-procs", 0, "GOMAXPROCS of the consumer processes (0: the runtime's default, the number of CPUs)")
 	fs.IntVar(&o.procs, "procs", 1, "GOMAXPROCS of the bench's own process, the load generator (publisher, events monitor, reply reader): one keeps its idle scheduler from spinning on the cores the measured processes share; 0: the runtime's default")
