@@ -21,10 +21,11 @@ import (
 // is no fixed wait: when no flush is running, the caller itself leads at
 // once (flushing its own call and whatever else queued), so an idle store
 // answers a lone call in one round trip; while flushes run, new calls
-// queue for the next one. A further flush (up to Flushers at once, each on
-// its own connection) starts only once as many calls are queued as the
-// flush last taken carried: two flushes then overlap one's commit with the
-// other's statements, and batches stay as large as the load allows. A
+// queue for the next one. With Flushers above 1 (the default is 1), a
+// further flush (each on its own connection) starts only once as many
+// calls are queued as the flush last taken carried: two flushes then
+// overlap one's commit with the other's statements, and batches stay as
+// large as the load allows. A
 // leader whose own call is answered hands the rest of the queue to a
 // background flusher.
 

@@ -104,7 +104,8 @@ const currentClaim = `task = $1 AND key = $2 AND token = $3 AND status IS NOT DI
 // its plan is cached, and a plan made while the table was young scans it
 // on every flush; the function plans its join with scans and hash or merge
 // joins off, so each element finds its record by primary key
-// (TestBatchedCompletionsNeverScan).
+// (TestBatchedCompletionsNeverScan), and (migration 0006) always runs that
+// generic plan: left to choose, PL/pgSQL planned it again for every flush.
 const completeSQL = `
 UPDATE {S}.records SET
     status = 'completed', result = $4::jsonb, completed_at = now(), updated_at = now(),
