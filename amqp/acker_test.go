@@ -121,12 +121,12 @@ func TestAckerModel(t *testing.T) {
 // run of 8 tags in a shuffled order, as tasks in flight finish), many of
 // them while a write is in progress, go out as far fewer frames than acks:
 // those queued during a write go out together, and those above a gap wait
-// for it to close. The arrivals during a write are played by the write itself (the send
-// function settles and acks the next tags), so the schedule is the same on
-// a loaded machine as on an idle one: a pool of goroutines racing each
-// other made the frame count depend on how the machine scheduled them (one
-// descheduled while holding a low tag, and every ack above it waited). The
-// concurrent paths are TestAckerModel's.
+// for it to close. The arrivals during a write are played by the write
+// itself (the send function settles and acks the next tags), so the
+// schedule is the same on a loaded machine as on an idle one: a pool of
+// goroutines racing each other made the frame count depend on how the
+// machine scheduled them (one descheduled while holding a low tag, and
+// every ack above it waited). The concurrent paths are TestAckerModel's.
 func TestAckerCoalescesInOrderRuns(t *testing.T) {
 	const n, width, perWrite = 2000, 8, 12
 	var a acker
