@@ -25,9 +25,8 @@ import (
 // further flush (each on its own connection) starts only once as many
 // calls are queued as the flush last taken carried: two flushes then
 // overlap one's commit with the other's statements, and batches stay as
-// large as the load allows. A
-// leader whose own call is answered hands the rest of the queue to a
-// background flusher.
+// large as the load allows. A leader whose own call is answered hands the
+// rest of the queue to a background flusher.
 
 type opState int
 

@@ -98,11 +98,11 @@
 // together as one claim statement over unnest() arrays and one completion
 // statement (a function whose join finds each record by primary key, however
 // the table has grown since its plan was cached), pipelined with a single
-// Sync, so one commit. With
-// BatchConfig.Flushers above 1 (default 1), a second flush starts once as
-// many calls are queued as the last flush carried, so that one flush's
-// commit overlaps the next one's statements. Each caller still gets its own exact outcome;
-// repeats of a key within a flush wait for the next flush.
+// Sync, so one commit. With BatchConfig.Flushers above 1 (default 1), a
+// second flush starts once as many calls are queued as the last flush
+// carried, so that one flush's commit overlaps the next one's statements.
+// Each caller still gets its own exact outcome; repeats of a key within a
+// flush wait for the next flush.
 // BatchConfig.Disabled turns it off.
 //
 // Every statement that changes a claim finds its record by the primary key
