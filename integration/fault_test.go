@@ -1,8 +1,6 @@
 package integration
 
 import (
-	"context"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -76,13 +74,11 @@ func finish(t *testing.T, e *replay.Env, wl *workload, reask bool) tally {
 
 func rabbitmqctl(t *testing.T, args ...string) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "rabbitmqctl", args...).CombinedOutput()
+	out, err := sharedCtl(args...)
 	if err != nil {
-		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+		t.Fatalf("%v\n%s", err, out)
 	}
-	return string(out)
+	return out
 }
 
 // closeWorkerConnections closes, from the broker, the connections of the
@@ -184,6 +180,7 @@ func TestFaultBrokerRestart(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
+	wl.ctl = rb.ctl
 	mixed(wl, "restart", 400)
 	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
 	rb.mustCtl(t, "stop_app")

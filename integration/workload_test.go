@@ -3,7 +3,9 @@ package integration
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"os"
+	"os/exec"
 	"sort"
 	"strings"
 	"testing"
@@ -45,10 +47,40 @@ type workload struct {
 	// no effect, or one when the outside system committed it but its answer
 	// was lost with the connection (the task saw an error: outcome unknown).
 	outsideDown bool
+	// ctl runs rabbitmqctl against the workload's broker, nil where there
+	// is none to run (a broker elsewhere, or not root): see queueSettled.
+	ctl func(args ...string) (string, error)
 }
 
 func newWorkload(e *replay.Env) *workload {
-	return &workload{e: e, salt: replay.NewID()[:8], by: make(map[string]*operation)}
+	return &workload{e: e, salt: replay.NewID()[:8], by: make(map[string]*operation), ctl: localCtl(e.AMQPURL)}
+}
+
+// localCtl returns rabbitmqctl for the shared local broker when the URL is
+// that broker's and rabbitmqctl can reach it here, and nil otherwise.
+func localCtl(amqpURL string) func(args ...string) (string, error) {
+	u, err := url.Parse(amqpURL)
+	if err != nil || os.Geteuid() != 0 {
+		return nil
+	}
+	if h := u.Hostname(); (h != "127.0.0.1" && h != "localhost") || (u.Port() != "" && u.Port() != "5672") {
+		return nil
+	}
+	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
+		return nil
+	}
+	return sharedCtl
+}
+
+// sharedCtl runs rabbitmqctl against the shared local broker.
+func sharedCtl(args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "rabbitmqctl", args...).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("rabbitmqctl %s: %w", strings.Join(args, " "), err)
+	}
+	return string(out), nil
 }
 
 // stopWorkers stops the workers once the queue is empty (a minute at
@@ -57,11 +89,34 @@ func newWorkload(e *replay.Env) *workload {
 // the record once their consumers are back: the queue check of check then
 // sees a delivery nobody takes, not a reconnect in progress.
 func (w *workload) stopWorkers() {
-	replay.Eventually(time.Minute, func() bool {
-		n, err := w.e.QueueDepth(w.e.Queue)
-		return err == nil && n == 0
-	})
+	replay.Eventually(time.Minute, w.queueSettled)
 	w.e.StopAll()
+}
+
+// queueSettled reports whether the queue holds no message: none ready and, where
+// rabbitmqctl can tell (ctl), none delivered and still unacknowledged. A
+// worker that stops drains what it was handed and puts back what reaches it
+// after its consumers were cancelled; a redelivery in flight to a worker at
+// that moment would be put back and left in the queue, so the stop waits
+// for it to be settled too.
+func (w *workload) queueSettled() bool {
+	n, err := w.e.QueueDepth(w.e.Queue)
+	if err != nil || n != 0 {
+		return false
+	}
+	if w.ctl == nil {
+		return true
+	}
+	out, err := w.ctl("-q", "list_queues", "name", "messages")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == w.e.Queue {
+			return f[1] == "0"
+		}
+	}
+	return false
 }
 
 // op returns the name of the workload's operation i of a kind (prefix):
