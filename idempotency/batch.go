@@ -400,12 +400,9 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 		batch.Queue(b.s.q.claimBatch, claimBatchArgs(len(claims), func(i int) ClaimParams { return claims[i].p })...)
 	}
 	if len(completes) > 0 {
-		n := len(completes)
-		tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
-		for i, op := range completes {
-			tasks[i], keys[i], tokens[i], results[i] = op.ref.Task, op.ref.Key, string(op.ref.Token), op.result
-		}
-		batch.Queue(b.s.q.completeBatch, tasks, keys, tokens, results)
+		batch.Queue(b.s.q.completeBatch, completeBatchArgs(len(completes), func(i int) (Ref, *string) {
+			return completes[i].ref, completes[i].result
+		})...)
 	}
 	res := b.s.pool.SendBatch(ctx, batch)
 	var rows map[opKey]claimRow
@@ -420,7 +417,6 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 				return err
 			}
 		}
-		completed = make(map[opKey]bool, len(completes))
 		if len(completes) == 0 {
 			return nil
 		}
@@ -428,15 +424,8 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 		if err != nil {
 			return err
 		}
-		defer rs.Close()
-		var k opKey
-		for rs.Next() {
-			if err := rs.Scan(&k.task, &k.key); err != nil {
-				return err
-			}
-			completed[k] = true
-		}
-		return rs.Err()
+		completed, err = scanCompletedKeys(rs, len(completes))
+		return err
 	}()
 	// Close reads up to ReadyForQuery: only then has the transaction committed.
 	if cerr := res.Close(); err == nil {
@@ -457,6 +446,32 @@ func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows map[op
 	for _, op := range completes {
 		op.done <- completeResult{ok: completed[opKey{op.ref.Task, op.ref.Key}]}
 	}
+}
+
+// completeBatchArgs are the arguments of the completeBatch statement for n
+// completions; at(i) gives the i-th claim and its result.
+func completeBatchArgs(n int, at func(int) (Ref, *string)) []any {
+	tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+	for i := range n {
+		ref, res := at(i)
+		tasks[i], keys[i], tokens[i], results[i] = ref.Task, ref.Key, string(ref.Token), res
+	}
+	return []any{tasks, keys, tokens, results}
+}
+
+// scanCompletedKeys reads the answer of the completeBatch statement: the
+// records it completed (a claim missing from it was no longer current).
+func scanCompletedKeys(rs pgx.Rows, n int) (map[opKey]bool, error) {
+	defer rs.Close()
+	completed := make(map[opKey]bool, n)
+	var k opKey
+	for rs.Next() {
+		if err := rs.Scan(&k.task, &k.key); err != nil {
+			return nil, err
+		}
+		completed[k] = true
+	}
+	return completed, rs.Err()
 }
 
 // claimBatchArgs are the arguments of the claimBatch statement for n claims;

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/idempotency"
@@ -191,4 +192,52 @@ func BenchmarkClaimCompletePaired(b *testing.B) {
 	b.ReportMetric(median(rs), "unbatched-ops/s")
 	b.ReportMetric(median(ratios), "ratio")
 	b.ReportMetric(float64(batched.BatchStats().Flushes)/float64(per*rounds), "commits/op")
+}
+
+// BenchmarkRunTxGroup measures same-database tasks (claim, an effect of one
+// insert, completion, all in one transaction) of distinct operations run
+// through transaction groups of up to 16 (BatchConfig.GroupTx), at 64
+// concurrent callers on a pool of 16 connections, and reports operations
+// per second.
+func BenchmarkRunTxGroup(b *testing.B) {
+	pool, schema, s := ownPoolStore(b, 16, idempotency.BatchConfig{GroupTx: 16})
+	ctx := context.Background()
+	tbl := schema + ".effects"
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+tbl+` (key text NOT NULL, amount int NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	run := fmt.Sprint(time.Now().UnixNano())
+	var next atomic.Int64
+	b.ResetTimer()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			for {
+				i := next.Add(1)
+				if i > int64(b.N) {
+					return
+				}
+				key := run + "-" + fmt.Sprint(i)
+				p := idempotency.ClaimParams{Task: "bench", Key: key, Fingerprint: []byte("0123456789abcdef0123456789abcdef"),
+					Owner: "bench", TaskID: fmt.Sprint(i)}
+				c, err := s.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+					_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key)
+					return []byte(`{"ok":true}`), err
+				})
+				if err != nil || c.Outcome != idempotency.OutcomeFirst {
+					b.Errorf("run tx %d: %v %v", i, c.Outcome, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	el := time.Since(start)
+	b.StopTimer()
+	var n int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl).Scan(&n); err != nil || n != int64(b.N) {
+		b.Fatalf("%d effects (err %v), want %d", n, err, b.N)
+	}
+	b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
 }

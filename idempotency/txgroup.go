@@ -359,29 +359,21 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 		}
 	}
 	if len(firsts) > 0 {
-		batch := &pgx.Batch{}
-		for _, m := range firsts {
-			batch.Queue(g.s.q.complete, g.s.completeArgs(m.op.p.Ref(m.claim.Token), m.res)...)
+		// All completions in one statement, as a flush of the batcher
+		// writes them: the records are this transaction's own, locked by
+		// its claims.
+		rs, err := tx.Query(ctx, g.s.q.completeBatch, completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
+			return firsts[i].op.p.Ref(firsts[i].claim.Token), firsts[i].res
+		})...)
+		if err != nil {
+			return lost("complete", err)
 		}
-		br := tx.SendBatch(ctx, batch)
-		done := map[opKey]bool{}
-		var qerr error
-		for _, m := range firsts {
-			ok, err := scanCompleted(br.QueryRow())
-			if err != nil {
-				qerr = err
-				break
-			}
-			done[opKey{m.op.p.Task, m.op.p.Key}] = ok
-		}
-		if err := br.Close(); qerr == nil {
-			qerr = err
-		}
-		if qerr != nil {
-			return lost("complete", qerr)
+		done, err := scanCompletedKeys(rs, len(firsts))
+		if err != nil {
+			return lost("complete", err)
 		}
 		for _, m := range firsts {
-			if !done[opKey{m.op.p.Task, m.op.p.Key}] {
+			if !done[m.op.key()] {
 				return lost("complete", ErrFenced)
 			}
 		}
