@@ -17,10 +17,10 @@ import (
 // The transaction group is a group commit for same-database tasks
 // (BatchConfig.GroupTx): RunTx calls queue up and a flusher runs several of
 // them in one transaction: one claim statement for the group, the tasks'
-// functions one after another, the completions, one commit. When a function
-// fails (or a claim is refused), that transaction is rolled back and the
-// group runs again with each member inside its own savepoint, so a task
-// whose function fails is rolled back alone, as if it had run in a
+// functions one after another, one completion statement, one commit. When
+// a function fails (or a claim is refused), that transaction is rolled back
+// and the group runs again with each member inside its own savepoint, so a
+// task whose function fails is rolled back alone, as if it had run in a
 // transaction of its own; the others commit. A commit that fails fails
 // every task of the group that was to commit.
 //
