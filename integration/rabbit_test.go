@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,10 +95,16 @@ func startRabbit(t *testing.T) *privateRabbit {
 
 // ctl runs rabbitmqctl against the private node.
 func (r *privateRabbit) ctl(args ...string) (string, error) {
+	return runCtl([]string{"runuser", "-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq", "rabbitmqctl", "-n", r.node}, args...)
+}
+
+// runCtl runs the rabbitmqctl command line cmd (the program and the
+// arguments that choose the node) with args, two minutes at most, and
+// returns its output.
+func runCtl(cmd []string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	full := append([]string{"-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq", "rabbitmqctl", "-n", r.node}, args...)
-	out, err := exec.CommandContext(ctx, "runuser", full...).CombinedOutput()
+	out, err := exec.CommandContext(ctx, cmd[0], append(slices.Clone(cmd[1:]), args...)...).CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("rabbitmqctl %s: %w", strings.Join(args, " "), err)
 	}

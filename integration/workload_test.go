@@ -73,15 +73,7 @@ func localCtl(amqpURL string) func(args ...string) (string, error) {
 }
 
 // sharedCtl runs rabbitmqctl against the shared local broker.
-func sharedCtl(args ...string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "rabbitmqctl", args...).CombinedOutput()
-	if err != nil {
-		return string(out), fmt.Errorf("rabbitmqctl %s: %w", strings.Join(args, " "), err)
-	}
-	return string(out), nil
-}
+func sharedCtl(args ...string) (string, error) { return runCtl([]string{"rabbitmqctl"}, args...) }
 
 // stopWorkers stops the workers once the queue is empty (a minute at
 // most). Deliveries whose acknowledgement a fault cut come back to the
