@@ -39,15 +39,21 @@ func BenchmarkClaimCompleteRate(b *testing.B) {
 		b.Run(fmt.Sprintf("rate=%d", rate), func(b *testing.B) {
 			s, run := benchStore(b, false)
 			interval := time.Second / time.Duration(rate)
-			all := drive(b, s, run, 256, func(start time.Time, i int64) time.Time {
+			all := drive(b, 256, func(start time.Time, i int64) time.Time {
 				return start.Add(time.Duration(i) * interval)
-			})
+			}, claimCompleteOp(s, run, 0))
 			if len(all) > 0 {
 				b.ReportMetric(float64(all[len(all)/2].Microseconds())/1000, "p50-ms")
 			}
 			b.ReportMetric(float64(s.BatchStats().Flushes)/float64(b.N), "commits/op")
 		})
 	}
+}
+
+// claimCompleteOp returns claimComplete of operation from+i as an op of
+// runOps.
+func claimCompleteOp(s *idempotency.Store, run string, from int64) func(context.Context, int64) error {
+	return func(ctx context.Context, i int64) error { return claimComplete(ctx, s, run, from+i) }
 }
 
 func claimComplete(ctx context.Context, s *idempotency.Store, run string, i int64) error {
@@ -101,7 +107,7 @@ func ownPoolStore(tb testing.TB, conns int32, batch idempotency.BatchConfig) (*p
 
 func benchClaimComplete(b *testing.B, disabled bool, callers int) {
 	s, run := benchStore(b, disabled)
-	drive(b, s, run, callers, nil)
+	drive(b, callers, nil, claimCompleteOp(s, run, 0))
 	commits := float64(2 * b.N)
 	if !disabled {
 		commits = float64(s.BatchStats().Flushes)
@@ -109,14 +115,14 @@ func benchClaimComplete(b *testing.B, disabled bool, callers int) {
 	b.ReportMetric(commits/float64(b.N), "commits/op")
 }
 
-// drive runs claim+complete of operations 1..b.N on callers goroutines,
-// timed, and reports operations per second and the p99 latency. due says
-// when operation i is due (open loop: a caller waits for it, and its latency
+// drive runs op on operations 1..b.N on callers goroutines, timed, and
+// reports operations per second and the p99 latency. due says when
+// operation i is due (open loop: a caller waits for it, and its latency
 // counts from then); nil: as soon as a caller is free. It returns the
 // latencies, sorted.
-func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func(start time.Time, i int64) time.Time) []time.Duration {
+func drive(b *testing.B, callers int, due func(start time.Time, i int64) time.Time, op func(context.Context, int64) error) []time.Duration {
 	b.ResetTimer()
-	el, all := runOps(b, s, run, callers, 0, int64(b.N), due)
+	el, all := runOps(b, callers, int64(b.N), due, op)
 	b.StopTimer()
 	b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
 	if len(all) > 0 {
@@ -125,9 +131,9 @@ func drive(b *testing.B, s *idempotency.Store, run string, callers int, due func
 	return all
 }
 
-// runOps runs claim+complete of operations from+1..from+n on callers
-// goroutines and returns how long they took and their latencies, sorted.
-func runOps(b *testing.B, s *idempotency.Store, run string, callers int, from, n int64, due func(start time.Time, i int64) time.Time) (time.Duration, []time.Duration) {
+// runOps runs op on operations 1..n on callers goroutines and returns how
+// long they took and their latencies, sorted.
+func runOps(b *testing.B, callers int, n int64, due func(start time.Time, i int64) time.Time, op func(context.Context, int64) error) (time.Duration, []time.Duration) {
 	ctx := context.Background()
 	var next atomic.Int64
 	lat := make([][]time.Duration, callers)
@@ -145,7 +151,7 @@ func runOps(b *testing.B, s *idempotency.Store, run string, callers int, from, n
 					t0 = due(start, i)
 					time.Sleep(time.Until(t0))
 				}
-				if err := claimComplete(ctx, s, run, from+i); err != nil {
+				if err := op(ctx, i); err != nil {
 					b.Error(err)
 					return
 				}
@@ -175,7 +181,7 @@ func BenchmarkClaimCompletePaired(b *testing.B) {
 	b.ResetTimer()
 	for r := range int64(rounds) {
 		rate := func(s *idempotency.Store, run string) float64 {
-			el, _ := runOps(b, s, run, callers, r*per, per, nil)
+			el, _ := runOps(b, callers, per, nil, claimCompleteOp(s, run, r*per))
 			return float64(per) / el.Seconds()
 		}
 		var x, y float64
@@ -198,7 +204,7 @@ func BenchmarkClaimCompletePaired(b *testing.B) {
 // insert, completion, all in one transaction) of distinct operations run
 // through transaction groups of up to 16 (BatchConfig.GroupTx), at 64
 // concurrent callers on a pool of 16 connections, and reports operations
-// per second.
+// per second and the p99 latency.
 func BenchmarkRunTxGroup(b *testing.B) {
 	pool, schema, s := ownPoolStore(b, 16, idempotency.BatchConfig{GroupTx: 16})
 	ctx := context.Background()
@@ -207,37 +213,21 @@ func BenchmarkRunTxGroup(b *testing.B) {
 		b.Fatal(err)
 	}
 	run := fmt.Sprint(time.Now().UnixNano())
-	var next atomic.Int64
-	b.ResetTimer()
-	start := time.Now()
-	var wg sync.WaitGroup
-	for range 64 {
-		wg.Go(func() {
-			for {
-				i := next.Add(1)
-				if i > int64(b.N) {
-					return
-				}
-				key := run + "-" + fmt.Sprint(i)
-				p := idempotency.ClaimParams{Task: "bench", Key: key, Fingerprint: []byte("0123456789abcdef0123456789abcdef"),
-					Owner: "bench", TaskID: fmt.Sprint(i)}
-				c, err := s.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-					_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key)
-					return []byte(`{"ok":true}`), err
-				})
-				if err != nil || c.Outcome != idempotency.OutcomeFirst {
-					b.Errorf("run tx %d: %v %v", i, c.Outcome, err)
-					return
-				}
-			}
+	drive(b, 64, nil, func(ctx context.Context, i int64) error {
+		key := run + "-" + fmt.Sprint(i)
+		p := idempotency.ClaimParams{Task: "bench", Key: key, Fingerprint: []byte("0123456789abcdef0123456789abcdef"),
+			Owner: "bench", TaskID: fmt.Sprint(i)}
+		c, err := s.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key)
+			return []byte(`{"ok":true}`), err
 		})
-	}
-	wg.Wait()
-	el := time.Since(start)
-	b.StopTimer()
+		if err != nil || c.Outcome != idempotency.OutcomeFirst {
+			return fmt.Errorf("run tx %d: %v %v", i, c.Outcome, err)
+		}
+		return nil
+	})
 	var n int64
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl).Scan(&n); err != nil || n != int64(b.N) {
 		b.Fatalf("%d effects (err %v), want %d", n, err, b.N)
 	}
-	b.ReportMetric(float64(b.N)/el.Seconds(), "ops/s")
 }
