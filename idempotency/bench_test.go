@@ -231,3 +231,112 @@ func BenchmarkRunTxGroup(b *testing.B) {
 		b.Fatalf("%d effects (err %v), want %d", n, err, b.N)
 	}
 }
+
+// BenchmarkFlushCost times, on one connection, flushes of the size 16
+// callers make (seven claims and seven completions: 0.14 commits per
+// operation), one after another, against the same round trip carrying
+// less: the seven claims alone, the seven completions alone, two bare
+// seven-row inserts in one transaction (one index, no conflict handling, no
+// events: a floor for any statements that write the flush's 14 rows) and
+// SELECT 1. The five alternate within each iteration. Between them, in
+// three rounds, it measures the one-at-a-time rate at 16 callers. It
+// reports each round trip's mean in µs, and the most operations per second
+// 16 callers could reach if flushes of seven operations followed each other
+// with no gap, over that rate: for the flush as it is and for bare inserts.
+func BenchmarkFlushCost(b *testing.B) {
+	const rows, rounds, callers = 7, 3, 16
+	pool, schema, s := ownPoolStore(b, 1, idempotency.BatchConfig{})
+	single, srun := benchStore(b, true)
+	ctx := context.Background()
+	bare := pgx.Identifier{schema, "bare"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+bare+` (task text NOT NULL, key text NOT NULL, PRIMARY KEY (task, key))`); err != nil {
+		b.Fatal(err)
+	}
+	insert := `INSERT INTO ` + bare + ` SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT DO NOTHING RETURNING task, key`
+	run, seq := fmt.Sprint(time.Now().UnixNano()), 0
+	claims := func() []idempotency.ClaimParams {
+		ps := make([]idempotency.ClaimParams, rows)
+		for i := range ps {
+			seq++
+			ps[i] = idempotency.ClaimParams{
+				Task: "bench", Key: run + "-" + fmt.Sprint(seq), Token: idempotency.NewToken(),
+				Fingerprint: []byte("0123456789abcdef0123456789abcdef"), Owner: "bench", TaskID: fmt.Sprint(seq), Lease: time.Minute,
+			}
+		}
+		return ps
+	}
+	refs := func(ps []idempotency.ClaimParams) []idempotency.Ref {
+		rs := make([]idempotency.Ref, len(ps))
+		for i, p := range ps {
+			rs[i] = p.Ref(p.Token)
+		}
+		return rs
+	}
+	flush := func(ps []idempotency.ClaimParams, rs []idempotency.Ref) func() error {
+		return func() error {
+			n, err := idempotency.WriteFlush(s, ps, rs)
+			if err == nil && n != len(ps)+len(rs) {
+				err = fmt.Errorf("flush answered %d of %d claims and completions", n, len(ps)+len(rs))
+			}
+			return err
+		}
+	}
+	send := func(batch *pgx.Batch) error { return pool.SendBatch(ctx, batch).Close() }
+	bareInserts := func() error {
+		batch := &pgx.Batch{}
+		for range 2 {
+			tasks, keys := make([]string, rows), make([]string, rows)
+			for i := range rows {
+				seq++
+				tasks[i], keys[i] = "bench", run+"-"+fmt.Sprint(seq)
+			}
+			batch.Queue(insert, tasks, keys)
+		}
+		return send(batch)
+	}
+	selectOne := func() error {
+		batch := &pgx.Batch{}
+		batch.Queue(`SELECT 1`)
+		return send(batch)
+	}
+	names := []string{"claims-us", "completions-us", "flush-us", "bare-us", "select1-us"}
+	var sum [5]time.Duration
+	timed := func(i int, f func() error) {
+		t0 := time.Now()
+		if err := f(); err != nil {
+			b.Fatal(err)
+		}
+		sum[i] += time.Since(t0)
+	}
+	prev := claims()
+	if err := flush(prev, nil)(); err != nil {
+		b.Fatal(err)
+	}
+	per := max(1, b.N/rounds)
+	var singles []float64
+	b.ResetTimer()
+	for r := range rounds {
+		for range per {
+			a, c := claims(), claims()
+			timed(0, flush(a, nil))
+			timed(1, flush(nil, refs(a)))
+			timed(2, flush(c, refs(prev)))
+			timed(3, bareInserts)
+			timed(4, selectOne)
+			prev = c
+		}
+		n := int64(per * rows)
+		el, _ := runOps(b, callers, n, nil, claimCompleteOp(single, srun, int64(r)*n))
+		singles = append(singles, float64(n)/el.Seconds())
+	}
+	b.StopTimer()
+	mean := func(i int) float64 { return float64(sum[i].Microseconds()) / float64(per*rounds) }
+	for i, name := range names {
+		b.ReportMetric(mean(i), name)
+	}
+	slices.Sort(singles)
+	unbatched := singles[len(singles)/2]
+	b.ReportMetric(unbatched, "unbatched-ops/s")
+	b.ReportMetric(rows*1e6/mean(2)/unbatched, "flush-ceiling-x")
+	b.ReportMetric(rows*1e6/mean(3)/unbatched, "bare-ceiling-x")
+}

@@ -1,0 +1,20 @@
+package idempotency
+
+// WriteFlush writes one flush of the batcher, the claims of ps and the
+// completions of refs (result {"ok":true}), through the statements a flush
+// of that size uses, and returns how many claims it answered and how many
+// records it completed. The store must be batched; the claims carry their
+// tokens.
+func WriteFlush(s *Store, ps []ClaimParams, refs []Ref) (int, error) {
+	claims := make([]*claimOp, len(ps))
+	for i, p := range ps {
+		claims[i] = &claimOp{p: p}
+	}
+	res := `{"ok":true}`
+	completes := make([]*completeOp, len(refs))
+	for i, r := range refs {
+		completes[i] = &completeOp{ref: r, result: &res}
+	}
+	rows, done, err := s.batch.write(claims, completes)
+	return len(rows) + len(done), err
+}
