@@ -36,7 +36,9 @@
 //   - claimed: a delivery holds the claim: a token and a lease (lease_until).
 //     Complete, Fail, Release, Renew, Skip and Hold require the token, so an
 //     owner whose claim was taken over is fenced out (ErrFenced). A lapsed
-//     lease cannot be renewed.
+//     lease cannot be renewed. Lapse ends the lease at once, for an owner
+//     that stops without knowing whether its effect happened: the next
+//     Claim finds the claim stale.
 //   - completed: the effect happened; final. A later Claim gets
 //     OutcomeCompleted and the stored result, and is counted as a duplicate.
 //   - failed: the run failed (the error is kept) or was released; a later

@@ -136,6 +136,26 @@ func (s *Store) Release(ctx context.Context, ref Ref) error {
 	return nil
 }
 
+// Lapse ends the lease of the current claim ref now, leaving it claimed:
+// the next Claim of the operation finds it stale (OutcomeStale), so the
+// stale-claim policy decides, at once rather than when the lease would have
+// run out. It is for a claimant that stops without knowing whether its
+// effect happened (a task cut off by a shutdown): releasing the claim would
+// let the next delivery run the effect again unasked. ErrFenced when ref is
+// no longer the current claim.
+func (s *Store) Lapse(ctx context.Context, ref Ref) error {
+	tag, err := s.pool.Exec(ctx, s.q.lapse, ref.Task, ref.Key, string(ref.Token))
+	if err != nil {
+		return writeError("lapse", err)
+	}
+	if tag.RowsAffected() == 0 {
+		if err := s.checkFenced(ctx, ref, StatusClaimed); err != nil {
+			return fmt.Errorf("lapse: %w", err)
+		}
+	}
+	return nil
+}
+
 // Renew extends the lease of a current claim to now + lease. It fails with
 // ErrFenced when the token is not current or the lease already lapsed.
 func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {

@@ -8,6 +8,7 @@ type queries struct {
 	complete             string
 	completeBatch        string
 	renew                string
+	lapse                string
 	fail, release        string
 	skip, hold           string
 	state                string
@@ -147,6 +148,8 @@ SELECT count(*) FROM up`)
 FROM {S}.complete_batch($1::text[], $2::text[], $3::text[], $4::jsonb[])`),
 		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'
 WHERE ` + currentClaim + ` AND lease_until > now()`),
+		lapse: fill(`UPDATE {S}.records SET lease_until = now(), updated_at = now()
+WHERE ` + currentClaim),
 		fail: endClaim(`status = 'failed', error = $4`, "failure"),
 		release: fill(`UPDATE {S}.records SET status = 'failed', error = '', reason = 'released',
     lease_until = NULL, updated_at = now()

@@ -160,6 +160,7 @@ func TestStaleTakeOverFencesOldOwner(t *testing.T) {
 			"release":  e.store.Release(ctx, p.Ref(old.Token)),
 			"skip":     e.store.Skip(ctx, p.Ref(old.Token), "late"),
 			"hold":     e.store.Hold(ctx, p.Ref(old.Token), nil, "late"),
+			"lapse":    e.store.Lapse(ctx, p.Ref(old.Token)),
 		} {
 			if !errors.Is(err, idempotency.ErrFenced) {
 				t.Errorf("old owner %s: %v, want ErrFenced", name, err)
@@ -182,6 +183,33 @@ func TestStaleTakeOverFencesOldOwner(t *testing.T) {
 		}
 		if s := repeatsFor(t, e, "ship"); s.Takeovers != 1 {
 			t.Fatalf("repeats %+v", s)
+		}
+	})
+}
+
+// Lapse ends a live claim's lease: the next delivery finds it stale (the
+// policy decides), not in progress and not claimable as new.
+func TestLapseLeavesClaimStale(t *testing.T) {
+	both(t, func(t *testing.T, e *env) {
+		ctx := context.Background()
+		p := params("mail", "k")
+		c := mustClaim(t, e.store, p, idempotency.OutcomeFirst)
+		mustClaim(t, e.store, p, idempotency.OutcomeInProgress)
+		if err := e.store.Lapse(ctx, p.Ref(c.Token)); err != nil {
+			t.Fatal(err)
+		}
+		st := mustClaim(t, e.store, p, idempotency.OutcomeStale)
+		if st.Token != c.Token || st.Attempt != 1 {
+			t.Fatalf("stale claim %+v, want the lapsed claim %q, attempt 1", st, c.Token)
+		}
+		if r := e.get(t, "mail", "k"); r.Status != idempotency.StatusClaimed || r.LeaseUntil.After(time.Now()) {
+			t.Fatalf("record after lapse: %s, lease until %v", r.Status, r.LeaseUntil)
+		}
+		if err := e.store.Renew(ctx, p.Ref(c.Token), time.Minute); !errors.Is(err, idempotency.ErrFenced) {
+			t.Fatalf("renew after lapse: %v, want ErrFenced", err)
+		}
+		if err := e.store.Lapse(ctx, params("mail", "none").Ref(c.Token)); !errors.Is(err, idempotency.ErrNotFound) {
+			t.Fatalf("lapse of no record: %v, want ErrNotFound", err)
 		}
 	})
 }

@@ -266,8 +266,12 @@
 // Cancelling Run's context stops consuming (the consumer cancels its
 // subscriptions), gives waiting and scheduled deliveries back to the broker,
 // and lets running tasks finish within Config.Grace; then their contexts are
-// cancelled (cause ErrShutdown), their claims released and their deliveries
-// given back. Nothing is acknowledged that did not finish. A second signal
+// cancelled (cause ErrShutdown) and their deliveries given back. A
+// same-database task's transaction rolls back. An outside task's claim is
+// left stale (idempotency Store.Lapse ends its lease at once): whether the
+// task reached the outside system is unknown, so the redelivery goes to
+// the task's stale-claim policy, as after a crash, rather than running it
+// again unasked. Nothing is acknowledged that did not finish. A second signal
 // is the command's to handle (exit at once: the broker and the record make
 // that safe too).
 //

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
 )
 
 type sleepArgs struct {
@@ -102,6 +103,50 @@ func TestGracefulStop(t *testing.T) {
 			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 		})
 	}
+}
+
+// TestShutdownCutLeavesClaimToPolicy: an outside task cut off by the end of
+// the grace period may already have reached the outside system, so its
+// claim is left stale, not released: the redelivery goes to the task's
+// stale-claim policy (hold here: held, the caller told OperationHeld), and
+// the effect is not repeated.
+func TestShutdownCutLeavesClaimToPolicy(t *testing.T) {
+	e := newEnv(t)
+	fx := &effects{}
+	reg := NewRegistry()
+	started := make(chan struct{}, 1)
+	if err := Register(reg, Task[payArgs]{Name: "t.mail", Mode: ModeOutside, Policy: PolicyHold,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
+			fx.add(c.Key) // the mail server took the message ...
+			started <- struct{}{}
+			<-ctx.Done() // ... and its answer is still on the way
+			return nil, context.Cause(ctx)
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Grace = 100 * time.Millisecond
+	w1 := e.start(reg, cfg)
+	replyTo, replies := e.replyQueue()
+	e.publish(payMessage("t.mail", 1, "mail-1", replyTo))
+	<-started
+	w1.stop(t)
+	if rec, err := e.store.Get(context.Background(), "t.mail", "mail-1"); err != nil || rec.Status != idempotency.StatusClaimed || rec.LeaseUntil.After(time.Now()) {
+		t.Fatalf("record after the cut: %s, lease until %v, %v; want claimed with its lease over", rec.Status, rec.LeaseUntil, err)
+	}
+	e.start(reg, e.config())
+	r := results(t, replies, 1, 10*time.Second)[taskID(1)][0]
+	if res, _ := r["result"].(map[string]any); r["status"] != "FAILURE" || res["exc_type"] != "OperationHeld" {
+		t.Errorf("caller answered %v, want FAILURE OperationHeld", r)
+	}
+	if rec, err := e.store.Get(context.Background(), "t.mail", "mail-1"); err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("record %s (%v), want held", rec.Status, err)
+	}
+	if n := fx.snapshot()["mail-1"]; n != 1 {
+		t.Errorf("effect ran %d times, want 1", n)
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokeExpiresETA: a revoked id is answered REVOKED without running; a

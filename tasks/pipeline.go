@@ -32,7 +32,11 @@ func (w *Worker) process(ctx context.Context, j *job) {
 		w.forget(j)
 		return
 	}
-	if j.msg == nil && !w.prepare(ctx, j) {
+	if j.verdict != nil {
+		w.quarantine(ctx, j, j.verdict.reason, j.verdict.cause)
+		return
+	}
+	if !j.prepared && !w.prepare(ctx, j) {
 		return
 	}
 	msg := j.msg
@@ -135,6 +139,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		}
 		j.fp = fp
 	}
+	j.prepared = true
 	return true
 }
 
@@ -208,6 +213,10 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	var res []byte
 	start := time.Now()
 	claim, err := w.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		// A transaction group may call this more than once (a first call
+		// rolled back with its group, then a call in a savepoint of its
+		// own): only the last call's outcome is the operation's.
+		taskErr, connClosed, res = nil, false, nil
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
 		w.crash(CrashAfterClaim, j)
 		ran = true

@@ -143,6 +143,7 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 			return
 		}
 		w.log.Error("quarantine publish failed; delivery kept and tried again", append(fields, zap.NamedError("publish_error", err))...)
+		j.verdict = &verdict{reason: reason, cause: cause}
 		w.later(j, time.Second)
 		return
 	}

@@ -99,9 +99,15 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.log.Warn("outside claim left to lapse: the task was abandoned", w.fields(j)...)
 		w.finish(ctx, j, nil, taskErr)
 	case w.shutdownCut(ctx, taskErr):
+		// Cut off by the shutdown: whether the task reached the outside
+		// system is unknown. Its lease ends now, so that the redelivery goes
+		// to the task's stale-claim policy (released, it would simply run
+		// again); if that write fails, the lease runs out by itself.
 		fctx, cancel := final(ctx)
-		if err := w.store.Release(fctx, ref); err != nil {
-			w.log.Warn("release after shutdown failed", w.fields(j, zap.Error(err))...)
+		if err := w.store.Lapse(fctx, ref); err != nil {
+			w.log.Warn("ending the lease after shutdown failed; it runs out by itself", w.fields(j, zap.Error(err))...)
+		} else {
+			w.log.Info("task cut off by shutdown: its claim is left stale for the stale-claim policy", w.fields(j)...)
 		}
 		cancel()
 		w.giveBack(j)

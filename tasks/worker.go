@@ -71,14 +71,19 @@ type job struct {
 	d        *amqp.Delivery
 	received time.Time
 	msg      *celeryproto.Message // nil until decoded
-	h        *handler
-	args     any
-	key      string
-	fp       []byte
-	checks   int  // deferrals so far
-	waiting  bool // deferred because the operation was in progress elsewhere
-	runtime  time.Duration
-	attempt  int // the record's attempt of the claim this delivery runs under
+	prepared bool                 // prepare found it runnable: msg, h, args, key and fp are set
+	// verdict: why the delivery goes to quarantine, once decided; a
+	// quarantine whose publish failed is tried again from it, not from
+	// prepare (which would answer the caller again).
+	verdict *verdict
+	h       *handler
+	args    any
+	key     string
+	fp      []byte
+	checks  int  // deferrals so far
+	waiting bool // deferred because the operation was in progress elsewhere
+	runtime time.Duration
+	attempt int // the record's attempt of the claim this delivery runs under
 	// claimToken: the token of a claim whose outcome is not known yet (see
 	// runOutside); empty once it is.
 	claimToken idempotency.Token
@@ -95,6 +100,12 @@ type job struct {
 	// operation key's hash (later events leave them out: an event reader
 	// merges a task's events).
 	named, keyed bool
+}
+
+// verdict is a decision to quarantine a delivery.
+type verdict struct {
+	reason string
+	cause  error
 }
 
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens

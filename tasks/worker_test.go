@@ -11,6 +11,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/celeryproto"
 )
@@ -224,6 +228,74 @@ func TestQuarantine(t *testing.T) {
 }
 
 type amqp091Delivery struct{ reason, detail, queue, body, contentType string }
+
+// TestQuarantineRetry: when the move to the quarantine queue fails (here
+// the queue is missing for a moment, so the mandatory publish comes back),
+// the delivery is kept and moved again later, still as refused: not run, not
+// answered twice, not claimed, and the worker keeps serving.
+func TestQuarantineRetry(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		msg    func(replyTo string) *celeryproto.Message
+		reason string
+	}{
+		{"bad arguments of a pure task", func(replyTo string) *celeryproto.Message {
+			return &celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(1), Args: []any{"not", "numbers"}, ReplyTo: replyTo, CorrelationID: taskID(1)}
+		}, ReasonBadArguments},
+		{"unknown task", func(replyTo string) *celeryproto.Message {
+			return &celeryproto.Message{Protocol: 2, Task: "t.no_such_task", ID: taskID(1), ReplyTo: replyTo, CorrelationID: taskID(1)}
+		}, ReasonUnknownTask},
+		{"bad arguments of an outside task", func(replyTo string) *celeryproto.Message {
+			return &celeryproto.Message{Protocol: 2, Task: "t.pay", ID: taskID(1), Kwargs: map[string]any{"order_id": "o-1"}, ReplyTo: replyTo, CorrelationID: taskID(1)}
+		}, ReasonBadArguments},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			fx := &effects{}
+			cfg := e.config()
+			core, logs := observer.New(zap.WarnLevel)
+			cfg.Logger = zap.New(zapcore.NewTee(cfg.Logger.Core(), core))
+			e.start(testRegistry(t, fx), cfg)
+			replyTo, replies := e.replyQueue()
+			q := quarantineName(e.queue)
+			if _, err := e.ch.QueueDelete(q, false, false, false); err != nil {
+				t.Fatal(err)
+			}
+			e.publish(tc.msg(replyTo))
+			waitFor(t, "a failed quarantine publish", 10*time.Second, func() bool {
+				return logs.FilterMessage("quarantine publish failed; delivery kept and tried again").Len() > 0
+			})
+			if _, err := e.ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+				t.Fatal(err)
+			}
+			var got []amqp091.Delivery
+			waitFor(t, "the message in quarantine", 15*time.Second, func() bool {
+				got = append(got, e.quarantined()...)
+				return len(got) > 0
+			})
+			if r := fmt.Sprint(got[0].Headers[HeaderReason]); len(got) != 1 || r != tc.reason {
+				t.Errorf("quarantined %d messages, reason %s; want 1, %s", len(got), r, tc.reason)
+			}
+			// The same check as the rest of the queue's traffic: one more
+			// message goes through, so any second answer to the first
+			// would be in by then.
+			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(2), Args: []any{int64(20), int64(22)}, ReplyTo: replyTo, CorrelationID: taskID(2)})
+			res := results(t, replies, 2, 10*time.Second)
+			if r := res[taskID(1)]; len(r) != 1 || r[0]["status"] != "FAILURE" {
+				t.Errorf("refused message answered %v, want one FAILURE", r)
+			}
+			if r := res[taskID(2)]; len(r) != 1 || fmt.Sprint(r[0]["result"]) != "42" {
+				t.Errorf("next message answered %v, want 42", r)
+			}
+			if n := len(fx.snapshot()); n != 0 {
+				t.Errorf("%d effects, want none", n)
+			}
+			if d := e.queueDepth(e.queue); d != 0 {
+				t.Errorf("queue holds %d messages", d)
+			}
+		})
+	}
+}
 
 // results collects n results from a reply channel, by task id.
 func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
