@@ -100,11 +100,20 @@ func (c Config) withDefaults() Config {
 }
 
 // RedactURL returns raw with its password replaced by "xxxxx", for logs and
-// error messages. A URL that cannot be parsed is replaced whole, since where
-// its password lies is unknown.
+// error messages. A URL that cannot be parsed, or whose credentials are not
+// where a URL keeps them (no "//" before them: they would be read as a path
+// or an opaque part), is replaced whole, since where its password lies is
+// unknown. Each URL of a ';'-separated list is redacted on its own.
 func RedactURL(raw string) string {
+	if strings.Contains(raw, ";") {
+		parts := strings.Split(raw, ";")
+		for i, p := range parts {
+			parts[i] = RedactURL(p)
+		}
+		return strings.Join(parts, ";")
+	}
 	u, err := url.Parse(raw)
-	if err != nil || u.Scheme == "" {
+	if err != nil || u.Scheme == "" || u.Opaque != "" || strings.Contains(u.Path+u.RawQuery+u.Fragment, "@") {
 		return "<unparsable URL>"
 	}
 	if u.User != nil {
@@ -137,6 +146,14 @@ func normalizeURL(raw string) (string, amqp091.URI, error) {
 		s = "amqp://" + strings.TrimPrefix(s, "pyamqp://")
 	case strings.HasPrefix(s, "pyamqps://"):
 		s = "amqps://" + strings.TrimPrefix(s, "pyamqps://")
+	}
+	if strings.Contains(s, ";") {
+		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: a list of URLs (failover) is not supported: give one", ErrConfig, RedactURL(s))
+	}
+	if scheme, _, ok := strings.Cut(s, "://"); !ok || !strings.EqualFold(scheme, "amqp") && !strings.EqualFold(scheme, "amqps") {
+		// amqp091 reads "amqp:user:pw@host" (no "//") as a URL without a
+		// host and dials localhost with the default credentials.
+		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: must start with amqp://, amqps://, pyamqp:// or pyamqps://", ErrConfig, RedactURL(s))
 	}
 	uri, err := amqp091.ParseURI(s)
 	if err != nil {

@@ -26,12 +26,16 @@ func assertNoSecret(t *testing.T, s, secret string) {
 
 func TestRedactURL(t *testing.T) {
 	for in, want := range map[string]string{
-		"amqp://guest:guest@localhost:5672//":      "amqp://guest:xxxxx@localhost:5672//",
-		"amqps://u:p%40ss@broker/vh?heartbeat=5":   "amqps://u:xxxxx@broker/vh?heartbeat=5",
-		"pyamqp://user@host//":                     "pyamqp://user@host//",
-		"amqp://host":                              "amqp://host",
-		"amqp://u:pa ss@ho st:bad/":                "<unparsable URL>",
-		"not a url at all, password=hunter2:@x/%%": "<unparsable URL>",
+		"amqp://guest:guest@localhost:5672//":         "amqp://guest:xxxxx@localhost:5672//",
+		"amqps://u:p%40ss@broker/vh?heartbeat=5":      "amqps://u:xxxxx@broker/vh?heartbeat=5",
+		"pyamqp://user@host//":                        "pyamqp://user@host//",
+		"amqp://host":                                 "amqp://host",
+		"amqp://u:pa ss@ho st:bad/":                   "<unparsable URL>",
+		"not a url at all, password=hunter2:@x/%%":    "<unparsable URL>",
+		"amqp:guest:hunter2@host:9999/vh":             "<unparsable URL>",
+		"amqp:/guest:hunter2@127.0.0.1:5673//":        "<unparsable URL>",
+		"guest:hunter2@127.0.0.1":                     "<unparsable URL>",
+		"amqp://a:hunter2@h1//;amqp://b:hunter2@h2//": "amqp://a:xxxxx@h1//;amqp://b:xxxxx@h2//",
 	} {
 		if got := RedactURL(in); got != want {
 			t.Errorf("RedactURL(%q) = %q, want %q", in, got, want)
@@ -59,7 +63,8 @@ func TestNormalizeCeleryURLs(t *testing.T) {
 			t.Errorf("normalizeURL(%q) = %s %s %q, want %+v", in, uri.Scheme, uri.Host, uri.Vhost, want)
 		}
 	}
-	for _, bad := range []string{"", "redis://h//", "amqp://u:pw%zz@h/"} {
+	for _, bad := range []string{"", "redis://h//", "amqp://u:pw%zz@h/", "amqp:u:pw%zz@h:9999/vh", "amqp:/u:pw%zz@h//",
+		"u:pw%zz@h", "amqp://u:pw%zz@h1//;amqp://u:pw%zz@h2//"} {
 		_, _, err := normalizeURL(bad)
 		if !errors.Is(err, ErrConfig) {
 			t.Errorf("normalizeURL(%q) = %v, want ErrConfig", bad, err)

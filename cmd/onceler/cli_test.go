@@ -73,6 +73,40 @@ func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
 	}
 }
 
+// A malformed URL is a usage error whose message never shows the password,
+// whatever the flaw, and a broker URL that would be read without its host
+// is refused rather than dialled as localhost.
+func TestMalformedURLsHideTheirPassword(t *testing.T) {
+	for _, dsn := range []string{
+		"postgres://postgres:secretpw@127.0.0.1:abc/test",
+		"postgres://postgres:secret%zzpw@127.0.0.1:5432/test",
+		"postgresql://postgres:secret pw@127.0.0.1:5432/test",
+		"postgres://postgres:secretpw@[::1:5432/test",
+		"postgres://127.0.0.1:5432/test?password=secretpw&sslmode=bogus",
+		"postgres:secretpw@127.0.0.1/test",
+		"host=127.0.0.1 port=abc user=postgres password = secretpw dbname=test",
+		`host=127.0.0.1 port=abc user=postgres password='secret\'pw' dbname=test`,
+	} {
+		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": dsn}, "migrate")
+		line := oneLineError(t, r, 2)
+		if !strings.Contains(line, "invalid --database-url") || strings.Contains(line, "secret") {
+			t.Errorf("%s: %q", dsn, line)
+		}
+	}
+	for _, url := range []string{
+		"amqp:guest:secretpw@127.0.0.1:5672//",
+		"amqp:/guest:secretpw@127.0.0.1:5672//",
+		"guest:secretpw@127.0.0.1",
+		"amqp://guest:secretpw@127.0.0.1:5672//;amqp://guest:secretpw@127.0.0.2//",
+	} {
+		r := runBin(t, map[string]string{"ONCELER_BROKER_URL": url}, "quarantine", "list")
+		line := oneLineError(t, r, 2)
+		if !strings.Contains(line, "broker URL") || strings.Contains(line, "secret") {
+			t.Errorf("%s: %q", url, line)
+		}
+	}
+}
+
 func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)

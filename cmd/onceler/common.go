@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -56,21 +57,66 @@ func describeDB(cfg *pgxpool.Config) string {
 	return u.String()
 }
 
-var passwordKV = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|\S+)`)
+var (
+	passwordKV = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)`)
+	urlScheme  = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*:`)
+)
 
-// redactDSN hides the password of a PostgreSQL URL or key=value string.
-func redactDSN(dsn string) string {
-	if u, err := url.Parse(dsn); err == nil && u.Scheme != "" {
-		return u.Redacted()
+// dsnSecrets returns what in dsn may be a password, in every spelling an
+// error message may quote it: the values of password= (key=value or URL
+// query, quoted or not) and a URL's userinfo after the user name (percent-
+// decoded too), found without parsing, so a malformed string yields them as
+// well.
+func dsnSecrets(dsn string) []string {
+	var out []string
+	add := func(v string) {
+		if v != "" {
+			out = append(out, v)
+		}
 	}
-	return passwordKV.ReplaceAllString(dsn, "${1}xxxxx")
+	for _, m := range passwordKV.FindAllStringSubmatch(dsn, -1) {
+		add(m[2])
+		if v := strings.Trim(m[2], "'"); v != m[2] {
+			add(v)
+			add(strings.ReplaceAll(v, `\'`, `'`))
+		}
+		if v, err := url.QueryUnescape(m[2]); err == nil {
+			add(v)
+		}
+	}
+	if loc := urlScheme.FindStringIndex(dsn); loc != nil {
+		rest := strings.TrimPrefix(dsn[loc[1]:], "//")
+		if at := strings.LastIndex(rest, "@"); at >= 0 {
+			info := rest[:at]
+			if i := strings.Index(info, ":"); i >= 0 {
+				info = info[i+1:]
+			}
+			add(info)
+			if v, err := url.PathUnescape(info); err == nil {
+				add(v)
+			}
+		}
+	}
+	// Longest first, so that a secret is replaced whole before a part of it.
+	slices.SortFunc(out, func(a, b string) int { return len(b) - len(a) })
+	return out
+}
+
+// redactDSN returns text (dsn itself, or a message that may quote it) with
+// every possible password of the PostgreSQL URL or key=value string dsn
+// replaced by "xxxxx".
+func redactDSN(text, dsn string) string {
+	for _, s := range dsnSecrets(dsn) {
+		text = strings.ReplaceAll(text, s, "xxxxx")
+	}
+	return passwordKV.ReplaceAllString(text, "${1}xxxxx")
 }
 
 // openPool opens a pool and checks that the database answers.
 func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(d.url)
 	if err != nil {
-		return nil, usagef(cmd, "invalid --database-url %q: %v", redactDSN(d.url), oneLine(err))
+		return nil, usagef(cmd, "invalid --database-url %q: %v", redactDSN(d.url, d.url), redactDSN(oneLine(err), d.url))
 	}
 	if d.deadAfter <= 0 {
 		return nil, usagef(cmd, "invalid --database-dead-after %v: must be positive", d.deadAfter)
