@@ -120,7 +120,13 @@ func TestRetryWithPython(t *testing.T) {
 		pyCall{Task: "t.flaky", Args: []any{2}},
 		pyCall{Task: "t.flaky", Args: []any{9}},
 		pyCall{Task: "t.flaky_outside", Args: []any{2}},
+		// ignore_result keeps only SUCCESS from the caller, as Celery's
+		// worker does: the retries and the final failure still come.
+		pyCall{Task: "t.flaky", Args: []any{9}, IgnoreResult: true},
 	)
+	if res[3].ExcType != "Exception" || res[3].Message != "not yet" {
+		t.Errorf("past max retries, ignore_result: %+v", res[3])
+	}
 	if string(res[2].OK) != `{"attempt": 3, "retries": 2}` {
 		t.Errorf("outside-mode retried task: %+v", res[2])
 	}
@@ -137,8 +143,8 @@ func TestRetryWithPython(t *testing.T) {
 	if res[1].ExcType != "Exception" || res[1].Message != "not yet" {
 		t.Errorf("past max retries: %+v", res[1])
 	}
-	if n := runs.Load(); n != 3+4 {
-		t.Errorf("%d runs, want 7", n)
+	if n := runs.Load(); n != 3+4+4 {
+		t.Errorf("%d runs, want 11", n)
 	}
 }
 

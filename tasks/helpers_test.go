@@ -152,6 +152,9 @@ type pyCall struct {
 	Kwargs  map[string]any `json:"kwargs,omitempty"`
 	Headers map[string]any `json:"headers,omitempty"`
 	Options map[string]any `json:"options,omitempty"`
+	// IgnoreResult sends the call with ignore_result and waits for what the
+	// worker still reports (a failure or a retry; a success never comes).
+	IgnoreResult bool `json:"ignore_result,omitempty"`
 	// AfterPrevious sends the call only after the results of the calls
 	// before it have arrived.
 	AfterPrevious bool `json:"after_previous,omitempty"`

@@ -96,10 +96,10 @@ func (w *Worker) replySuccess(ctx context.Context, j *job, res []byte) bool {
 	return w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateSuccess, Value: v})
 }
 
+// replyFailure tells the caller FAILURE. The ignore_result option of a call
+// does not keep it back: as in Celery's worker (Backend.mark_as_done checks
+// it, mark_as_failure and mark_as_retry do not), it drops only SUCCESS.
 func (w *Worker) replyFailure(ctx context.Context, j *job, exc *celeryproto.Exception, err error) bool {
-	if j.msg.IgnoreResult {
-		return true
-	}
 	return w.replyAlways(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateFailure,
 		Exception: exc, Traceback: err.Error()})
 }
@@ -183,7 +183,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	if w.wantEvents() {
 		w.event(ctx, j, failedEvent("task-retried", j.h.name, exc))
 	}
-	if !j.msg.IgnoreResult && !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
+	if !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateRetry, Exception: exc}) {
 		return
 	}
 	w.ack(j)

@@ -12,7 +12,10 @@ spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
                   "options": {apply_async options}}]}
 
 A call with "after_previous" is sent only once the results of every call
-before it have arrived (ordering a test's messages).
+before it have arrived (ordering a test's messages). A call with
+"ignore_result" is sent with that option and its result is then waited for
+through a new AsyncResult of its id (the one send_task returns gives None
+at once), to see what the worker still reports: only a failure or a retry.
 
 Prints one JSON object: {"results": [...]} with, for each call in order,
 {"id": task id, "ok": result} or {"id", "exc_type", "exc_module", "message"}.
@@ -39,6 +42,8 @@ def main():
 
     def collect():
         for r in sent[len(out):]:
+            if r.ignored:
+                r = app.AsyncResult(r.id)
             try:
                 out.append({"id": r.id, "ok": r.get(timeout=timeout)})
             except Exception as e:  # report the class the client built
