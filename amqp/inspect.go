@@ -22,8 +22,11 @@ const (
 	Stop
 )
 
-// Inspect reads up to limit messages (all when limit <= 0) from queue with
-// basic.get on a channel of its own, without consuming, and calls fn for
+// Inspect reads up to limit messages from queue (limit <= 0: the messages
+// the queue holds when the walk starts; those that arrive during it, such as
+// one a worker quarantines again right after it was requeued, wait for the
+// next walk) with basic.get on a channel of its own, without consuming, and
+// calls fn for
 // each; fn's answer decides whether the message stays or goes. Kept messages
 // stay unacknowledged until Inspect returns, so each message is seen once,
 // then they all go back to the queue. Meant for operator tools (listing,
@@ -35,7 +38,20 @@ func (p *Publisher) Inspect(ctx context.Context, queue string, limit int, fn fun
 	err := p.withChannel(ctx, func(ch *amqp091.Channel) error {
 		st := &channelState{ch: ch}
 		st.acks.eager = true // Remove acknowledges before the walk goes on
-		for limit <= 0 || seen < limit {
+		if limit <= 0 {
+			q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
+			if err != nil {
+				if ae := brokerError(err); ae != nil && ae.Code == amqp091.NotFound {
+					return fmt.Errorf("inspect %q: %w: %s", queue, ErrNotFound, ae.Reason)
+				}
+				return fmt.Errorf("inspect %q: depth: %w", queue, err)
+			}
+			limit = q.Messages
+			if limit == 0 {
+				return nil
+			}
+		}
+		for seen < limit {
 			if err := ctx.Err(); err != nil {
 				return fmt.Errorf("inspect %q: %w", queue, err)
 			}

@@ -191,6 +191,20 @@ func TestInspectKeepRemoveStop(t *testing.T) {
 		t.Fatalf("Stop after %d messages, want 1", n)
 	}
 	waitFor(t, "3 messages kept", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	// A walk of all sees what the queue held when it began: a message put
+	// back meanwhile (a worker quarantining a requeued message again) waits
+	// for the next walk, rather than keeping this one going.
+	n, err = p.Inspect(ctx, q, 0, func(d *Delivery) (InspectAction, error) {
+		if err := p.Publish(ctx, "", q, textMessage(string(d.Body)), PublishOptions{}); err != nil {
+			return Keep, err
+		}
+		return Remove, nil
+	})
+	must(t, err, "inspect and put back")
+	if n != 3 {
+		t.Fatalf("walk while putting back saw %d messages, want the 3 queued", n)
+	}
+	waitFor(t, "3 messages put back", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
 	if _, err := p.Inspect(ctx, testenv.Name("onceler_amqp_missing"), 0, nil); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("inspect of a missing queue = %v, want ErrNotFound", err)
 	}

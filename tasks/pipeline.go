@@ -22,6 +22,11 @@ const (
 	ReasonPoison       = "poison"
 )
 
+// Reasons are the quarantine reasons a worker gives, in the order of the
+// pipeline's checks.
+var Reasons = []string{ReasonUndecodable, ReasonPoison, ReasonUnknownTask, ReasonBadArguments,
+	ReasonUnsupported, ReasonMismatch}
+
 // process takes one delivery through the pipeline. Every path ends in exactly
 // one of: ack (after the outcome is recorded and answered), a deferral (the
 // delivery stays unacknowledged and is looked at again later), or no answer

@@ -34,6 +34,9 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 		{[]string{"quarantine"}, nil, "want an action"},
 		{[]string{"quarantine", "drop"}, nil, "drop needs task ids or --all"},
 		{[]string{"quarantine", "shred"}, nil, `unknown action "shred"`},
+		{[]string{"quarantine", "list", "--reason", "nonsense"}, nil, `unknown --reason "nonsense"`},
+		{[]string{"worker", "--demo", "--http-addr", "nonsense"}, nil, `invalid --http-addr "nonsense"`},
+		{[]string{"purge", "--older-than", "213504d"}, nil, `invalid --older-than "213504d": at most 36500d`},
 	}
 	for _, c := range cases {
 		r := runBin(t, c.env, c.args...)
@@ -166,13 +169,13 @@ func TestFlagsMayFollowPositionalArguments(t *testing.T) {
 }
 
 func TestParseSince(t *testing.T) {
-	for in, want := range map[string]string{"90m": "1h30m0s", "7d": "168h0m0s", "1d12h": "36h0m0s"} {
+	for in, want := range map[string]string{"90m": "1h30m0s", "7d": "168h0m0s", "1d12h": "36h0m0s", "36500d": "876000h0m0s"} {
 		d, err := parseSince("x", "--since", in)
 		if err != nil || d.String() != want {
 			t.Errorf("%s: %v %v, want %s", in, d, err, want)
 		}
 	}
-	for _, in := range []string{"", "0s", "-5m", "d", "3x"} {
+	for _, in := range []string{"", "0s", "-5m", "d", "3x", "213504d", "300000d", "36500d2562047h"} {
 		if _, err := parseSince("x", "--since", in); err == nil {
 			t.Errorf("%q: no error", in)
 		}

@@ -218,6 +218,9 @@ func isTerminal(f *os.File) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
+// maxDays is the most days parseSince takes: 100 years.
+const maxDays = 36500
+
 // parseSince reads a duration that also accepts days ("7d", "1d12h").
 func parseSince(cmd, flagName, v string) (time.Duration, error) {
 	orig := v
@@ -226,6 +229,11 @@ func parseSince(cmd, flagName, v string) (time.Duration, error) {
 		n, err := strconv.Atoi(v[:i])
 		if err != nil {
 			return 0, usagef(cmd, "invalid %s %q: use a duration such as 90m, 24h or 7d", flagName, orig)
+		}
+		if n > maxDays {
+			// Beyond this a time.Duration wraps around (213504d would
+			// read as 25 minutes).
+			return 0, usagef(cmd, "invalid %s %q: at most %dd", flagName, orig, maxDays)
 		}
 		days = time.Duration(n) * 24 * time.Hour
 		v = v[i+1:]
@@ -239,7 +247,7 @@ func parseSince(cmd, flagName, v string) (time.Duration, error) {
 		rest = d
 	}
 	d := days + rest
-	if d <= 0 {
+	if d <= 0 || d < days {
 		return 0, usagef(cmd, "invalid %s %q: must be positive", flagName, orig)
 	}
 	return d, nil

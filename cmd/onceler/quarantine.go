@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -21,7 +22,8 @@ func quarantineCommand() *command {
 		summary: "list, requeue or drop quarantined messages, with their reasons",
 		long: `A worker moves aside, to the queue <queue>.quarantine, each message it must
 not run and must not drop: undecodable (or pickle), unknown task, bad
-arguments, arguments that differ from the record's for the same operation key
+arguments, a workflow it does not support (unsupported_workflow), arguments
+that differ from the record's for the same operation key
 (fingerprint_mismatch), or delivered too often (poison). Each carries the
 headers x-onceler-reason, x-onceler-detail, x-onceler-queue and
 x-onceler-quarantined-at.
@@ -43,7 +45,7 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 			)
 			b.define(fs)
 			fs.String(&queue, "queue", "NAME", "celery", "the consumed queue whose quarantine (<queue>.quarantine) to use")
-			fs.String(&reason, "reason", "REASON", "", "only messages quarantined for this reason: undecodable, unknown_task, bad_arguments, fingerprint_mismatch or poison")
+			fs.String(&reason, "reason", "REASON", "", "only messages quarantined for this reason: "+strings.Join(tasks.Reasons, ", "))
 			fs.Bool(&all, "all", "requeue or drop every message (that matches --reason)")
 			fs.Int(&limit, "limit", 0, "look at most at this many messages; 0: all")
 			fs.Bool(&asJSON, "json", "list: print JSON")
@@ -72,6 +74,9 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 				}
 				if limit < 0 {
 					return usagef("quarantine", "--limit must not be negative")
+				}
+				if reason != "" && !slices.Contains(tasks.Reasons, reason) {
+					return usagef("quarantine", "unknown --reason %q: use %s", reason, strings.Join(tasks.Reasons, ", "))
 				}
 				q := &quarantine{a: a, b: b, queue: queue, qname: queue + ".quarantine", reason: reason,
 					ids: map[string]bool{}, all: all, limit: limit, asJSON: asJSON}
@@ -187,7 +192,7 @@ func (q *quarantine) run(ctx context.Context, action string) error {
 			}
 			return writeJSON(q.a.stdout, listed)
 		}
-		printQuarantined(q.a.stdout, q.qname, listed, seen)
+		printQuarantined(q.a.stdout, q.qname, listed, seen, q.limit > 0 && seen == q.limit)
 		return nil
 	}
 	fmt.Fprintf(q.a.stdout, "%s %d of %d message(s) in %s\n", pastTense(action), moved, seen, q.qname)
@@ -229,9 +234,15 @@ func requeue(ctx context.Context, pub *amqp.Publisher, d *amqp.Delivery, queue s
 	return nil
 }
 
-func printQuarantined(w io.Writer, qname string, ms []quarantined, seen int) {
+// printQuarantined prints the listed messages ms of the seen looked at;
+// limited: the walk stopped at --limit, so the queue may hold more.
+func printQuarantined(w io.Writer, qname string, ms []quarantined, seen int, limited bool) {
+	more := ""
+	if limited {
+		more = " (--limit: there may be more)"
+	}
 	if len(ms) == 0 {
-		fmt.Fprintf(w, "%s: no quarantined messages (of %d looked at)\n", qname, seen)
+		fmt.Fprintf(w, "%s: no quarantined messages (of %d looked at)%s\n", qname, seen, more)
 		return
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
@@ -240,5 +251,9 @@ func printQuarantined(w io.Writer, qname string, ms []quarantined, seen int) {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", dash(m.TaskID), dash(m.Task), dash(m.Reason), dash(m.QuarantinedAt), dash(truncate(m.Detail, 70)))
 	}
 	_ = tw.Flush()
+	if limited {
+		fmt.Fprintf(w, "%d message(s) among the first %d in %s%s\n", len(ms), seen, qname, more)
+		return
+	}
 	fmt.Fprintf(w, "%d message(s) in %s\n", len(ms), qname)
 }

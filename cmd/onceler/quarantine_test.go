@@ -107,6 +107,10 @@ func TestQuarantineListRequeueDrop(t *testing.T) {
 	if ms := listQuarantine(t, s); len(ms) != 1 || ms[0].Reason != "unknown_task" {
 		t.Fatalf("after drop: %+v", ms)
 	}
+	r = runBin(t, s.env, "quarantine", "list", "--limit", "1")
+	if r.code != 0 || !strings.Contains(r.stdout, "1 message(s) among the first 1 in "+s.queue+".quarantine (--limit: there may be more)") {
+		t.Fatalf("list --limit 1: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
 	r = runBin(t, s.env, "quarantine", "drop", "no-such-id")
 	if line := oneLineError(t, r, 1); !strings.Contains(line, "not found in "+s.queue+".quarantine: no-such-id") {
 		t.Fatalf("drop of a missing id: %q", line)

@@ -155,6 +155,15 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return usagef("worker", "invalid --hostname %q: %v", f.hostname, err)
 	}
+	if f.httpAddr != "" {
+		_, port, err := net.SplitHostPort(f.httpAddr)
+		if err == nil {
+			_, err = net.LookupPort("tcp", port)
+		}
+		if err != nil {
+			return usagef("worker", "invalid --http-addr %q: %v (use host:port or :port)", f.httpAddr, err)
+		}
+	}
 	broker := f.broker.config(node)
 	broker.MaxBackoff = 0
 	broker.Logger = logger
