@@ -35,6 +35,7 @@ type Publisher struct {
 	mu         sync.Mutex
 	cur        *pubSession
 	closed     bool
+	connected  bool // a connection opened once: refusals after that are retried
 	backoff    backoff
 	wg         sync.WaitGroup
 	gen        atomic.Uint64
@@ -149,12 +150,18 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 				return nil, ErrClosed
 			}
 			p.cur = s
+			p.connected = true
 			p.backoff.reset()
 			p.mu.Unlock()
 			return s, nil
 		}
 		if errors.Is(err, ErrConfig) {
 			return nil, err
+		}
+		if p.refusedFirst(err) {
+			// Wrong credentials or vhost: said at once, not after retrying
+			// until the caller's deadline hides why.
+			return nil, fmt.Errorf("%w: %w", ErrAccessRefused, err)
 		}
 		if ctx.Err() != nil {
 			if lastErr != nil {
@@ -169,6 +176,17 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 			return nil, fmt.Errorf("connect: %w (last error: %w)", ctx.Err(), err)
 		}
 	}
+}
+
+// refusedFirst reports whether err is the broker refusing the credentials
+// (403) or the vhost (530) before this publisher ever connected. Once it has
+// connected, a refusal is retried like any loss: it may be a node that is
+// still starting.
+func (p *Publisher) refusedFirst(err error) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ae := brokerError(err)
+	return !p.connected && ae != nil && (ae.Code == amqp091.AccessRefused || ae.Code == amqp091.NotAllowed)
 }
 
 // open dials one connection and starts its watcher.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -106,6 +107,27 @@ func TestMalformedURLsHideTheirPassword(t *testing.T) {
 		line := oneLineError(t, r, 2)
 		if !strings.Contains(line, "broker URL") || strings.Contains(line, "secret") {
 			t.Errorf("%s: %q", url, line)
+		}
+	}
+}
+
+// A broker that answers but refuses the credentials or the vhost is
+// reported as refusing, with its reason, at once: not as unreachable after
+// the connect timeout.
+func TestRefusingBrokerSaysWhy(t *testing.T) {
+	testenv.AMQPURL(t)
+	for url, want := range map[string]string{
+		"amqp://guest:secretpw@127.0.0.1:5672//":          "username or password not allowed",
+		"amqp://guest:guest@127.0.0.1:5672/onceler-no-vh": "vhost onceler-no-vh not found",
+	} {
+		start := time.Now()
+		r := runBin(t, map[string]string{"ONCELER_BROKER_URL": url}, "quarantine", "list")
+		line := oneLineError(t, r, 1)
+		if !strings.Contains(line, "refused") || !strings.Contains(line, want) || strings.Contains(line, "secretpw") {
+			t.Errorf("%s: %q", url, line)
+		}
+		if took := time.Since(start); took >= connectTimeout {
+			t.Errorf("%s: answered after %s, the whole connect timeout", url, took)
 		}
 	}
 }
