@@ -18,10 +18,22 @@ and ONCELER_DATABASE_URL (default: the libpq environment), as for the worker.
 import argparse
 import json
 import os
+import re
 import sys
 
 from celery import Celery
 import psycopg2
+
+
+def libpq_dsn(dsn):
+    """dsn without the parameters only the worker's driver (pgx) knows
+    (pool_max_conns and the other pool_* settings), which libpq refuses."""
+    if "://" in dsn:
+        base, _, query = dsn.partition("?")
+        kept = [p for p in query.split("&") if p and not p.startswith("pool_")]
+        return base + ("?" + "&".join(kept) if kept else "")
+    return re.sub(r"(^|\s)pool_\w+\s*=\s*\S+", "", dsn).strip()
+
 
 TIMEOUT = 60.0
 CRASH_TIMEOUT = 300.0
@@ -50,7 +62,7 @@ class Walk:
         self.app.conf.task_serializer = "json"
         self.app.conf.accept_content = ["json"]
         self.app.conf.result_accept_content = ["json"]
-        self.db = psycopg2.connect(os.environ.get("ONCELER_DATABASE_URL", ""))
+        self.db = psycopg2.connect(libpq_dsn(os.environ.get("ONCELER_DATABASE_URL", "")))
         self.db.autocommit = True
 
     def k(self, key):

@@ -42,6 +42,13 @@ func sameOutput(t *testing.T, name, got, want string) {
 // comes out.
 func TestReadmeWalkthrough(t *testing.T) {
 	s := newStack(t)
+	// The pool size the README recommends setting in the URL: the worker
+	// and the script read the same variable.
+	sep := "?"
+	if strings.Contains(s.env["ONCELER_DATABASE_URL"], "?") {
+		sep = "&"
+	}
+	s.env["ONCELER_DATABASE_URL"] += sep + "pool_max_conns=8"
 	want := readmeBlocks(t)
 	py := testenv.Python(t)
 	prefix := testenv.Name("w") + "-"
