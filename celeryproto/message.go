@@ -58,6 +58,17 @@ type Message struct {
 	Priority                                  uint8
 }
 
+// Serializer names the serializer m came in ("json", "msgpack" or "yaml";
+// "json" when its content type names none of them), for the messages sent
+// on its behalf (chain steps, callbacks, retries): a Python worker sends
+// those with its own task_serializer, which the caller's is a proxy for.
+func (m *Message) Serializer() string {
+	if s, err := serializerFor(m.ContentType); err == nil {
+		return s
+	}
+	return "json"
+}
+
 // TimeLimit is a task's hard and soft time limit; 0 means none. On the wire
 // the order is [hard, soft].
 type TimeLimit struct{ Hard, Soft time.Duration }

@@ -236,6 +236,9 @@
 //     queue, exchange or routing key in their options, else Config.Routes,
 //     else this delivery's queue for a task this worker serves, else
 //     "celery"; a queue missing on the broker is declared as kombu does.
+//     Steps (and Celery retries) are sent in the serializer the message came
+//     in (json, msgpack or yaml), as a Python worker whose task_serializer
+//     matches its callers' would send them: msgpack bytes stay bytes.
 //   - After a failure: FAILURE with the same exception to every remaining
 //     chain step with a task id (so that chain.get() raises), then each
 //     errback is published with the failed task's id prepended.

@@ -168,7 +168,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	next.Retries++
 	next.ETA = time.Now().Add(rr.Countdown)
 	next.Headers = withoutBrokerHeaders(next.Headers)
-	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2})
+	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2, Serializer: j.msg.Serializer()})
 	if err != nil {
 		w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
 		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err))

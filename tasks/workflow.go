@@ -284,7 +284,7 @@ func (w *Worker) route(j *job, task string, o map[string]any) (exchange, routing
 // declared as kombu declares it, and is published again.
 func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 	for _, s := range steps {
-		p, err := celeryproto.EncodeTask(s.msg, celeryproto.EncodeOptions{Protocol: 2})
+		p, err := celeryproto.EncodeTask(s.msg, celeryproto.EncodeOptions{Protocol: 2, Serializer: j.msg.Serializer()})
 		if err != nil {
 			return fmt.Errorf("encode %s step %s: %w", s.kind, s.msg.Task, err)
 		}

@@ -152,22 +152,24 @@ func TestWorkflowsWithPython(t *testing.T) {
 	pyq := testenv.Name("pyq")
 	rec := &callRecorder{}
 	cfg := e.config()
-	cfg.Routes = map[string]string{"py.mul": pyq}
+	cfg.Routes = map[string]string{"py.mul": pyq, "py.kind": pyq}
 	e.start(workflowRegistry(t, rec), cfg)
 	e.pythonWorker(pyq)
 	t.Logf("workflows from %s", pyq)
-	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_py_first", "chain_group", "chain_group_fail", "chain_bad_args", "link_group", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
+	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_msgpack_bytes", "chain_py_first", "chain_group", "chain_group_fail", "chain_bad_args", "link_group", "chain_immutable", "chain_fail", "link", "link_error", "group", "chord")
 	for name, r := range res {
 		t.Logf("%s: %s %s %s", name, r.OK, r.ExcType, r.Message)
 	}
 	for name, want := range map[string]string{
-		"chain_go":        `113`,
-		"chain_mixed":     `130`,
-		"chain_py_first":  `10`,
-		"chain_group":     `[13, 23]`,
-		"link_group":      `4`,
-		"chain_immutable": `10`,
-		"group":           `[2, 4, 9]`,
+		"chain_go":    `113`,
+		"chain_mixed": `130`,
+		// The step goes on in msgpack, as the chain came: bytes stay bytes.
+		"chain_msgpack_bytes": `[3, "bytes", [0, 255]]`,
+		"chain_py_first":      `10`,
+		"chain_group":         `[13, 23]`,
+		"link_group":          `4`,
+		"chain_immutable":     `10`,
+		"group":               `[2, 4, 9]`,
 	} {
 		if got := string(res[name].OK); got != want {
 			t.Errorf("%s: got %s (%+v), want %s", name, got, res[name], want)

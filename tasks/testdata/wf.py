@@ -30,7 +30,7 @@ PYQ = os.environ["ONCELER_WF_PYQ"]
 app = Celery("wf", broker=os.environ["ONCELER_WF_BROKER"], backend="rpc://")
 app.conf.task_default_queue = GOQ
 app.conf.task_routes = {"py.*": {"queue": PYQ}, "t.*": {"queue": GOQ}}
-app.conf.accept_content = ["json"]
+app.conf.accept_content = ["json", "msgpack"]
 app.conf.result_accept_content = ["json"]
 app.conf.worker_hijack_root_logger = False
 
@@ -38,6 +38,12 @@ app.conf.worker_hijack_root_logger = False
 @app.task(name="py.mul")
 def mul(x, y):
     return x * y
+
+
+@app.task(name="py.kind")
+def kind(x, b):
+    """x, and what b arrived as: its type's name and, for bytes, its values."""
+    return [x, type(b).__name__, list(b) if isinstance(b, bytes) else b]
 
 
 def s(name, *args, **kwargs):
@@ -53,6 +59,10 @@ def run(name):
     if name == "chain_mixed":
         # add(1, 2) = 3 in Go, mul(3, 10) = 30 in Python, add(30, 100) = 130 in Go
         return chain(s("t.add", 1, 2), s("py.mul", 10), s("t.add", 100)).apply_async().get(timeout=TIMEOUT)
+    if name == "chain_msgpack_bytes":
+        # add(1, 2) = 3 in Go, whose worker sends kind(3, b"\x00\xff") on in
+        # msgpack, as the chain came: the bytes stay bytes.
+        return chain(s("t.add", 1, 2), s("py.kind", b"\x00\xff")).apply_async(serializer="msgpack").get(timeout=TIMEOUT)
     if name == "chain_py_first":
         # mul(2, 3) = 6 in Python, whose worker publishes add(6, 4) = 10 to Go
         return chain(s("py.mul", 2, 3), s("t.add", 4)).apply_async().get(timeout=TIMEOUT)
