@@ -29,15 +29,22 @@ type Result struct {
 	Exception *Exception
 	Traceback string
 	Children  []any
+	// Serializer is "json" (the default), "msgpack" or "yaml": Celery's
+	// result_serializer, which the callers' result_accept_content must
+	// accept.
+	Serializer string
 }
 
-// EncodeResult writes r as the rpc:// backend publishes it: JSON body
-// {"task_id", "status", "result", "traceback", "children"}, correlation id =
-// task id, delivery mode 1. Publish it to the default exchange with the
-// task's reply_to as routing key.
+// EncodeResult writes r as the rpc:// backend publishes it: body
+// {"task_id", "status", "result", "traceback", "children"} in r.Serializer,
+// correlation id = task id, delivery mode 1. Publish it to the default
+// exchange with the task's reply_to as routing key.
 func EncodeResult(r *Result) (*Publishing, error) {
 	if r == nil || r.TaskID == "" || r.Status == "" {
 		return nil, fmt.Errorf("celeryproto: encode result: task id and status are required")
+	}
+	if r.Serializer != "" && r.Serializer != "json" {
+		return encodeResultAs(r)
 	}
 	b := make([]byte, 0, 256)
 	b = append(b, `{"task_id": `...)
@@ -89,4 +96,35 @@ func appendException(b []byte, e *Exception) []byte {
 	b = append(b, `], "exc_module": `...)
 	b = appendJSONString(b, mod)
 	return append(b, '}')
+}
+
+// encodeResultAs writes r's body with r.Serializer (msgpack or yaml).
+func encodeResultAs(r *Result) (*Publishing, error) {
+	var result any = r.Value
+	if e := r.Exception; e != nil {
+		mod := e.Module
+		if mod == "" {
+			mod = "builtins"
+		}
+		msg := []any{}
+		if e.Message != "" {
+			msg = []any{e.Message}
+		}
+		result = map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": mod}
+	}
+	var tb any
+	if r.Traceback != "" {
+		tb = r.Traceback
+	}
+	children := r.Children
+	if children == nil {
+		children = []any{}
+	}
+	body := map[string]any{"task_id": r.TaskID, "status": string(r.Status), "result": result,
+		"traceback": tb, "children": children}
+	ct, enc, b, err := marshal(r.Serializer, body)
+	if err != nil {
+		return nil, fmt.Errorf("celeryproto: encode result of %s: %w", r.TaskID, err)
+	}
+	return &Publishing{ContentType: ct, ContentEncoding: enc, Body: b, CorrelationID: r.TaskID, DeliveryMode: 1}, nil
 }

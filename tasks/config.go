@@ -86,6 +86,10 @@ type Config struct {
 	// Unlisted tasks go to the queue of the delivery that publishes them
 	// when this worker serves them, else to Celery's default queue "celery".
 	Routes map[string]string
+	// ResultSerializer is the serializer of the results sent to callers:
+	// "json" (the default), "msgpack" or "yaml", as Celery's
+	// result_serializer; the callers' result_accept_content must take it.
+	ResultSerializer string
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool
@@ -130,6 +134,13 @@ func (c *Config) setDefaults() error {
 	}
 	if c.MaxAttempts <= 0 {
 		c.MaxAttempts = 5
+	}
+	switch c.ResultSerializer {
+	case "":
+		c.ResultSerializer = "json"
+	case "json", "msgpack", "yaml":
+	default:
+		return fmt.Errorf("tasks: result serializer %q: use json, msgpack or yaml", c.ResultSerializer)
 	}
 	return c.Crash.validate()
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -145,6 +146,37 @@ func TestRetryWithPython(t *testing.T) {
 	}
 	if n := runs.Load(); n != 3+4+4 {
 		t.Errorf("%d runs, want 11", n)
+	}
+}
+
+// TestResultSerializer: with Config.ResultSerializer msgpack or yaml, a
+// Celery app that accepts nothing else reads the results, values and
+// failures alike.
+func TestResultSerializer(t *testing.T) {
+	for _, ser := range []string{"msgpack", "yaml"} {
+		t.Run(ser, func(t *testing.T) {
+			e := newEnv(t)
+			cfg := e.config()
+			cfg.ResultSerializer = ser
+			e.start(testRegistry(t, &effects{}), cfg)
+			res := e.pythonSpec(map[string]any{"protocol": 2, "serializer": ser, "accept": []string{ser}, "result_accept": []string{ser}},
+				pyCall{Task: "t.add", Args: []any{2, 3}},
+				pyCall{Task: "t.fail_value", Args: []any{1, 2}},
+				pyCall{Task: "t.nope"},
+			)
+			if string(res[0].OK) != "5" {
+				t.Errorf("value: %+v", res[0])
+			}
+			if res[1].ExcType != "ValueError" || res[1].Message != "x must be positive" {
+				t.Errorf("failure: %+v", res[1])
+			}
+			if res[2].ExcType != "NotRegistered" || res[2].Message != "t.nope" {
+				t.Errorf("unknown task: %+v", res[2])
+			}
+		})
+	}
+	if _, err := NewWorker(NewRegistry(), Config{ResultSerializer: "pickle"}); err == nil || !strings.Contains(err.Error(), "pickle") {
+		t.Errorf("NewWorker with result serializer pickle: %v", err)
 	}
 }
 

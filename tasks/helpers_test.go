@@ -163,9 +163,16 @@ type pyCall struct {
 // python sends calls with real Celery and returns what AsyncResult.get gave.
 func (e *env) python(protocol int, serializer string, calls ...pyCall) []pyResult {
 	e.t.Helper()
+	return e.pythonSpec(map[string]any{"protocol": protocol, "serializer": serializer}, calls...)
+}
+
+// pythonSpec is python with more of client.py's spec: "accept" and
+// "result_accept" (the client app's accept_content, result_accept_content).
+func (e *env) pythonSpec(opts map[string]any, calls ...pyCall) []pyResult {
+	e.t.Helper()
 	py := testenv.Python(e.t)
-	spec, _ := json.Marshal(map[string]any{"broker": e.url, "queue": e.queue, "protocol": protocol,
-		"serializer": serializer, "timeout": 30, "calls": calls})
+	opts["broker"], opts["queue"], opts["timeout"], opts["calls"] = e.url, e.queue, 30, calls
+	spec, _ := json.Marshal(opts)
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, py, filepath.Join("testdata", "client.py"), string(spec))

@@ -61,12 +61,13 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 	if replyTo == "" {
 		return true
 	}
+	r.Serializer = w.cfg.ResultSerializer
 	pub, err := celeryproto.EncodeResult(r)
 	if err != nil {
 		// Cannot happen for values that came from JSON; answer with a failure
 		// the caller can read rather than nothing.
 		w.log.Error("encode result", w.fields(j, zap.Error(err))...)
-		r = &celeryproto.Result{TaskID: r.TaskID, Status: celeryproto.StateFailure,
+		r = &celeryproto.Result{TaskID: r.TaskID, Status: celeryproto.StateFailure, Serializer: r.Serializer,
 			Exception: &celeryproto.Exception{Type: "EncodeError", Module: "kombu.exceptions", Message: err.Error()}}
 		if pub, err = celeryproto.EncodeResult(r); err != nil {
 			return true

@@ -38,6 +38,7 @@ type workerFlags struct {
 	grace        time.Duration
 	hostname     string
 	httpAddr     string
+	resultSer    string
 	logLevel     string
 	logFormat    string
 	logArguments bool
@@ -85,6 +86,7 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
+			fs.String(&f.resultSer, "result-serializer", "NAME", "json", "serializer of the results sent to callers, as Celery's result_serializer: json, msgpack or yaml (the callers' result_accept_content must take it)")
 			f.defineLog(fs)
 			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
 			fs.Bool(&f.demo, "demo", "register the demo tasks and create their tables (schema onceler_demo); implies --migrate")
@@ -155,6 +157,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return usagef("worker", "invalid --hostname %q: %v", f.hostname, err)
 	}
+	switch f.resultSer {
+	case "json", "msgpack", "yaml":
+	default:
+		return usagef("worker", "invalid --result-serializer %q: use json, msgpack or yaml", f.resultSer)
+	}
 	if f.httpAddr != "" {
 		_, port, err := net.SplitHostPort(f.httpAddr)
 		if err == nil {
@@ -223,21 +230,22 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	w, err := tasks.NewWorker(reg, tasks.Config{
-		Broker:       broker,
-		Queues:       queues,
-		Pool:         pool,
-		Store:        store,
-		Concurrency:  f.concurrency,
-		Prefetch:     f.prefetch,
-		Lease:        f.lease,
-		Grace:        f.grace,
-		Hostname:     node,
-		Logger:       logger,
-		Metrics:      metrics,
-		NoRecord:     f.noRecord,
-		Crash:        crash,
-		LogArguments: f.logArguments,
-		Observer:     observer(ctl),
+		Broker:           broker,
+		Queues:           queues,
+		Pool:             pool,
+		Store:            store,
+		Concurrency:      f.concurrency,
+		Prefetch:         f.prefetch,
+		Lease:            f.lease,
+		Grace:            f.grace,
+		Hostname:         node,
+		Logger:           logger,
+		Metrics:          metrics,
+		NoRecord:         f.noRecord,
+		Crash:            crash,
+		LogArguments:     f.logArguments,
+		Observer:         observer(ctl),
+		ResultSerializer: f.resultSer,
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)

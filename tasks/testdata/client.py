@@ -6,6 +6,8 @@ Run with the system Python that has Celery 5.2 (/usr/bin/python3):
 
 spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
        "serializer": "json"|"msgpack"|"yaml",
+       "accept": [...], "result_accept": [...] (accept_content and
+       result_accept_content; default all three, and json),
        "calls": [{"task": name, "args": [...], "kwargs": {...},
                   "headers": {...}, "ignore_result": bool,
                   "after_previous": bool,
@@ -33,8 +35,8 @@ def main():
     app.conf.task_protocol = spec.get("protocol", 2)
     ser = spec.get("serializer", "json")
     app.conf.task_serializer = ser
-    app.conf.accept_content = ["json", "msgpack", "yaml"]
-    app.conf.result_accept_content = ["json"]
+    app.conf.accept_content = spec.get("accept", ["json", "msgpack", "yaml"])
+    app.conf.result_accept_content = spec.get("result_accept", ["json"])
     timeout = spec.get("timeout", 30)
 
     sent = []
