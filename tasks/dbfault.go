@@ -82,7 +82,7 @@ func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
 	}
 	w.log.Error("redelivered message keeps failing to finish its operation: quarantined as poison",
 		w.fields(j, zap.Int("redeliveries", j.redeliveries), zap.Int("max_attempts", w.cfg.MaxAttempts))...)
-	w.quarantine(ctx, j, ReasonPoison, fmt.Errorf("operation redelivered %d times without an outcome (limit %d)", j.redeliveries, w.cfg.MaxAttempts))
+	w.quarantinePoison(ctx, j, fmt.Errorf("operation redelivered %d times without an outcome (limit %d)", j.redeliveries, w.cfg.MaxAttempts))
 	return false
 }
 

@@ -63,7 +63,9 @@
 // The consumer hands each delivery to a bounded pool of Concurrency
 // goroutines (prefetch defaults to Concurrency × 4). For each delivery:
 //
-//	decode            undecodable or pickle   -> quarantine, ack
+//	decode            undecodable or pickle   -> FAILURE DecodeError / ContentDisallowed to reply_to
+//	                                             (task id from the id header), quarantine, ack
+//	delivery count    delivered too often     -> FAILURE WorkerLostError, quarantine, ack
 //	registry          unknown task            -> FAILURE NotRegistered to reply_to, quarantine, ack
 //	bind arguments    bad arguments           -> FAILURE TypeError to reply_to, quarantine, ack
 //	workflow          chord, chain/chord step -> FAILURE NotImplementedError, quarantine, ack
@@ -119,7 +121,9 @@
 // A message delivered more than Config.MaxAttempts times (x-delivery-count
 // on quorum queues; on classic queues, a redelivered message whose
 // operation was claimed that often, its Celery retries not counted) is
-// quarantined as poison instead of crashing workers forever. A same-database
+// quarantined as poison instead of crashing workers forever; its caller gets
+// FAILURE billiard.exceptions.WorkerLostError, as from Celery when the
+// worker running a task dies. A same-database
 // claim dies with its transaction when the worker crashes, so on classic
 // queues each redelivery of a same-database message is counted in a
 // committed statement of its own (idempotency CountAttempt; first

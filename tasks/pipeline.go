@@ -85,12 +85,12 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	d := j.d
 	msg, err := w.dec.Decode(&d.Delivery)
 	if err != nil {
-		w.quarantine(ctx, j, ReasonUndecodable, err)
+		w.quarantineUndecodable(ctx, j, err)
 		return false
 	}
 	j.msg = msg
 	if d.DeliveryCount > w.cfg.MaxAttempts {
-		w.quarantine(ctx, j, ReasonPoison, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
+		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
 		return false
 	}
 	h, ok := w.reg.get(msg.Task)

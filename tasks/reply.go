@@ -3,6 +3,7 @@ package tasks
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -109,6 +110,42 @@ func (w *Worker) replyFailure(ctx context.Context, j *job, exc *celeryproto.Exce
 // (NotRegistered, as Celery does).
 func (w *Worker) replyAlways(ctx context.Context, j *job, r *celeryproto.Result) bool {
 	return w.publishResult(ctx, j, r)
+}
+
+// quarantinePoison answers a delivery that came too often (its task kept
+// dying with its worker, or its operation never got an outcome) and
+// quarantines it. The caller gets FAILURE WorkerLostError, as a Celery
+// caller does whose task's worker process died.
+func (w *Worker) quarantinePoison(ctx context.Context, j *job, cause error) {
+	exc := &celeryproto.Exception{Type: "WorkerLostError", Module: "billiard.exceptions",
+		Message: "quarantined as poison: " + cause.Error()}
+	if w.replyFailure(ctx, j, exc, cause) {
+		w.quarantine(ctx, j, ReasonPoison, cause)
+	}
+}
+
+// quarantineUndecodable answers a delivery whose body cannot be read (or is
+// pickle) when its caller can still be named, by the task id header (else
+// the correlation id) and reply_to, and quarantines it. The caller gets
+// FAILURE ContentDisallowed for pickle, DecodeError otherwise: what kombu
+// raises for such a body.
+func (w *Worker) quarantineUndecodable(ctx context.Context, j *job, cause error) {
+	d := j.d
+	id, _ := d.Headers["id"].(string)
+	if id == "" {
+		id = d.CorrelationID
+	}
+	if id != "" && d.ReplyTo != "" {
+		exc := &celeryproto.Exception{Type: "DecodeError", Module: "kombu.exceptions", Message: cause.Error()}
+		if errors.Is(cause, celeryproto.ErrPickle) {
+			exc.Type = "ContentDisallowed"
+		}
+		r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: cause.Error()}
+		if !w.publishResultTo(ctx, j, d.ReplyTo, r) {
+			return
+		}
+	}
+	w.quarantine(ctx, j, ReasonUndecodable, cause)
 }
 
 // quarantine moves the delivery to its queue's quarantine queue (published

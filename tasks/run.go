@@ -61,7 +61,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 			w.recordTrouble(ctx, j, "fail", err)
 			return
 		}
-		w.quarantine(ctx, j, ReasonPoison, perr)
+		w.quarantinePoison(ctx, j, perr)
 		return
 	}
 	j.attempt = claim.Attempt
