@@ -324,7 +324,7 @@
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming and its database answers). The Observer receives Celery's task
 // events (task-received, task-started, task-succeeded, task-failed,
-// task-retried, task-revoked, task-rejected) with Celery's fields, plus
+// task-retried, task-revoked) with Celery's fields, plus
 // onceler_duplicate on answers from the record and onceler_key_sha256 (on
 // the first event once the operation key is known; the task name, as in
 // Celery, on the first event, task-received).

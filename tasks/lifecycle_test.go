@@ -281,6 +281,45 @@ func (r *recorder) Event(_ context.Context, typ string, fields map[string]any) {
 	r.events = append(r.events, fields)
 }
 
+// TestEventsOfRefusedMessages: as from Celery's worker, an unknown task
+// gives task-failed NotRegistered('name') and no task-received, bad
+// arguments task-received then task-failed TypeError, and an expired
+// message task-revoked alone.
+func TestEventsOfRefusedMessages(t *testing.T) {
+	e := newEnv(t)
+	rec := &recorder{}
+	cfg := e.config()
+	cfg.Observer = rec
+	e.start(testRegistry(t, &effects{}), cfg)
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "t.nope", ID: taskID(1), ReplyTo: replyTo, CorrelationID: taskID(1)})
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(2), Args: []any{"x", 1}, ReplyTo: replyTo, CorrelationID: taskID(2)})
+	gone := &celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(3), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo, CorrelationID: taskID(3)}
+	gone.Expires = time.Now().Add(-time.Minute)
+	e.publish(gone)
+	results(t, replies, 3, 10*time.Second)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	got := map[string][]string{}
+	for _, ev := range rec.events {
+		id := fmt.Sprint(ev["uuid"])
+		s := fmt.Sprint(ev["type"])
+		if ev["type"] == "task-failed" {
+			s += " " + fmt.Sprint(ev["exception"])
+		}
+		got[id] = append(got[id], s)
+	}
+	for id, want := range map[string][]string{
+		taskID(1): {"task-failed NotRegistered('t.nope')"},
+		taskID(2): {"task-received", "task-failed TypeError('bad arguments for t.add: argument x: expected int64, got str')"},
+		taskID(3): {"task-revoked"},
+	} {
+		if fmt.Sprint(got[id]) != fmt.Sprint(want) {
+			t.Errorf("%s: events %q, want %q", id, got[id], want)
+		}
+	}
+}
+
 // TestObserverEvents: the Observer sees Celery's task events with their
 // fields, a duplicate marked onceler_duplicate, and never argument values
 // beyond Celery's own reprs or the operation key itself.

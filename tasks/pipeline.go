@@ -49,7 +49,7 @@ func (w *Worker) process(ctx context.Context, j *job) {
 		w.revokeDelivery(ctx, j, false)
 		return
 	}
-	if !msg.Expires.IsZero() && time.Now().After(msg.Expires) {
+	if expired(msg) {
 		w.revokeDelivery(ctx, j, true)
 		return
 	}
@@ -78,6 +78,11 @@ func (w *Worker) process(ctx context.Context, j *job) {
 	w.runOutside(ctx, j)
 }
 
+// expired reports whether msg's expiry has passed.
+func expired(msg *celeryproto.Message) bool {
+	return !msg.Expires.IsZero() && time.Now().After(msg.Expires)
+}
+
 // prepare decodes the delivery, finds its task, binds its arguments and
 // derives its operation key. It answers (quarantine, ack) and returns false
 // when the delivery cannot run.
@@ -97,10 +102,12 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
 		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
-		if w.wantEvents() {
-			w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-rejected"})
-		}
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
+		if w.wantEvents() {
+			// As Celery's consumer (on_unknown_task): task-failed, no
+			// task-received.
+			w.event(ctx, j, failedEvent("task-failed", msg.Task, exc))
+		}
 		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
 			return false
 		}
@@ -109,7 +116,9 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	}
 	j.h = h
 	w.m.received.WithLabelValues(h.name).Inc()
-	if w.wantEvents() {
+	if w.wantEvents() && !w.isRevoked(msg.ID) && !expired(msg) {
+		// A revoked or expired message gets task-revoked alone, as from
+		// Celery, whose worker looks at both before announcing a task.
 		w.event(ctx, j, receivedEvent(j))
 	}
 	args, err := h.bind(msg.Args, msg.Kwargs)
@@ -123,6 +132,9 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		}
 		w.log.Warn("bad arguments", w.fields(j, zap.Error(err))...)
 		exc := exceptionFor(err)
+		if w.wantEvents() {
+			w.event(ctx, j, failedEvent("task-failed", h.name, exc))
+		}
 		// As Celery's TypeError from the call: the failure goes along the
 		// workflow too.
 		if !w.replyFailure(ctx, j, exc, err) || !w.failWorkflow(ctx, j, exc, err.Error()) {
