@@ -104,7 +104,7 @@ func TestSameDBBackendTerminated(t *testing.T) {
 			e.publish(payMessage("t.credit", 0, "term-1", replyTo))
 			e.publish(payMessage("t.credit", 1, "term-2", replyTo))
 			e.publish(payMessage("t.credit", 2, "bad-1", replyTo))
-			res := results(t, replies, 4, 30*time.Second)
+			res := results(t, replies, 3, 30*time.Second)
 			for i, key := range []string{"term-1", "term-2"} {
 				if r := res[taskID(i)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
 					t.Errorf("%s: results %v, want one SUCCESS", key, r)
