@@ -124,13 +124,20 @@ func (s *Store) Hold(ctx context.Context, ref Ref, message []byte, reason string
 // Release makes the claim claimable again without counting a failure, for
 // a task that asked to be retried later.
 func (s *Store) Release(ctx context.Context, ref Ref) error {
-	tag, err := s.pool.Exec(ctx, s.q.release, ref.Task, ref.Key, string(ref.Token))
+	return s.execFenced(ctx, "release", ref, StatusFailed, s.q.release)
+}
+
+// execFenced runs sql, a write on the current claim ref ($1 task, $2 key,
+// $3 token), and explains a write that changed no row (nil when the record
+// already is in state done with ref's token: a repeated call).
+func (s *Store) execFenced(ctx context.Context, op string, ref Ref, done Status, sql string) error {
+	tag, err := s.pool.Exec(ctx, sql, ref.Task, ref.Key, string(ref.Token))
 	if err != nil {
-		return writeError("release", err)
+		return writeError(op, err)
 	}
 	if tag.RowsAffected() == 0 {
-		if err := s.checkFenced(ctx, ref, StatusFailed); err != nil {
-			return fmt.Errorf("release: %w", err)
+		if err := s.checkFenced(ctx, ref, done); err != nil {
+			return fmt.Errorf("%s: %w", op, err)
 		}
 	}
 	return nil
@@ -144,16 +151,7 @@ func (s *Store) Release(ctx context.Context, ref Ref) error {
 // let the next delivery run the effect again unasked. ErrFenced when ref is
 // no longer the current claim.
 func (s *Store) Lapse(ctx context.Context, ref Ref) error {
-	tag, err := s.pool.Exec(ctx, s.q.lapse, ref.Task, ref.Key, string(ref.Token))
-	if err != nil {
-		return writeError("lapse", err)
-	}
-	if tag.RowsAffected() == 0 {
-		if err := s.checkFenced(ctx, ref, StatusClaimed); err != nil {
-			return fmt.Errorf("lapse: %w", err)
-		}
-	}
-	return nil
+	return s.execFenced(ctx, "lapse", ref, StatusClaimed, s.q.lapse)
 }
 
 // Renew extends the lease of a current claim to now + lease. It fails with
