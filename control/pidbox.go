@@ -148,7 +148,7 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 			"worker_send_task_events":    c.TaskEvents(),
 			"event_exchange":             EventExchange,
 			"control_exchange":           "celery",
-			"worker_prefetch_multiplier": 1,
+			"worker_prefetch_multiplier": max(1, c.cfg.Prefetch/max(1, c.cfg.Concurrency)),
 		}, nil
 	case "clock":
 		return map[string]any{"clock": c.clock.Load()}, nil

@@ -95,6 +95,10 @@ type Config struct {
 	LogArguments bool
 }
 
+// DefaultConcurrency is Config.Concurrency's default: 4 × GOMAXPROCS, at
+// least 8. The default prefetch is 4 × the concurrency.
+func DefaultConcurrency() int { return max(8, 4*runtime.GOMAXPROCS(0)) }
+
 func (c *Config) setDefaults() error {
 	if len(c.Queues) == 0 {
 		c.Queues = []amqp.QueueSpec{amqp.CeleryQueue("celery")}
@@ -105,7 +109,7 @@ func (c *Config) setDefaults() error {
 		}
 	}
 	if c.Concurrency <= 0 {
-		c.Concurrency = max(8, 4*runtime.GOMAXPROCS(0))
+		c.Concurrency = DefaultConcurrency()
 	}
 	if c.Prefetch <= 0 {
 		c.Prefetch = c.Concurrency * 4

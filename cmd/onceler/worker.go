@@ -298,14 +298,23 @@ func (f *workerFlags) controlConfig(broker amqp.Config, node string, queues []am
 	if err != nil {
 		return control.Config{}, brokerError("worker", broker, err)
 	}
+	// What the worker will run with (tasks.Config's defaults), for
+	// 'celery inspect conf' and 'stats'.
+	concurrency, prefetch := f.concurrency, f.prefetch
+	if concurrency <= 0 {
+		concurrency = tasks.DefaultConcurrency()
+	}
+	if prefetch <= 0 {
+		prefetch = 4 * concurrency
+	}
 	return control.Config{
 		URL:         broker.URL,
 		TLS:         tc,
 		NodeName:    node,
 		TaskEvents:  f.events,
 		Queues:      control.QueuesFrom(queues),
-		Concurrency: f.concurrency,
-		Prefetch:    f.prefetch,
+		Concurrency: concurrency,
+		Prefetch:    prefetch,
 	}, nil
 }
 

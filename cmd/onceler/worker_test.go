@@ -38,13 +38,14 @@ func httpGet(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-// inspectPy asks one node, as "celery inspect" does, for ping and registered.
+// inspectPy asks one node, as "celery inspect" does, for ping, registered,
+// conf and stats.
 const inspectPy = `
 import json, os, sys
 from celery import Celery
 app = Celery("inspect", broker=os.environ["ONCELER_BROKER_URL"])
 i = app.control.inspect(destination=[sys.argv[1]], timeout=3)
-print(json.dumps({"ping": i.ping(), "registered": i.registered()}))
+print(json.dumps({"ping": i.ping(), "registered": i.registered(), "conf": i.conf(), "stats": i.stats()}))
 `
 
 // TestWorkerServesMetricsAndHealth checks /healthz, /readyz and /metrics of
@@ -80,6 +81,14 @@ func TestWorkerServesMetricsAndHealth(t *testing.T) {
 	got := celeryInspect(t, s.env, node)
 	if fmt.Sprint(got["ping"][node]) != "map[ok:pong]" || !strings.Contains(fmt.Sprint(got["registered"][node]), "demo.ledger.credit") {
 		t.Fatalf("celery inspect ping/registered of %s: %v", node, got)
+	}
+	// conf and stats give the concurrency the worker runs with (its
+	// default here), not the unset flag's 0.
+	conf, _ := got["conf"][node].(map[string]any)
+	stats, _ := got["stats"][node].(map[string]any)
+	pool, _ := stats["pool"].(map[string]any)
+	if c := conf["worker_concurrency"]; c == float64(0) || c == nil || fmt.Sprint(c) != fmt.Sprint(pool["max-concurrency"]) {
+		t.Errorf("inspect conf worker_concurrency %v, stats pool max-concurrency %v", c, pool["max-concurrency"])
 	}
 	_, metrics := httpGet(t, base+"/metrics")
 	for _, want := range []string{
