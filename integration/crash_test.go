@@ -120,8 +120,12 @@ func TestStopPastLeaseSameDB(t *testing.T) {
 // TestStopPastLeaseOutside stops (SIGSTOP) a worker in the middle of an
 // outside-system task (policy retry) past its lease; the producer re-sends
 // the operation; a second worker takes the stale claim over and completes
-// it. After SIGCONT the old owner is fenced: it may not complete, and the
-// record stays the second worker's. At most two effects (policy retry).
+// it. After SIGCONT the old owner's late writes are refused: the record
+// stays the second worker's completion. At most two effects (policy
+// retry). That a completion, renewal or release with a taken-over token is
+// refused while the new owner still holds the claim is proven against the
+// record itself (idempotency TestStaleTakeOverFencesOldOwner and the model
+// test).
 func TestStopPastLeaseOutside(t *testing.T) {
 	e := ownEnv(t, "ONCELER_HEARTBEAT=2s")
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1})
@@ -242,14 +246,20 @@ func hasStatus(rs []replay.Reply, s string) bool {
 // the worker must count its attempts some other way (outside the rolled
 // back transaction): the samedb_classic case asserts that it does.
 func TestPoisonCrashLoop(t *testing.T) {
+	// The bound is the worker's default MaxAttempts (5): an outside
+	// operation is quarantined at its 6th claim, so after 5 crashes; a
+	// same-database message when delivered (quorum) or redelivered
+	// (classic) more than 5 times, so after 6.
+	const limit = 5
 	cases := []struct {
 		name, task string
 		quorum     bool
 		effects    func(context.Context, demo.Querier, string) (int, error)
+		crashes    int
 	}{
-		{"outside_classic", demo.TaskCharge, false, demo.CountGatewayCalls},
-		{"samedb_quorum", demo.TaskCredit, true, demo.CountLedger},
-		{"samedb_classic", demo.TaskCredit, false, demo.CountLedger},
+		{"outside_classic", demo.TaskCharge, false, demo.CountGatewayCalls, limit},
+		{"samedb_quorum", demo.TaskCredit, true, demo.CountLedger, limit + 1},
+		{"samedb_classic", demo.TaskCredit, false, demo.CountLedger, limit + 1},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -287,6 +297,9 @@ func TestPoisonCrashLoop(t *testing.T) {
 			}
 			if n, err := e.StaleClaims(context.Background()); err != nil || n != 0 {
 				t.Errorf("stale claims %d (err %v)", n, err)
+			}
+			if crashes != c.crashes {
+				t.Errorf("quarantined after %d crashes, want %d (MaxAttempts %d)", crashes, c.crashes, limit)
 			}
 			t.Logf("quarantined after %d crashes", crashes)
 		})

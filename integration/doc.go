@@ -27,9 +27,11 @@
 //     twice.
 //   - TestStopPastLeaseSameDB, TestStopPastLeaseOutside: SIGSTOP past the
 //     lease (and the broker heartbeat), a second worker takes over, SIGCONT:
-//     the old owner's completion is refused (fenced) and its ack went with
-//     its channel; one effect for same-database tasks, at most two for
-//     policy retry.
+//     the old owner's late completion is refused (the record stays the
+//     second worker's) and its ack went with its channel; one effect for
+//     same-database tasks, at most two for policy retry. (Token fencing
+//     while the new owner still holds the claim is proven in package
+//     idempotency.)
 //   - TestPoisonAlwaysFails, TestPoisonCrashLoop: a task that always fails
 //     is answered FAILURE after a bounded number of attempts; one that kills
 //     its worker every time is quarantined as poison after the bounded

@@ -64,7 +64,7 @@ func TestStalePolicies(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	e.start(reg, e.config())
+	w := e.start(reg, e.config())
 	replyTo, replies := e.replyQueue()
 
 	cases := []struct {
@@ -128,6 +128,17 @@ func TestStalePolicies(t *testing.T) {
 	}
 	if lookups.Load() != 3 {
 		t.Errorf("lookup called %d times, want 3", lookups.Load())
+	}
+	for _, c := range []struct {
+		task, policy string
+		n            float64
+	}{{"p.retry", "retry", 1}, {"p.skip", "skip", 1}, {"p.hold", "hold", 1}, {"p.lookup", "lookup", 3}} {
+		if got := counter(w.w.m.stale.WithLabelValues(c.task, c.policy)); got != c.n {
+			t.Errorf("onceler_stale_claims_total{task=%q,policy=%q} = %v, want %v", c.task, c.policy, got, c.n)
+		}
+	}
+	if got := counter(w.w.m.held.WithLabelValues("p.hold")); got != 1 {
+		t.Errorf("onceler_held_total{task=\"p.hold\"} = %v, want 1", got)
 	}
 }
 

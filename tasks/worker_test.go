@@ -155,7 +155,7 @@ func TestPythonCeleryEndToEnd(t *testing.T) {
 func TestQuarantine(t *testing.T) {
 	e := newEnv(t)
 	fx := &effects{}
-	e.start(testRegistry(t, fx), e.config())
+	r := e.start(testRegistry(t, fx), e.config())
 
 	e.publishRaw(&celeryproto.Publishing{ContentType: "application/json", ContentEncoding: "utf-8",
 		Body: []byte("{not json"), Headers: map[string]any{"task": "t.add", "id": taskID(1), "lang": "py"}})
@@ -209,9 +209,12 @@ func TestQuarantine(t *testing.T) {
 		t.Logf("quarantined: reason=%s detail=%s", d.reason, d.detail)
 	}
 	want := map[string]int{ReasonUndecodable: 2, ReasonUnknownTask: 1, ReasonBadArguments: 2, ReasonMismatch: 1}
-	for r, n := range want {
-		if reasons[r] != n {
-			t.Errorf("quarantine reason %s: %d messages, want %d (all: %v)", r, reasons[r], n, reasons)
+	for reason, n := range want {
+		if reasons[reason] != n {
+			t.Errorf("quarantine reason %s: %d messages, want %d (all: %v)", reason, reasons[reason], n, reasons)
+		}
+		if c := counter(r.w.m.quarantined.WithLabelValues(reason)); c != float64(n) {
+			t.Errorf("onceler_quarantined_total{reason=%q} = %v, want %d", reason, c, n)
 		}
 	}
 	for _, d := range got {
@@ -439,6 +442,13 @@ func TestDuplicatesTwoWorkers(t *testing.T) {
 	}
 	if dups != keys*(repeats-1) {
 		t.Errorf("repeats report: %d duplicates, want %d (%+v)", dups, keys*(repeats-1), rep)
+	}
+	// The workers' counters agree: each operation ran once, on one of them,
+	// and every other delivery was answered from the record.
+	ran := counter(w1.w.m.succeeded.WithLabelValues("t.pay_slow")) + counter(w2.w.m.succeeded.WithLabelValues("t.pay_slow"))
+	suppressed := counter(w1.w.m.duplicates.WithLabelValues("t.pay_slow")) + counter(w2.w.m.duplicates.WithLabelValues("t.pay_slow"))
+	if ran != keys || suppressed != keys*(repeats-1) {
+		t.Errorf("counters: %v succeeded, %v duplicates suppressed; want %d and %d", ran, suppressed, keys, keys*(repeats-1))
 	}
 }
 

@@ -51,7 +51,9 @@ func TestOwnBinary(t *testing.T) {
 
 // Example shows the test to write for a task of your own, served by a
 // binary of your own that reads the ONCELER_* settings (see the package
-// documentation); "go test" runs it.
+// documentation). It names a module of yours, so here it is only compiled:
+// put testReplay's body in a TestXxx of your module, where "go test" runs
+// it (integration/replay_test.go does so for the demo tasks).
 func Example() {
 	testReplay := func(t *testing.T) {
 		bin, err := replay.Build(context.Background(), t.TempDir(), "example.com/billing/cmd/worker")
