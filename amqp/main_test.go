@@ -87,7 +87,7 @@ func closeConnection(t *testing.T, prefix string) int {
 	}
 	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
 	if err != nil {
-		t.Skipf("rabbitmqctl unavailable: %v: %s", err, out)
+		testenv.Unavailable(t, "rabbitmqctl: %v: %s", err, out)
 	}
 	n := 0
 	for _, line := range strings.Split(string(out), "\n") {

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/internal/testenv"
 )
 
 // closeConnection closes, from the broker side, the connection this test's
@@ -19,7 +21,7 @@ func closeConnection(t *testing.T, name string) {
 	}
 	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
 	if err != nil {
-		t.Skipf("rabbitmqctl unavailable: %v: %s", err, out)
+		testenv.Unavailable(t, "rabbitmqctl: %v: %s", err, out)
 	}
 	n := 0
 	for _, line := range strings.Split(string(out), "\n") {

@@ -183,6 +183,7 @@ func TestPurgeBoundedNeverClaimedOrHeld(t *testing.T) {
 	mustClaim(t, e.store, claimed, idempotency.OutcomeFirst)
 	heldP := params("old", "held")
 	c := mustClaim(t, e.store, heldP, idempotency.OutcomeFirst)
+	e.expire(t, "old", "held") // a claim is held once its lease has lapsed
 	if err := e.store.Hold(ctx, heldP.Ref(c.Token), nil, "x"); err != nil {
 		t.Fatal(err)
 	}

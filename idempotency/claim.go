@@ -206,7 +206,7 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 	case PolicyRetry:
 		return s.TakeOver(ctx, p)
 	case PolicySkip:
-		return s.settle(ctx, p, p.Ref(stale.Token), PolicySkip, reason, stale)
+		return s.settle(ctx, p, p.Ref(stale.Token), PolicySkip, reason, stale, true)
 	case PolicyLookup:
 		if sp.Lookup == nil {
 			return Claim{}, errors.New("idempotency: policy lookup without a lookup function")
@@ -232,26 +232,29 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 		case PolicyRetry:
 			return c, nil
 		case PolicySkip:
-			return s.settle(ctx, p, p.Ref(c.Token), PolicySkip, reason+" (lookup failed)", c)
+			return s.settle(ctx, p, p.Ref(c.Token), PolicySkip, reason+" (lookup failed)", c, false)
 		default:
-			return s.settle(ctx, p, p.Ref(c.Token), PolicyHold, reason+" (lookup failed)", c)
+			return s.settle(ctx, p, p.Ref(c.Token), PolicyHold, reason+" (lookup failed)", c, false)
 		}
 	default:
-		return s.settle(ctx, p, p.Ref(stale.Token), PolicyHold, reason, stale)
+		return s.settle(ctx, p, p.Ref(stale.Token), PolicyHold, reason, stale, true)
 	}
 }
 
 // Ref returns the Ref of this operation with token t.
 func (p ClaimParams) Ref(t Token) Ref { return Ref{Task: p.Task, Key: p.Key, Token: t} }
 
-// settle records the claim ref as skipped or held; when another delivery
-// moved the record first, it reports the record as Claim finds it now.
-func (s *Store) settle(ctx context.Context, p ClaimParams, ref Ref, pol Policy, reason string, c Claim) (Claim, error) {
+// settle records the claim ref as skipped or held (lapsedOnly: a stale
+// claim of another delivery, settled only while its lease is over; false:
+// the caller's own takeover); when another delivery moved the record first,
+// or the stale claim's owner claimed it again, it reports the record as
+// Claim finds it now.
+func (s *Store) settle(ctx context.Context, p ClaimParams, ref Ref, pol Policy, reason string, c Claim, lapsedOnly bool) (Claim, error) {
 	var err error
 	if pol == PolicySkip {
-		err = s.Skip(ctx, ref, reason)
+		err = s.skip(ctx, ref, reason, lapsedOnly)
 	} else {
-		err = s.Hold(ctx, ref, p.Message, reason)
+		err = s.hold(ctx, ref, p.Message, reason, lapsedOnly)
 	}
 	switch {
 	case err == nil:

@@ -45,7 +45,7 @@ func TestDeadConnectionDetectionSockets(t *testing.T) {
 		t.Fatal(err)
 	}
 	if cfg.ConnConfig.Host == "" || cfg.ConnConfig.Host[0] == '/' {
-		t.Skip("PostgreSQL is reached through a Unix socket")
+		testenv.Unavailable(t, "PostgreSQL is reached through a Unix socket, not TCP")
 	}
 	idempotency.ConfigureDeadConnectionDetection(cfg, 6*time.Second)
 	if cfg.PingTimeout != 6*time.Second {

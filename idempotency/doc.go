@@ -48,6 +48,11 @@
 //     kept message for republishing.
 //   - skipped: a stale claim was abandoned by policy (the rare miss).
 //
+// Skip and Hold settle only a claim whose lease has lapsed (a stale view
+// cannot settle a claim its owner has claimed again), and they change the
+// record's token, so the old owner's late Complete or Fail is fenced, also
+// after a person resolved the record.
+//
 // Purge deletes old completed, failed and skipped records in bounded
 // batches; it never touches claimed or held ones. PurgeParams.DryRun counts
 // what it would delete, per task and status, and deletes nothing.

@@ -110,15 +110,30 @@ func (s *Store) Fail(ctx context.Context, ref Ref, errText string) error {
 	return s.fenced(ctx, "fail", ref, StatusFailed, s.q.fail, ref.Task, ref.Key, string(ref.Token), errText)
 }
 
-// Skip records the claim as skipped (abandoned by policy); counted.
+// Skip records the claim ref, whose lease has lapsed, as skipped (abandoned
+// by policy); counted. ErrFenced when ref is no longer the current claim or
+// its lease has not lapsed (its owner claimed it again). The record's token
+// changes: the old owner's late writes are fenced.
 func (s *Store) Skip(ctx context.Context, ref Ref, reason string) error {
-	return s.fenced(ctx, "skip", ref, StatusSkipped, s.q.skip, ref.Task, ref.Key, string(ref.Token), reason)
+	return s.skip(ctx, ref, reason, true)
 }
 
-// Hold records the claim as held for a person to resolve, keeping message
-// (when not nil) to replay it; counted.
+// Hold records the claim ref, whose lease has lapsed, as held for a person
+// to resolve, keeping message (when not nil) to replay it; counted. As Skip,
+// ErrFenced when ref is not current or its lease has not lapsed.
 func (s *Store) Hold(ctx context.Context, ref Ref, message []byte, reason string) error {
-	return s.fenced(ctx, "hold", ref, StatusHeld, s.q.hold, ref.Task, ref.Key, string(ref.Token), message, reason)
+	return s.hold(ctx, ref, message, reason, true)
+}
+
+// skip is Skip; lapsedOnly false settles the caller's own live claim (a
+// takeover whose lookup failed).
+func (s *Store) skip(ctx context.Context, ref Ref, reason string, lapsedOnly bool) error {
+	return s.fenced(ctx, "skip", ref, StatusSkipped, s.q.skip, ref.Task, ref.Key, string(ref.Token), reason, lapsedOnly)
+}
+
+// hold is Hold; lapsedOnly as for skip.
+func (s *Store) hold(ctx context.Context, ref Ref, message []byte, reason string, lapsedOnly bool) error {
+	return s.fenced(ctx, "hold", ref, StatusHeld, s.q.hold, ref.Task, ref.Key, string(ref.Token), message, reason, lapsedOnly)
 }
 
 // Release makes the claim claimable again without counting a failure, for

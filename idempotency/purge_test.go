@@ -50,6 +50,7 @@ func TestPurgeDryRunCountsWhatPurgeDeletes(t *testing.T) {
 	mustClaim(t, e.store, params("purge.a", "claimed"), idempotency.OutcomeFirst)
 	heldP := params("purge.b", "held")
 	c := mustClaim(t, e.store, heldP, idempotency.OutcomeFirst)
+	e.expire(t, "purge.b", "held") // a claim is held once its lease has lapsed
 	if err := e.store.Hold(ctx, heldP.Ref(c.Token), nil, "x"); err != nil {
 		t.Fatal(err)
 	}

@@ -130,12 +130,12 @@ func newQueries(schema string) queries {
         lease_until, completed_at, updated_at, result, error, reason, duplicate_count,
         last_duplicate_at, message`
 	// endClaim ends the current claim ($1 task, $2 key, $3 token) with the
-	// assignments of set, logs an event of kind, and counts the rows it
-	// changed (0: the claim is no longer current).
-	endClaim := func(set, kind string) string {
+	// assignments of set (where: more conditions), logs an event of kind,
+	// and counts the rows it changed (0: the claim is no longer current).
+	endClaim := func(set, kind string, where ...string) string {
 		return fill(`WITH up AS (
     UPDATE {S}.records SET ` + set + `, lease_until = NULL, updated_at = now()
-    WHERE ` + currentClaim + `
+    WHERE ` + currentClaim + strings.Join(where, "") + `
     RETURNING task, key
 ), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, '` + kind + `' FROM up)
 SELECT count(*) FROM up`)
@@ -154,8 +154,16 @@ WHERE ` + currentClaim),
 		release: fill(`UPDATE {S}.records SET status = 'failed', error = '', reason = 'released',
     lease_until = NULL, updated_at = now()
 WHERE ` + currentClaim),
-		skip:  endClaim(`status = 'skipped', reason = $4`, "skipped"),
-		hold:  endClaim(`status = 'held', reason = $5, message = COALESCE($4, message)`, "held"),
+		// Skip and hold settle a claim another delivery left stale ($5, $6
+		// true: only once its lease has lapsed, so a stale view cannot settle
+		// a claim its owner has since claimed again), or the caller's own
+		// fresh takeover (false). The token changes with the settlement, so
+		// that the old owner's late Complete or Fail is told it is fenced,
+		// also after a person resolves the record.
+		skip: endClaim(`status = 'skipped', reason = $4, token = 'settled:' || token`, "skipped",
+			` AND (NOT $5::bool OR lease_until <= now())`),
+		hold: endClaim(`status = 'held', reason = $5, message = COALESCE($4, message), token = 'settled:' || token`, "held",
+			` AND (NOT $6::bool OR lease_until <= now())`),
 		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),
 		get:   fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
 		list: fill(`SELECT ` + cols + ` FROM {S}.records

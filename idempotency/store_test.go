@@ -214,6 +214,72 @@ func TestLapseLeavesClaimStale(t *testing.T) {
 	})
 }
 
+// A stale view cannot settle a live claim: A's claim (token T) had its
+// answer lost and lapsed, B found it stale, then A claimed again with T (its
+// own: first, a new lease). B's skip or hold is refused, B is told the
+// operation is in progress, and A completes.
+func TestSettleRefusesALiveClaim(t *testing.T) {
+	for _, pol := range []idempotency.Policy{idempotency.PolicySkip, idempotency.PolicyHold} {
+		t.Run(pol.String(), func(t *testing.T) {
+			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
+			ctx := context.Background()
+			a := params("mail", "k")
+			a.Token = idempotency.NewToken()
+			mustClaim(t, e.store, a, idempotency.OutcomeFirst)
+			e.expire(t, "mail", "k")
+			b := params("mail", "k")
+			b.Owner = "node2"
+			stale := mustClaim(t, e.store, b, idempotency.OutcomeStale)
+			ca := mustClaim(t, e.store, a, idempotency.OutcomeFirst)
+			cb, err := e.store.ApplyPolicy(ctx, b, stale, idempotency.StalePolicy{Policy: pol})
+			if err != nil || cb.Outcome != idempotency.OutcomeInProgress {
+				t.Fatalf("B's %s on A's live claim: %+v %v, want in progress", pol, cb, err)
+			}
+			if err := e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"sent"`)); err != nil {
+				t.Fatalf("A's completion: %v", err)
+			}
+			if r := e.get(t, "mail", "k"); r.Status != idempotency.StatusCompleted || string(r.Result) != `"sent"` {
+				t.Fatalf("record %s %s, want completed by A", r.Status, r.Result)
+			}
+		})
+	}
+}
+
+// Once B's policy held A's lapsed claim, A's late Complete or Fail is
+// fenced, also after a person resolved the record to the state A's call
+// would have written.
+func TestSettledClaimFencesItsOldOwner(t *testing.T) {
+	for _, completed := range []bool{true, false} {
+		t.Run(fmt.Sprintf("resolved_completed=%v", completed), func(t *testing.T) {
+			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
+			ctx := context.Background()
+			a := params("mail", "k")
+			ca := mustClaim(t, e.store, a, idempotency.OutcomeFirst)
+			e.expire(t, "mail", "k")
+			b := params("mail", "k")
+			stale := mustClaim(t, e.store, b, idempotency.OutcomeStale)
+			if c, err := e.store.ApplyPolicy(ctx, b, stale, idempotency.StalePolicy{Policy: idempotency.PolicyHold}); err != nil || c.Outcome != idempotency.OutcomeHeld {
+				t.Fatalf("hold: %+v %v", c, err)
+			}
+			var err error
+			if completed {
+				if err := e.store.ResolveCompleted(ctx, "mail", "k", []byte(`"by a person"`)); err != nil {
+					t.Fatal(err)
+				}
+				err = e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"A's result"`))
+			} else {
+				if _, err := e.store.ResolveRetry(ctx, "mail", "k"); err != nil {
+					t.Fatal(err)
+				}
+				err = e.store.Fail(ctx, a.Ref(ca.Token), "A failed")
+			}
+			if !errors.Is(err, idempotency.ErrFenced) {
+				t.Errorf("the held claim's old owner: %v, want ErrFenced", err)
+			}
+		})
+	}
+}
+
 func TestConcurrentClaimsExactlyOneFirst(t *testing.T) {
 	both(t, func(t *testing.T, e *env) {
 		const n = 50

@@ -22,7 +22,7 @@ func connectionPIDs(t *testing.T, prefix string) []string {
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "rabbitmqctl", "-q", "list_connections", "pid", "client_properties").Output()
 	if err != nil {
-		t.Skipf("rabbitmqctl list_connections: %v", err)
+		testenv.Unavailable(t, "rabbitmqctl list_connections: %v", err)
 	}
 	var pids []string
 	for _, line := range strings.Split(string(out), "\n") {

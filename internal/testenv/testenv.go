@@ -35,6 +35,18 @@ const (
 // Required reports whether missing services must fail tests rather than skip them.
 func Required() bool { return os.Getenv("ONCELER_REQUIRE_SERVICES") == "1" }
 
+// Unavailable skips tb because something it needs is missing (a tool such
+// as rabbitmqctl, a TCP connection to the database), or fails it when
+// services are required (ONCELER_REQUIRE_SERVICES=1), as in CI, so that
+// nothing is skipped there unseen.
+func Unavailable(tb testing.TB, format string, args ...any) {
+	tb.Helper()
+	if Required() {
+		tb.Fatalf("required (ONCELER_REQUIRE_SERVICES=1) but unavailable: "+format, args...)
+	}
+	tb.Skipf(format, args...)
+}
+
 type found struct {
 	once sync.Once
 	url  string
