@@ -190,7 +190,11 @@ type StalePolicy struct {
 // when the caller must run the task, OutcomeCompleted when the lookup found
 // the operation done (recorded with its result), OutcomeSkipped or
 // OutcomeHeld when recorded so, or whatever another delivery got to first
-// (for example OutcomeInProgress when it won the takeover).
+// (for example OutcomeInProgress when it won the takeover). On an error the
+// policy may have taken the claim over with p.Token and failed after (the
+// completion after a lookup, a fallback hold): claim again with a new
+// token, or the claim would be the caller's own and run the task whatever
+// the policy decided.
 func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp StalePolicy) (Claim, error) {
 	if err := p.validate(); err != nil {
 		return Claim{}, err

@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -254,6 +255,63 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 // own: the task runs once and completes, under attempt 1. Before, it found
 // its own claim in progress, waited for the lease to lapse and applied the
 // stale-claim policy to itself (hold: held, skip: skipped, nothing run).
+// TestFailedPolicyStepDecidesAgain: the lookup policy takes a stale claim
+// over with the delivery's token, the lookup finds the operation done, and
+// the completion that records it fails (its statement never reaches the
+// server). The delivery must not then claim again with that token, which
+// would be its own and run the task: with a new token it finds the
+// takeover in progress, then stale, and the policy decides again.
+func TestFailedPolicyStepDecidesAgain(t *testing.T) {
+	e := newEnv(t)
+	pool, proxy := testenv.ProxiedPool(t)
+	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(store.Close)
+	fx := &effects{}
+	var lookups atomic.Int32
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "p.lookup", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyHold,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		Run: func(_ context.Context, c *Call, a payArgs) (any, error) {
+			fx.add(c.Reference)
+			return map[string]any{"ran": a.OrderID}, nil
+		},
+		Lookup: func(_ context.Context, _ *Call, a payArgs) (any, bool, error) {
+			lookups.Add(1)
+			return map[string]any{"found": "gateway-says-done"}, true, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Store, cfg.Pool = store, pool
+	cfg.Lease = time.Second
+	e.start(reg, cfg)
+	replyTo, replies := e.replyQueue()
+	order := "lookup-then-cut"
+	kwargs := map[string]any{"order_id": order, "amount": int64(100)}
+	e.staleClaim("p.lookup", order, kwargs)
+	proxy.ArmDrop("gateway-says-done") // the completion after the lookup
+	m := payMessage("p.lookup", 1, order, replyTo)
+	e.publish(m)
+	r := results(t, replies, 1, 30*time.Second)[m.ID][0]
+	if body, _ := jsonString(r["result"]); r["status"] != "SUCCESS" || !strings.Contains(body, "gateway-says-done") {
+		t.Errorf("reply %v, want SUCCESS with the looked-up result", r)
+	}
+	if n := len(fx.snapshot()); n != 0 {
+		t.Errorf("the task ran %d times although the lookup found the operation done", n)
+	}
+	if n := lookups.Load(); n != 2 {
+		t.Errorf("%d lookups, want 2 (the completion of the first failed)", n)
+	}
+	rec, err := e.store.Get(context.Background(), "p.lookup", order)
+	if err != nil || rec.Status != idempotency.StatusCompleted {
+		t.Errorf("record %+v %v, want completed", rec.Status, err)
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
 func TestLostClaimAnswer(t *testing.T) {
 	e := newEnv(t)
 	pool, proxy := testenv.ProxiedPool(t)

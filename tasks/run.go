@@ -39,6 +39,14 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	if claim.Outcome == idempotency.OutcomeStale {
 		claim, err = w.applyPolicy(ctx, j, p, claim)
 		if err != nil {
+			// The policy may have taken the claim over with this delivery's
+			// token and failed after (the completion after a lookup, a
+			// fallback hold): a claim with that token would be this
+			// delivery's own and run the task, whatever the policy decided.
+			// The next claim takes a new token and finds the record as the
+			// policy left it (once its lease lapses, stale again: the policy
+			// decides again).
+			j.claimToken = ""
 			w.recordTrouble(ctx, j, "stale policy", err)
 			return
 		}

@@ -23,6 +23,7 @@ type CutProxy struct {
 	target string
 	mu     sync.Mutex
 	arm    []byte
+	drop   bool // the armed write is not passed on: it never reaches the server
 	lost   int
 	conns  []net.Conn
 	wg     sync.WaitGroup
@@ -58,7 +59,17 @@ func (p *CutProxy) Addr() string { return p.ln.Addr().String() }
 func (p *CutProxy) Arm(pattern string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.arm = []byte(pattern)
+	p.arm, p.drop = []byte(pattern), false
+}
+
+// ArmDrop makes the proxy cut the connection of the next client write that
+// contains pattern, once, without passing that write on: it never reaches
+// the server (a statement that failed for certain, not one whose answer was
+// lost).
+func (p *CutProxy) ArmDrop(pattern string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.arm, p.drop = []byte(pattern), true
 }
 
 // Lost is how many of the cut connections' last writes the server answered
@@ -135,10 +146,16 @@ func (p *CutProxy) forward(c, s net.Conn, cut chan<- struct{}) {
 		if n > 0 {
 			p.mu.Lock()
 			hit := len(p.arm) > 0 && bytes.Contains(buf[:n], p.arm)
+			drop := hit && p.drop
 			if hit {
 				p.arm = nil
 			}
 			p.mu.Unlock()
+			if drop {
+				_ = c.Close()
+				_ = s.Close()
+				return
+			}
 			if hit {
 				close(cut)
 				_ = s.SetReadDeadline(time.Now().Add(5 * time.Second))
