@@ -264,7 +264,9 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		if m.run(tx) != nil {
+		if m.run(tx) != nil || failedTx(tx) {
+			// A function that failed, or returned with the transaction
+			// failed (it caught its statement's error): member by member.
 			return false, nil
 		}
 	}
@@ -324,7 +326,21 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		if ferr := m.run(tx); ferr != nil {
+		ferr := m.run(tx)
+		if ferr == nil {
+			// Releasing the savepoint keeps the next member's rollback to its
+			// own, and finds a function that returned but left the
+			// transaction aborted (it caught its statement's error): that
+			// member fails, as its completion would in a transaction of its
+			// own, and the others go on.
+			if _, rerr := tx.Exec(ctx, "RELEASE SAVEPOINT onceler_task"); rerr != nil {
+				if !isServerError(rerr) {
+					return lost("release savepoint", rerr)
+				}
+				ferr = fmt.Errorf("run tx: the task returned with its transaction failed: %w", rerr)
+			}
+		}
+		if ferr != nil {
 			// As in a transaction of its own: no record, no effect.
 			m.commit, m.claim, m.err = false, Claim{}, ferr
 			if _, rerr := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT onceler_task"); rerr != nil {
@@ -386,6 +402,10 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 	}
 	return nil
 }
+
+// failedTx reports whether tx is in a failed state: a statement in it
+// failed, and the server refuses all but a rollback.
+func failedTx(tx pgx.Tx) bool { return tx.Conn().PgConn().TxStatus() == 'E' }
 
 // isServerError reports an error the server answered with: the connection
 // and the transaction (after a rollback to a savepoint) are still usable.

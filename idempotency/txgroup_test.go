@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -118,5 +119,69 @@ func TestRunTxGroupCancelled(t *testing.T) {
 	}
 	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records`); got != 0 {
 		t.Fatalf("%d records written", got)
+	}
+}
+
+// TestRunTxGroupAbortedByAMember: a member's function that catches its
+// statement's error and returns leaves the group's transaction failed. As in
+// a transaction of its own, that member fails; the others of its group
+// commit and are answered as their own (not fenced).
+func TestRunTxGroupAbortedByAMember(t *testing.T) {
+	for _, write := range []bool{false, true} {
+		t.Run(fmt.Sprintf("effects=%v", write), func(t *testing.T) {
+			e := newEnv(t, idempotency.BatchConfig{GroupTx: 8, GroupFlushers: 1})
+			tbl := e.effects(t)
+			ctx := context.Background()
+			release := make(chan struct{})
+			var wg sync.WaitGroup
+			// A blocker holds the only group flusher, so that the next four
+			// queue into one group.
+			wg.Go(func() {
+				if _, err := e.store.RunTx(ctx, params("credit", "0"), func(context.Context, pgx.Tx) ([]byte, error) {
+					<-release
+					return []byte(`0`), nil
+				}); err != nil {
+					t.Errorf("blocker: %v", err)
+				}
+			})
+			time.Sleep(100 * time.Millisecond)
+			keys := []string{"a", "b", "c", "d"}
+			errs := make([]error, len(keys))
+			claims := make([]idempotency.Claim, len(keys))
+			for i, k := range keys {
+				wg.Go(func() {
+					claims[i], errs[i] = e.store.RunTx(ctx, params("credit", k), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+						if write {
+							if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k); err != nil {
+								return nil, err
+							}
+						}
+						if k == "b" {
+							var x int
+							_ = tx.QueryRow(ctx, `SELECT 1/0`).Scan(&x) // the error is swallowed
+						}
+						return []byte(`1`), nil
+					})
+				})
+			}
+			time.Sleep(200 * time.Millisecond)
+			close(release)
+			wg.Wait()
+			for i, k := range keys {
+				switch {
+				case k == "b" && errs[i] == nil:
+					t.Errorf("member b, whose transaction failed, succeeded: %+v", claims[i])
+				case k != "b" && (errs[i] != nil || claims[i].Outcome != idempotency.OutcomeFirst):
+					t.Errorf("member %s: %+v %v, want its own success", k, claims[i], errs[i])
+				}
+			}
+			want := 0
+			if write {
+				want = 3
+			}
+			if n := e.count(t, `SELECT count(*) FROM `+tbl); n != want {
+				t.Errorf("%d effects committed, want %d (a, c, d)", n, want)
+			}
+		})
 	}
 }
