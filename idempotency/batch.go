@@ -131,20 +131,23 @@ func (b *batcher) close() {
 	b.mu.Unlock()
 	close(b.quit)
 	b.wg.Wait()
+	// Under the lock, as a caller's cancel marks its op (done has room for
+	// the one answer, so nothing blocks).
 	b.mu.Lock()
-	claims, completes := b.claims, b.completes
-	b.claims, b.completes = nil, nil
-	b.mu.Unlock()
-	for _, op := range claims {
+	defer b.mu.Unlock()
+	for _, op := range b.claims {
 		if op.state == opQueued {
+			op.state = opTaken
 			op.done <- claimResult{err: ErrClosed}
 		}
 	}
-	for _, op := range completes {
+	for _, op := range b.completes {
 		if op.state == opQueued {
+			op.state = opTaken
 			op.done <- completeResult{err: ErrClosed}
 		}
 	}
+	b.claims, b.completes = nil, nil
 }
 
 // enqueue adds an op under the lock and says whether the caller leads: when

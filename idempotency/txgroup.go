@@ -67,15 +67,17 @@ func (g *txGroup) close() {
 	g.closed = true
 	g.mu.Unlock()
 	g.wg.Wait()
+	// Under the lock, as a caller's cancel marks its op (done has room for
+	// the one answer).
 	g.mu.Lock()
-	q := g.queue
-	g.queue = nil
-	g.mu.Unlock()
-	for _, op := range q {
+	defer g.mu.Unlock()
+	for _, op := range g.queue {
 		if op.state == opQueued {
+			op.state = opTaken
 			op.done <- txResult{err: ErrClosed}
 		}
 	}
+	g.queue = nil
 }
 
 func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
