@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -47,7 +48,7 @@ func IsRetryable(err error) bool {
 			"53300": // too many connections
 			return true
 		}
-		return pgErr.SQLState()[:2] == "08" // connection exception
+		return strings.HasPrefix(pgErr.SQLState(), "08") // connection exception
 	}
 	if pgconn.SafeToRetry(err) {
 		return true

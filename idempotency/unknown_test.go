@@ -2,12 +2,12 @@ package idempotency_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
@@ -145,7 +145,12 @@ func TestIsRetryable(t *testing.T) {
 	if idempotency.IsRetryable(err) || idempotency.IsRetryable(nil) || idempotency.IsRetryable(idempotency.ErrFenced) {
 		t.Fatal("permanent errors reported retryable")
 	}
-	if !errors.Is(err, err) {
-		t.Fatal("unreachable")
+	// Errors a task builds by hand: a connection exception class is
+	// retryable; a PostgreSQL error without a code is not (and no panic).
+	if !idempotency.IsRetryable(fmt.Errorf("wrapped: %w", &pgconn.PgError{Code: "08006"})) {
+		t.Error("connection failure (08006) not retryable")
+	}
+	if idempotency.IsRetryable(&pgconn.PgError{Message: "no code"}) {
+		t.Error("a PostgreSQL error without a code reported retryable")
 	}
 }
