@@ -264,11 +264,7 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 func TestFailedPolicyStepDecidesAgain(t *testing.T) {
 	e := newEnv(t)
 	pool, proxy := testenv.ProxiedPool(t)
-	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(store.Close)
+	store := e.storeOn(pool, idempotency.BatchConfig{})
 	fx := &effects{}
 	var lookups atomic.Int32
 	reg := NewRegistry()
@@ -315,11 +311,7 @@ func TestFailedPolicyStepDecidesAgain(t *testing.T) {
 func TestLostClaimAnswer(t *testing.T) {
 	e := newEnv(t)
 	pool, proxy := testenv.ProxiedPool(t)
-	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(store.Close)
+	store := e.storeOn(pool, idempotency.BatchConfig{})
 	fx := &effects{}
 	reg := NewRegistry()
 	for _, tk := range []Task[payArgs]{{Name: "p.hold", Policy: PolicyHold}, {Name: "p.skip", Policy: PolicySkip}} {

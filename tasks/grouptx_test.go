@@ -22,12 +22,7 @@ import (
 // FAILURE where it rolled back), never the failure of a call that was rolled back.
 func TestGroupTxAnswersTheLastCall(t *testing.T) {
 	e := newEnv(t)
-	store, err := idempotency.New(testenv.Pool(t), idempotency.Config{Schema: e.schema,
-		Batch: idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(store.Close)
+	store := e.storeOn(testenv.Pool(t), idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1})
 	var mu sync.Mutex
 	calls := map[string]int{}
 	reg := NewRegistry()

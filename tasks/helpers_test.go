@@ -80,6 +80,18 @@ func newEnv(t *testing.T) *env {
 	return e
 }
 
+// storeOn opens a store of the env's record schema on pool, with batch;
+// it closes when the test ends.
+func (e *env) storeOn(pool *pgxpool.Pool, batch idempotency.BatchConfig) *idempotency.Store {
+	e.t.Helper()
+	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema, Batch: batch})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(s.Close)
+	return s
+}
+
 func (e *env) config() Config {
 	return Config{
 		Broker: amqp.Config{URL: e.url, Name: testenv.Name("worker"), MinBackoff: 50 * time.Millisecond, MaxBackoff: time.Second,
