@@ -69,6 +69,10 @@ func (e *recordEnv) hold(t *testing.T, task, key string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Its worker died: the lease lapsed, and the policy holds it.
+	if _, err := e.pool.Exec(ctx, `UPDATE `+e.schema+`.records SET lease_until = now() - interval '1 second' WHERE task = $1 AND key = $2`, task, key); err != nil {
+		t.Fatal(err)
+	}
 	if err := e.store.Hold(ctx, p.Ref(c.Token), nil, "stale claim, policy hold"); err != nil {
 		t.Fatal(err)
 	}
