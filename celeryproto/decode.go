@@ -186,9 +186,9 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 		var err error
 		switch k {
 		case "task":
-			m.Task, err = str(k, v)
+			m.Task, err = text(k, v)
 		case "id":
-			m.ID, err = str(k, v)
+			m.ID, err = text(k, v)
 		case "shadow":
 			m.Shadow, err = str(k, v)
 		case "root_id":
@@ -210,6 +210,9 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 		case "retries":
 			var n int64
 			n, _, err = intValue(k, v)
+			if err == nil && (n < 0 || n > maxRetries) {
+				err = decodeErr(ErrBadHeader, nil, "retries must be from 0 to %d, got %d", maxRetries, n)
+			}
 			m.Retries = int(n)
 		case "group_index":
 			var n int64

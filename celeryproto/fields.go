@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // Field readers: each accepts what the wire may hold for a field (header
@@ -14,6 +16,20 @@ import (
 func badField(k string, v any, want string) error {
 	return decodeErr(ErrBadHeader, nil, "%s must be %s, got %s", k, want, typeName(v))
 }
+
+// text is str for a field kept as text in PostgreSQL (the task name and
+// id, in the record): valid UTF-8 without NUL, which the database refuses.
+func text(k string, v any) (string, error) {
+	s, err := str(k, v)
+	if err == nil && !StorableText(s) {
+		err = decodeErr(ErrBadHeader, nil, "%s must be UTF-8 text without NUL", k)
+	}
+	return s, err
+}
+
+// StorableText reports whether PostgreSQL can keep s as text: valid UTF-8
+// without NUL.
+func StorableText(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
 func str(k string, v any) (string, error) {
 	switch x := v.(type) {
@@ -41,6 +57,11 @@ func boolValue(k string, v any) (bool, error) {
 }
 
 // intValue accepts every integer width, integral floats and nil (ok false).
+// maxRetries bounds a message's retries count: a retry count is small
+// (each retry is one more message), and a negative or huge one would upset
+// the arithmetic of backoffs and of crash counts.
+const maxRetries = 1 << 20
+
 func intValue(k string, v any) (int64, bool, error) {
 	switch x := v.(type) {
 	case nil:

@@ -161,8 +161,18 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 }
 
 // operationKey is the idempotency_key header when the producer sent one,
-// else the task's Key function of the arguments.
+// else the task's Key function of the arguments; it must be text the record
+// can keep (the database refuses NUL and invalid UTF-8, which would look
+// like an outage and keep the delivery for ever).
 func (w *Worker) operationKey(j *job, args any) (string, error) {
+	key, err := w.rawOperationKey(j, args)
+	if err == nil && !celeryproto.StorableText(key) {
+		err = &ArgumentError{Reason: "operation key must be UTF-8 text without NUL"}
+	}
+	return key, err
+}
+
+func (w *Worker) rawOperationKey(j *job, args any) (string, error) {
 	if v, ok := j.msg.Headers["idempotency_key"]; ok && v != nil {
 		switch k := v.(type) {
 		case string:

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"go.uber.org/zap"
 
@@ -164,7 +165,10 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		headers[k] = v
 	}
 	headers[HeaderReason] = reason
-	headers[HeaderDetail] = cause.Error()
+	// Bounded: the cause may repeat a name from the message (a task or an
+	// argument) of any length, and the copy's headers must fit the broker's
+	// frame (128 KiB), or the move fails for ever.
+	headers[HeaderDetail] = clip(cause.Error(), maxDetail)
 	headers[HeaderQueue] = d.Queue
 	headers[HeaderTime] = time.Now().UTC().Format(time.RFC3339Nano)
 	if celeryproto.IsDecodeError(cause) {
@@ -186,6 +190,22 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		return
 	}
 	w.ack(j)
+}
+
+// maxDetail bounds the quarantine header HeaderDetail, in bytes.
+const maxDetail = 4096
+
+// clip returns s cut to at most n bytes at a rune boundary, with "..." when
+// cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	i := n
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
+	}
+	return s[:i] + "..."
 }
 
 // ack acknowledges the delivery; a stale delivery (its channel is gone)

@@ -112,6 +112,7 @@ func (p RetryPolicy) delay(retries int, rnd func(n int64) int64) time.Duration {
 		ceiling = defaultBackoffMax
 	}
 	d := ceiling
+	retries = max(retries, 0) // the decoder refuses a negative count; never a negative shift
 	if retries < 62 && p.Backoff <= ceiling>>min(retries, 62) {
 		d = p.Backoff << retries
 	}

@@ -272,6 +272,69 @@ func TestUndecodableCallerAnswered(t *testing.T) {
 	}
 }
 
+// TestBadInputIsQuarantinedNotRetried: input the record cannot keep (NUL
+// or invalid UTF-8 in the operation key or the task id), a retries count
+// out of range, and names so long that the quarantine copy's detail would
+// not fit a frame: each message is answered and quarantined, once, rather
+// than retried for ever as if the database or the broker were down, and
+// the worker keeps serving.
+func TestBadInputIsQuarantinedNotRetried(t *testing.T) {
+	e := newEnv(t)
+	e.start(testRegistry(t, &effects{}), e.config())
+	replyTo, replies := e.replyQueue()
+	cases := []struct {
+		task, id, body string
+		retries        any
+		reason         string
+	}{
+		{"t.pay", taskID(1), `[[], {"order_id": "o\u0000x", "amount": 5}, {}]`, nil, ReasonBadArguments},
+		{"t.pay", taskID(2), "[[], {\"order_id\": \"o\xffx\", \"amount\": 5}, {}]", nil, ReasonBadArguments},
+		{"t.pay", "id\x00x", `[[], {"order_id": "fine-1", "amount": 5}, {}]`, nil, ReasonUndecodable},
+		{"t.add", taskID(4), `[[1, 2], {}, {}]`, int64(-1), ReasonUndecodable},
+		{"t." + strings.Repeat("x", 90_000), taskID(5), `[[1, 2], {}, {}]`, nil, ReasonUnknownTask},
+		{"t.add", taskID(6), `[[1, 2], {"` + strings.Repeat("k", 200_000) + `": 1}, {}]`, nil, ReasonBadArguments},
+	}
+	for _, c := range cases {
+		h := map[string]any{"task": c.task, "id": c.id, "lang": "py"}
+		if c.retries != nil {
+			h["retries"] = c.retries
+		}
+		e.publishRaw(&celeryproto.Publishing{ContentType: "application/json", ContentEncoding: "utf-8",
+			Body: []byte(c.body), Headers: h, ReplyTo: replyTo, CorrelationID: c.id})
+	}
+	var got []amqp091.Delivery
+	waitFor(t, "all in quarantine", 20*time.Second, func() bool {
+		got = append(got, e.quarantined()...)
+		return len(got) >= len(cases)
+	})
+	reasons := map[string]int{}
+	for _, d := range got {
+		reasons[fmt.Sprint(d.Headers[HeaderReason])]++
+		if n := len(fmt.Sprint(d.Headers[HeaderDetail])); n > maxDetail+3 {
+			t.Errorf("detail of %d bytes", n)
+		}
+	}
+	want := map[string]int{}
+	for _, c := range cases {
+		want[c.reason]++
+	}
+	if fmt.Sprint(reasons) != fmt.Sprint(want) {
+		t.Errorf("quarantined by reason %v, want %v", reasons, want)
+	}
+	// Every caller that can be named heard of it (the one whose id is not
+	// text is named by its correlation id, the same bytes).
+	res := results(t, replies, len(cases), 10*time.Second)
+	for _, c := range cases {
+		if r := res[c.id]; len(r) != 1 || r[0]["status"] != "FAILURE" {
+			t.Errorf("%.40q: answered %v, want one FAILURE", c.task, r)
+		}
+	}
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(9), Args: []any{int64(20), int64(22)}, ReplyTo: replyTo, CorrelationID: taskID(9)})
+	if r := results(t, replies, 1, 10*time.Second)[taskID(9)]; len(r) != 1 || fmt.Sprint(r[0]["result"]) != "42" {
+		t.Errorf("worker stopped serving: %v", r)
+	}
+}
+
 // TestQuarantineRetry: when the move to the quarantine queue fails (here
 // the queue is missing for a moment, so the mandatory publish comes back),
 // the delivery is kept and moved again later, still as refused: not run, not
