@@ -112,3 +112,7 @@ func IsRetry(err error) bool {
 	var r *RetryRequest
 	return errors.As(err, &r)
 }
+
+// errRevokedWaiting: the task was revoked while its delivery waited to run,
+// and is not started.
+var errRevokedWaiting = errors.New("revoked before it started")

@@ -2,13 +2,18 @@ package tasks
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testenv"
 )
 
 type sleepArgs struct {
@@ -145,6 +150,76 @@ func TestShutdownCutLeavesClaimToPolicy(t *testing.T) {
 	}
 	if n := fx.snapshot()["mail-1"]; n != 1 {
 		t.Errorf("effect ran %d times, want 1", n)
+	}
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
+// TestRevokeWhileWaiting: a task revoked after its delivery was taken up
+// but before it started (here: waiting for the only database connection,
+// held by another task) does not start: REVOKED, no effect, its claim gone.
+func TestRevokeWhileWaiting(t *testing.T) {
+	e := newEnv(t)
+	pcfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	store := e.storeOn(pool, idempotency.BatchConfig{Disabled: true})
+	fx := &effects{}
+	release := make(chan struct{})
+	started := make(chan string, 2)
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "t.hold_conn", Mode: ModeSameDB,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		RunTx: func(_ context.Context, _ pgx.Tx, c *Call, a payArgs) (any, error) {
+			started <- a.OrderID
+			if a.OrderID == "first" {
+				<-release // holds the pool's only connection
+			}
+			fx.add(c.Key)
+			return a.OrderID, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Store, cfg.Pool = store, pool
+	r := e.start(reg, cfg)
+	replyTo, replies := e.replyQueue()
+	e.publish(payMessage("t.hold_conn", 1, "first", replyTo))
+	if got := <-started; got != "first" {
+		t.Fatalf("started %s first", got)
+	}
+	second := payMessage("t.hold_conn", 2, "second", replyTo)
+	e.publish(second)
+	waitFor(t, "the second delivery taken up", 10*time.Second, func() bool {
+		for _, ti := range r.w.Reserved() {
+			if ti.ID == second.ID {
+				return true
+			}
+		}
+		return false
+	})
+	// Past the revoke check at its start, it waits for the connection.
+	time.Sleep(300 * time.Millisecond)
+	r.w.Revoke([]string{second.ID}, false)
+	close(release)
+	res := results(t, replies, 2, 10*time.Second)
+	if got := res[second.ID]; len(got) != 1 || got[0]["status"] != "REVOKED" {
+		t.Errorf("revoked while waiting: %v, want REVOKED", got)
+	}
+	if got := res[taskID(1)]; len(got) != 1 || got[0]["status"] != "SUCCESS" {
+		t.Errorf("first: %v", got)
+	}
+	if n := fx.snapshot()["second"]; n != 0 {
+		t.Errorf("the revoked task ran %d times", n)
+	}
+	if _, err := e.store.Get(context.Background(), "t.hold_conn", "second"); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Errorf("record of the revoked task: %v, want none", err)
 	}
 	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }

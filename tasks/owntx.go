@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -40,6 +41,10 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 			w.log.Debug("rollback after the task failed", w.fields(j, zap.Error(err))...)
 		}
 		cancel()
+		if errors.Is(taskErr, errRevokedWaiting) {
+			w.revokeDelivery(ctx, j, false)
+			return
+		}
 		if w.shutdownCut(ctx, taskErr) {
 			w.giveBack(j)
 			return

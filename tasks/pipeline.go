@@ -222,6 +222,10 @@ func (w *Worker) runPure(ctx context.Context, j *job) {
 		return j.h.run(ctx, c, j.args)
 	})
 	w.crash(CrashAfterEffect, j)
+	if errors.Is(err, errRevokedWaiting) {
+		w.revokeDelivery(ctx, j, false)
+		return
+	}
 	if w.shutdownCut(ctx, err) {
 		w.giveBack(j)
 		return
@@ -273,6 +277,8 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		return out, nil
 	})
 	switch {
+	case ran && errors.Is(taskErr, errRevokedWaiting):
+		w.revokeDelivery(ctx, j, false) // rolled back with its claim: nothing ran
 	case ran && taskErr != nil:
 		if w.shutdownCut(ctx, taskErr) {
 			w.giveBack(j)

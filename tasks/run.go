@@ -83,6 +83,11 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	stop()
 	w.crash(CrashAfterEffect, j)
 	switch {
+	case errors.Is(taskErr, errRevokedWaiting):
+		// It never ran: the claim is released, the caller told REVOKED.
+		if err := w.write(ctx, j, "release", func(c context.Context) error { return w.store.Release(c, ref) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+			w.revokeDelivery(ctx, j, false)
+		}
 	case taskErr != nil && leaseLost:
 		// The task stopped because the claim could not be renewed; another
 		// delivery may own the operation now. Record nothing; look again
@@ -223,6 +228,14 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 	}
 	rs := &runState{started: time.Now(), cancel: cancel}
 	w.mu.Lock()
+	if w.revoked.has(j.msg.ID) {
+		// Revoked while it waited (for the record, a connection, a turn):
+		// it does not start, as in Celery, whose worker looks again just
+		// before running a task. Checked under the lock Revoke takes, so a
+		// revoke either finds it active (terminate) or stops it here.
+		w.mu.Unlock()
+		return nil, errRevokedWaiting
+	}
 	delete(w.reserved, j)
 	w.active[j] = rs
 	w.mu.Unlock()
