@@ -63,6 +63,9 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 			m.Compression = cs
 		}
 	}
+	if ser == "yaml" && len(body) > maxYAMLBody {
+		return nil, decodeErr(ErrTooLarge, nil, "yaml body of %d bytes exceeds the limit of %d for yaml", len(body), maxYAMLBody)
+	}
 	payload, err := dec.unmarshal(ser, body)
 	if err != nil {
 		return nil, decodeErr(ErrMalformed, err, "cannot decode %s body", ser)

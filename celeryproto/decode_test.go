@@ -6,6 +6,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"math"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -41,6 +43,15 @@ func zlibBytes(t *testing.T, b []byte) []byte {
 // xzHugeDict is `[[], {}, null]` compressed by Python's lzma with a 1.5 GiB
 // LZMA2 dictionary: the xz reader would allocate all of it.
 const xzHugeDict = "fd377a585a000004e6d6b44602002101250000003b787b4101000d5b5b5d2c207b7d2c206e756c6c5d000000dea08b469ae653470001260e081be0041fb6f37d010000000004595a"
+
+func readTestdata(t *testing.T, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
 
 func xzBytes(t *testing.T, b []byte) []byte {
 	t.Helper()
@@ -115,6 +126,14 @@ func TestDecodeErrors(t *testing.T) {
 		{"xz huge dictionary", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: hexBytes(t, xzHugeDict)}, Limits{}, ErrTooLarge, "declares a 1610612736-byte dictionary"},
 		{"xz declared size", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "application/x-lzma"), Body: xzBytes(t, bomb[:4000])}, Limits{MaxBodyBytes: 1000}, ErrTooLarge, "xz body declares more than 1000 bytes"},
 		{"xz trailing stream", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: append(xzBytes(t, bomb[:100]), xzBytes(t, bomb[:100])...)}, Limits{}, ErrCompression, "not a single xz stream"},
+		// A second block, with a 4 GiB dictionary, hidden inside the first as
+		// the index describes it (review find; built by hand).
+		{"xz hidden block", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "xz"), Body: readTestdata(t, "xz-hidden-block.xz")}, Limits{}, ErrCompression, "a block's size differs from the index"},
+		{"yaml too large", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: append([]byte("- ["), bytes.Repeat([]byte("1, "), 1<<19)...)}, Limits{}, ErrTooLarge, "exceeds the limit of 1048576 for yaml"},
+		{"negative retries", jsonDelivery(`[[], {}, {}]`, withHeader("retries", int64(-1))), Limits{}, ErrBadHeader, "retries must be from 0 to 1048576, got -1"},
+		{"huge retries", jsonDelivery(`[[], {}, {}]`, withHeader("retries", int64(1)<<40)), Limits{}, ErrBadHeader, "retries must be from 0 to 1048576"},
+		{"id with NUL", jsonDelivery(`[[], {}, {}]`, withHeader("id", "a\x00b")), Limits{}, ErrBadHeader, "id must be UTF-8 text without NUL"},
+		{"task not UTF-8", jsonDelivery(`[[], {}, {}]`, withHeader("task", "t\xff")), Limits{}, ErrBadHeader, "task must be UTF-8 text without NUL"},
 		{"zstd huge window", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "zstd"), Body: []byte{0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xf8, 0x01, 0x00, 0x00}}, Limits{}, ErrTooLarge, "application/zstd body needs more than 16777216 bytes"},
 		{"bomb", &Delivery{ContentType: "application/json", Headers: withHeader("compression", "zlib"), Body: zlibBytes(t, bomb)}, Limits{MaxBodyBytes: 1 << 20}, ErrTooLarge, "decompresses to more than 1048576 bytes"},
 	}

@@ -52,8 +52,13 @@
 // size is bounded by [Limits.MaxBodyBytes] (default 16 MiB), so a
 // decompression bomb gives [ErrTooLarge] after reading at most that much.
 // Memory declared up front by the format is bounded too: an xz body must be
-// one stream whose LZMA2 dictionaries are at most 64 MiB and whose index
-// declares no more than the limit; a zstd window is bounded the same way.
+// one stream whose LZMA2 dictionaries are at most 64 MiB, whose index
+// declares no more than the limit, and whose blocks end where the index
+// says (their LZMA2 chunks are walked by their headers, so that no block
+// hides in another); a zstd window is bounded the same way. A YAML body is
+// at most 1 MiB once decompressed: its parser needs about a hundred times
+// that. Headers the worker keeps in the record must be storable text (the
+// task name and id: UTF-8 without NUL), and retries must be from 0 to 2^20.
 //
 // # Encoding
 //

@@ -37,6 +37,9 @@ func checkXZ(body []byte, limit int) error {
 	if !ok || records > uint64(len(idx)) {
 		return fmt.Errorf("%w: bad index", errXZ)
 	}
+	// The check after each block: its size by the stream flags' check type
+	// (none, CRC32, CRC64, SHA-256 and the reserved ones).
+	checkSize := [16]int{0, 4, 4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64}[body[7]&0x0f]
 	blockStart := hdr
 	var total uint64
 	for range records {
@@ -49,7 +52,7 @@ func checkXZ(body []byte, limit int) error {
 		if total > uint64(limit) {
 			return decodeErr(ErrTooLarge, nil, "xz body declares more than %d bytes", limit)
 		}
-		if err := checkXZBlock(body, blockStart, indexStart); err != nil {
+		if err := checkXZBlock(body, blockStart, indexStart, unpadded, checkSize); err != nil {
 			return err
 		}
 		blockStart += int((unpadded + 3) &^ 3)
@@ -63,7 +66,12 @@ func checkXZ(body []byte, limit int) error {
 	return nil
 }
 
-func checkXZBlock(body []byte, start, end int) error {
+// checkXZBlock checks the block at start (before end): its LZMA2
+// dictionary, and that its LZMA2 chunks, walked by their headers without
+// decompressing, end where the index says the block ends (unpadded: header,
+// compressed data and check), so that no block hides inside another one
+// where the walk by the index would not see its dictionary.
+func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) error {
 	if start >= end {
 		return fmt.Errorf("%w: block outside the stream", errXZ)
 	}
@@ -81,6 +89,7 @@ func checkXZBlock(body []byte, start, end int) error {
 			}
 		}
 	}
+	var last uint64
 	for range int(flags&3) + 1 {
 		id, ok1 := xzVarint(h, &pos)
 		n, ok2 := xzVarint(h, &pos)
@@ -92,9 +101,43 @@ func checkXZBlock(body []byte, start, end int) error {
 				return decodeErr(ErrTooLarge, nil, "xz body declares a %d-byte dictionary (limit %d)", dict, maxXZDict)
 			}
 		}
+		last = id
 		pos += int(n)
 	}
-	return nil
+	if last != 0x21 {
+		return fmt.Errorf("%w: the last filter is not LZMA2", errXZ)
+	}
+	p := start + size
+	for {
+		if p >= end {
+			return fmt.Errorf("%w: LZMA2 data runs past its block", errXZ)
+		}
+		c := body[p]
+		p++
+		switch {
+		case c == 0x00: // end of the LZMA2 data
+			if uint64(p-start+checkSize) != unpadded {
+				return fmt.Errorf("%w: a block's size differs from the index", errXZ)
+			}
+			return nil
+		case c == 0x01 || c == 0x02: // uncompressed chunk: 2-byte size - 1
+			if p+2 > end {
+				return fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
+			}
+			p += 2 + int(binary.BigEndian.Uint16(body[p:])) + 1
+		case c >= 0x80: // LZMA chunk: unpacked size, packed size - 1, properties from 0xC0
+			if p+4 > end {
+				return fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
+			}
+			packed := int(binary.BigEndian.Uint16(body[p+2:])) + 1
+			p += 4 + packed
+			if c >= 0xC0 {
+				p++
+			}
+		default:
+			return fmt.Errorf("%w: bad LZMA2 control byte %#x", errXZ, c)
+		}
+	}
 }
 
 func xzDictSize(b byte) uint64 {
