@@ -125,6 +125,10 @@ func EncodeTask(m *Message, o EncodeOptions) (*Publishing, error) {
 	return p, nil
 }
 
+// Serializers are the serializers EncodeTask and EncodeResult write (and
+// the decoder reads, besides refusing pickle).
+var Serializers = []string{"json", "msgpack", "yaml"}
+
 // marshal serializes v and returns the content type and encoding to send.
 func marshal(serializer string, v any) (contentType, encoding string, body []byte, err error) {
 	switch serializer {

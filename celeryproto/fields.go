@@ -56,12 +56,12 @@ func boolValue(k string, v any) (bool, error) {
 	return false, badField(k, v, "a bool")
 }
 
-// intValue accepts every integer width, integral floats and nil (ok false).
 // maxRetries bounds a message's retries count: a retry count is small
 // (each retry is one more message), and a negative or huge one would upset
 // the arithmetic of backoffs and of crash counts.
 const maxRetries = 1 << 20
 
+// intValue accepts every integer width, integral floats and nil (ok false).
 func intValue(k string, v any) (int64, bool, error) {
 	switch x := v.(type) {
 	case nil:

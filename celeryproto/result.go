@@ -82,11 +82,16 @@ func EncodeResult(r *Result) (*Publishing, error) {
 	}, nil
 }
 
-func appendException(b []byte, e *Exception) []byte {
-	mod := e.Module
-	if mod == "" {
-		mod = "builtins"
+// module is the exception's module; "builtins" when unset.
+func (e *Exception) module() string {
+	if e.Module == "" {
+		return "builtins"
 	}
+	return e.Module
+}
+
+func appendException(b []byte, e *Exception) []byte {
+	mod := e.module()
 	b = append(b, `{"exc_type": `...)
 	b = appendJSONString(b, e.Type)
 	b = append(b, `, "exc_message": [`...)
@@ -102,15 +107,11 @@ func appendException(b []byte, e *Exception) []byte {
 func encodeResultAs(r *Result) (*Publishing, error) {
 	var result any = r.Value
 	if e := r.Exception; e != nil {
-		mod := e.Module
-		if mod == "" {
-			mod = "builtins"
-		}
 		msg := []any{}
 		if e.Message != "" {
 			msg = []any{e.Message}
 		}
-		result = map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": mod}
+		result = map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
 	}
 	var tb any
 	if r.Traceback != "" {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -96,8 +98,11 @@ type Config struct {
 }
 
 // DefaultConcurrency is Config.Concurrency's default: 4 × GOMAXPROCS, at
-// least 8. The default prefetch is 4 × the concurrency.
+// least 8.
 func DefaultConcurrency() int { return max(8, 4*runtime.GOMAXPROCS(0)) }
+
+// DefaultPrefetch is Config.Prefetch's default for a concurrency: 4 × it.
+func DefaultPrefetch(concurrency int) int { return 4 * concurrency }
 
 func (c *Config) setDefaults() error {
 	if len(c.Queues) == 0 {
@@ -112,7 +117,7 @@ func (c *Config) setDefaults() error {
 		c.Concurrency = DefaultConcurrency()
 	}
 	if c.Prefetch <= 0 {
-		c.Prefetch = c.Concurrency * 4
+		c.Prefetch = DefaultPrefetch(c.Concurrency)
 	}
 	if c.Lease <= 0 {
 		c.Lease = 30 * time.Second
@@ -139,12 +144,11 @@ func (c *Config) setDefaults() error {
 	if c.MaxAttempts <= 0 {
 		c.MaxAttempts = 5
 	}
-	switch c.ResultSerializer {
-	case "":
+	if c.ResultSerializer == "" {
 		c.ResultSerializer = "json"
-	case "json", "msgpack", "yaml":
-	default:
-		return fmt.Errorf("tasks: result serializer %q: use json, msgpack or yaml", c.ResultSerializer)
+	}
+	if !slices.Contains(celeryproto.Serializers, c.ResultSerializer) {
+		return fmt.Errorf("tasks: result serializer %q: use %s", c.ResultSerializer, strings.Join(celeryproto.Serializers, ", "))
 	}
 	return c.Crash.validate()
 }

@@ -108,7 +108,8 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 			// task-received.
 			w.event(ctx, j, failedEvent("task-failed", msg.Task, exc))
 		}
-		if !w.replyAlways(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
+		// Even under ignore_result, as Celery does (only SUCCESS is dropped).
+		if !w.publishResult(ctx, j, &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
 			return false
 		}
 		w.quarantine(ctx, j, ReasonUnknownTask, fmt.Errorf("task %q is not registered", msg.Task))

@@ -103,14 +103,8 @@ func (w *Worker) replySuccess(ctx context.Context, j *job, res []byte) bool {
 // does not keep it back: as in Celery's worker (Backend.mark_as_done checks
 // it, mark_as_failure and mark_as_retry do not), it drops only SUCCESS.
 func (w *Worker) replyFailure(ctx context.Context, j *job, exc *celeryproto.Exception, err error) bool {
-	return w.replyAlways(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateFailure,
+	return w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateFailure,
 		Exception: exc, Traceback: err.Error()})
-}
-
-// replyAlways publishes r even when the message asked to ignore results
-// (NotRegistered, as Celery does).
-func (w *Worker) replyAlways(ctx context.Context, j *job, r *celeryproto.Result) bool {
-	return w.publishResult(ctx, j, r)
 }
 
 // quarantinePoison answers a delivery that came too often (its task kept

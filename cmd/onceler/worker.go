@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
@@ -157,10 +159,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if err != nil {
 		return usagef("worker", "invalid --hostname %q: %v", f.hostname, err)
 	}
-	switch f.resultSer {
-	case "json", "msgpack", "yaml":
-	default:
-		return usagef("worker", "invalid --result-serializer %q: use json, msgpack or yaml", f.resultSer)
+	if !slices.Contains(celeryproto.Serializers, f.resultSer) {
+		return usagef("worker", "invalid --result-serializer %q: use %s", f.resultSer, strings.Join(celeryproto.Serializers, ", "))
 	}
 	if f.httpAddr != "" {
 		_, port, err := net.SplitHostPort(f.httpAddr)
@@ -305,7 +305,7 @@ func (f *workerFlags) controlConfig(broker amqp.Config, node string, queues []am
 		concurrency = tasks.DefaultConcurrency()
 	}
 	if prefetch <= 0 {
-		prefetch = 4 * concurrency
+		prefetch = tasks.DefaultPrefetch(concurrency)
 	}
 	return control.Config{
 		URL:         broker.URL,
