@@ -29,6 +29,9 @@ type Record struct {
 	Duplicates      int
 	LastDuplicateAt time.Time
 	Message         []byte // kept to replay a held operation
+	// Live: the record is claimed and its lease has not lapsed, by the
+	// database's clock when it was read.
+	Live bool
 }
 
 func scanRecord(row pgx.Row) (Record, error) {
@@ -38,7 +41,7 @@ func scanRecord(row pgx.Row) (Record, error) {
 	var lease, completed, lastDup *time.Time
 	err := row.Scan(&r.Task, &r.Key, &status, &token, &r.Owner, &r.TaskID, &attempt, &r.Fingerprint,
 		&r.ClaimedAt, &lease, &completed, &r.UpdatedAt, &r.Result, &r.Error, &r.Reason, &dups,
-		&lastDup, &r.Message)
+		&lastDup, &r.Message, &r.Live)
 	if err != nil {
 		return Record{}, err
 	}
@@ -72,6 +75,10 @@ type Filter struct {
 	Status    Status
 	// AfterTask and AfterKey page: records after this (task, key).
 	AfterTask, AfterKey string
+	// Stale selects only claims whose lease has lapsed (by the database's
+	// clock): operations whose claimant stopped without an outcome, which
+	// the stale-claim policy settles at their next delivery.
+	Stale bool
 	// Limit is the most records returned. Default 100.
 	Limit int
 }
@@ -81,7 +88,7 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Record, error) {
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	rows, err := s.pool.Query(ctx, s.q.list, f.Task, f.Key, string(f.Status), f.AfterTask, f.AfterKey, f.Limit)
+	rows, err := s.pool.Query(ctx, s.q.list, f.Task, f.Key, string(f.Status), f.AfterTask, f.AfterKey, f.Limit, f.Stale)
 	if err != nil {
 		return nil, fmt.Errorf("list records: %w", err)
 	}
@@ -98,6 +105,15 @@ func (s *Store) List(ctx context.Context, f Filter) ([]Record, error) {
 		return nil, fmt.Errorf("list records: %w", err)
 	}
 	return out, nil
+}
+
+// StaleClaims counts the claims whose lease has lapsed (see Filter.Stale).
+func (s *Store) StaleClaims(ctx context.Context) (int64, error) {
+	var n int64
+	if err := s.pool.QueryRow(ctx, s.q.staleClaims).Scan(&n); err != nil {
+		return 0, fmt.Errorf("count stale claims: %w", err)
+	}
+	return n, nil
 }
 
 // notHeld explains why a resolve changed nothing.

@@ -32,10 +32,18 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) (Claim, error) {
 	if err := p.validate(); err != nil {
 		return Claim{}, err
 	}
+	since := time.Now()
+	var c Claim
+	var err error
 	if s.batch != nil && !p.AllowMismatch {
-		return s.batch.claim(ctx, p)
+		c, err = s.batch.claim(ctx, p)
+	} else {
+		c, err = s.claimOne(ctx, s.pool, p, false)
 	}
-	return s.claimOne(ctx, s.pool, p, false)
+	if c.Outcome == OutcomeFirst {
+		c.Since = since
+	}
+	return c, err
 }
 
 // TakeOver is Claim that also takes over a stale claim, atomically: of
@@ -47,7 +55,12 @@ func (s *Store) TakeOver(ctx context.Context, p ClaimParams) (Claim, error) {
 	if err := p.validate(); err != nil {
 		return Claim{}, err
 	}
-	return s.claimOne(ctx, s.pool, p, true)
+	since := time.Now()
+	c, err := s.claimOne(ctx, s.pool, p, true)
+	if c.Outcome == OutcomeFirst {
+		c.Since = since
+	}
+	return c, err
 }
 
 func (s *Store) claimOne(ctx context.Context, q querier, p ClaimParams, takeover bool) (Claim, error) {
@@ -181,6 +194,11 @@ type StalePolicy struct {
 	Fallback Policy
 	// Lookup is required by PolicyLookup.
 	Lookup LookupFunc
+	// LookupTimeout bounds a lookup: it runs under the takeover's lease,
+	// and one that outlived the lease would let another delivery take the
+	// operation over while this one goes on to run it. A lookup that runs
+	// out of time counts as failed (Fallback). Default: half the lease.
+	LookupTimeout time.Duration
 	// Reason is recorded on skipped and held records.
 	Reason string
 }
@@ -219,7 +237,17 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 		if err != nil || c.Outcome != OutcomeFirst {
 			return c, err
 		}
-		result, found, lerr := sp.Lookup(ctx, p.Key)
+		timeout := sp.LookupTimeout
+		if timeout <= 0 || timeout > p.Lease {
+			timeout = p.Lease / 2
+		}
+		lctx, cancel := context.WithTimeoutCause(ctx, timeout, fmt.Errorf("idempotency: lookup took longer than %s", timeout))
+		result, found, lerr := sp.Lookup(lctx, p.Key)
+		if lerr == nil && lctx.Err() != nil {
+			// It answered only after its time: the lease may be gone.
+			lerr = context.Cause(lctx)
+		}
+		cancel()
 		switch {
 		case lerr == nil && found:
 			if err := s.Complete(ctx, p.Ref(c.Token), result); err != nil {

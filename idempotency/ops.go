@@ -2,24 +2,27 @@ package idempotency
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 )
 
+// checkResult returns result as the record stores it (StorableJSON), or
+// ErrInvalidResult.
 func checkResult(result []byte) (*string, error) {
 	if result == nil {
 		return nil, nil
 	}
-	if !json.Valid(result) {
-		return nil, ErrInvalidResult
+	b, err := StorableJSON(result)
+	if err != nil {
+		return nil, err
 	}
-	r := string(result)
+	r := string(b)
 	return &r, nil
 }
 
@@ -104,10 +107,10 @@ func (s *Store) fenced(ctx context.Context, op string, ref Ref, done Status, sql
 	return nil
 }
 
-// Fail releases the claim as failed, keeping errText, so that a later
-// delivery may claim it again. The failure is counted.
+// Fail releases the claim as failed, keeping errText (as StorableText), so
+// that a later delivery may claim it again. The failure is counted.
 func (s *Store) Fail(ctx context.Context, ref Ref, errText string) error {
-	return s.fenced(ctx, "fail", ref, StatusFailed, s.q.fail, ref.Task, ref.Key, string(ref.Token), errText)
+	return s.fenced(ctx, "fail", ref, StatusFailed, s.q.fail, ref.Task, ref.Key, string(ref.Token), StorableText(errText))
 }
 
 // Skip records the claim ref, whose lease has lapsed, as skipped (abandoned
@@ -125,15 +128,54 @@ func (s *Store) Hold(ctx context.Context, ref Ref, message []byte, reason string
 	return s.hold(ctx, ref, message, reason, true)
 }
 
+// HoldOwn records the caller's own current claim ref as held, whatever its
+// lease, keeping message (when not nil) to replay it: for a claimant that
+// cannot record its outcome (the database refuses the result, the task
+// was abandoned still running) and leaves the decision to a person.
+// ErrFenced when ref is no longer the current claim.
+func (s *Store) HoldOwn(ctx context.Context, ref Ref, message []byte, reason string) error {
+	return s.hold(ctx, ref, message, reason, false)
+}
+
+// SkipOwn records the caller's own current claim ref as skipped, whatever
+// its lease (see HoldOwn).
+func (s *Store) SkipOwn(ctx context.Context, ref Ref, reason string) error {
+	return s.skip(ctx, ref, reason, false)
+}
+
+// Running reports whether a transaction now holds the record of (task,
+// key) being written, and keeps it past a short wait: a same-database
+// task's claim, which lives uncommitted in its transaction until the task
+// commits. The probe writes in a transaction it always rolls back.
+func (s *Store) Running(ctx context.Context, task, key string) (bool, error) {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("running probe: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = '200ms'"); err != nil {
+		return false, fmt.Errorf("running probe: %w", err)
+	}
+	_, err = tx.Exec(ctx, s.q.probe, task, key)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.SQLState() == "55P03" {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("running probe: %w", err)
+	}
+	return false, nil
+}
+
 // skip is Skip; lapsedOnly false settles the caller's own live claim (a
 // takeover whose lookup failed).
 func (s *Store) skip(ctx context.Context, ref Ref, reason string, lapsedOnly bool) error {
-	return s.fenced(ctx, "skip", ref, StatusSkipped, s.q.skip, ref.Task, ref.Key, string(ref.Token), reason, lapsedOnly)
+	return s.fenced(ctx, "skip", ref, StatusSkipped, s.q.skip, ref.Task, ref.Key, string(ref.Token), StorableText(reason), lapsedOnly)
 }
 
 // hold is Hold; lapsedOnly as for skip.
 func (s *Store) hold(ctx context.Context, ref Ref, message []byte, reason string, lapsedOnly bool) error {
-	return s.fenced(ctx, "hold", ref, StatusHeld, s.q.hold, ref.Task, ref.Key, string(ref.Token), message, reason, lapsedOnly)
+	return s.fenced(ctx, "hold", ref, StatusHeld, s.q.hold, ref.Task, ref.Key, string(ref.Token), message, StorableText(reason), lapsedOnly)
 }
 
 // Release makes the claim claimable again without counting a failure, for
@@ -194,14 +236,23 @@ func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
 // Most tasks end before their first renewal is due, so the heartbeat
 // goroutine starts only then (a timer until the first renewal).
 func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context.Context, func()) {
+	return s.KeepSince(ctx, ref, lease, time.Now())
+}
+
+// KeepSince is Keep for a lease that began no earlier than since (by this
+// process's clock; Claim.Since): the heartbeat and the deadline count from
+// since, so the time the claim took, a policy's lookup included, is not
+// added to the lease. A caller that finds the first renewal due before
+// the task starts renews first (Renew) and refuses to run if that fails.
+func (s *Store) KeepSince(ctx context.Context, ref Ref, lease time.Duration, since time.Time) (context.Context, func()) {
 	kctx, cancel := context.WithCancelCause(ctx)
 	if lease <= 0 {
 		lease = time.Minute
 	}
-	began := time.Now()
+	began := since
 	stop := make(chan struct{})
 	done := make(chan struct{})
-	first := time.AfterFunc(lease/3, func() {
+	first := time.AfterFunc(max(time.Until(began.Add(lease/3)), 0), func() {
 		defer close(done)
 		s.keep(kctx, cancel, stop, ref, lease, began)
 	})
@@ -219,8 +270,8 @@ func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context
 
 // keep is the heartbeat, started when the first renewal is due.
 func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <-chan struct{}, ref Ref, lease time.Duration, began time.Time) {
-	// The lease began at the claim, a little before Keep was called: stop a
-	// tenth of the lease early rather than run past the database's lease.
+	// The lease began at the claim, no earlier than began: stop a tenth of
+	// the lease early rather than run past the database's lease.
 	margin := lease / 10
 	deadline := began.Add(lease - margin)
 	interval := lease / 3
@@ -281,6 +332,12 @@ func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <
 // An error from fn rolls everything back (no record, no effect) and is
 // returned. On success the Claim has OutcomeFirst, StatusCompleted and the
 // result. A commit that may have succeeded is ErrUnknownOutcome.
+//
+// A failure caused by fn's own work is a *TaskTxError: fn returned nil
+// with the transaction failed (it caught the error of one of its
+// statements), fn ended the transaction itself, or the commit was refused
+// for fn's data (a deferred constraint or constraint trigger). fn must
+// neither commit nor roll back tx.
 func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Context, tx pgx.Tx) ([]byte, error)) (Claim, error) {
 	if err := p.validate(); err != nil {
 		return Claim{}, err
@@ -288,6 +345,11 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	if s.txg != nil {
 		return s.txg.run(ctx, p, fn)
 	}
+	return s.runSolo(ctx, p, fn)
+}
+
+// runSolo is RunTx in a transaction of its own.
+func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.Context, tx pgx.Tx) ([]byte, error)) (Claim, error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: begin: %w", err)
@@ -306,8 +368,18 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 		return c, nil
 	}
 	result, err := fn(ctx, tx)
+	ended := endedTx(tx)
 	if err != nil {
+		if ended {
+			s.endedByTask(ctx, p.Ref(c.Token), p.Message)
+		}
 		return Claim{}, err
+	}
+	if ended {
+		return s.completeEnded(ctx, p, c, result)
+	}
+	if failedTx(tx) {
+		return Claim{}, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
 	}
 	res, err := checkResult(result)
 	if err != nil {
@@ -321,8 +393,44 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 		return Claim{}, fmt.Errorf("run tx: %w", ErrFenced)
 	}
 	if err := tx.Commit(ctx); err != nil {
+		if IsDefinite(err) {
+			// Refused for what the task wrote (a deferred constraint):
+			// rolled back, the task's failure.
+			return Claim{}, &TaskTxError{What: "commit refused", Err: err}
+		}
 		return Claim{}, writeError("run tx: commit", err)
 	}
 	c.Status, c.Result, c.LeaseUntil = StatusCompleted, result, time.Time{}
 	return c, nil
+}
+
+// completeEnded completes, outside any transaction, the claim c of a task
+// that ended its transaction itself and returned result: if it committed,
+// the claim and the effect are in the database and the completion records
+// them; if it rolled back, there is nothing to complete and the task
+// fails.
+func (s *Store) completeEnded(ctx context.Context, p ClaimParams, c Claim, result []byte) (Claim, error) {
+	s.log.Error("a same-database task ended its transaction itself; the worker commits it",
+		zap.String("task", p.Task))
+	switch err := s.Complete(ctx, p.Ref(c.Token), result); {
+	case err == nil:
+		c.Status, c.Result, c.LeaseUntil = StatusCompleted, result, time.Time{}
+		return c, nil
+	case errors.Is(err, ErrNotFound) || errors.Is(err, ErrFenced):
+		return Claim{}, &TaskTxError{What: "the task ended its transaction itself (rolled back: nothing committed)"}
+	default:
+		return Claim{}, fmt.Errorf("run tx: complete after the task ended its transaction: %w", err)
+	}
+}
+
+// endedByTask holds the claim ref of a task that ended its transaction
+// itself and then failed: if the claim committed, the effect may have
+// committed with it, and a person decides.
+func (s *Store) endedByTask(ctx context.Context, ref Ref, message []byte) {
+	s.log.Error("a same-database task ended its transaction itself, then failed", zap.String("task", ref.Task))
+	err := s.hold(ctx, ref, message, "the task ended its transaction itself, then failed: its effect may have committed", false)
+	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
+		s.log.Error("holding the claim of a task that ended its transaction failed; it lapses into its policy",
+			zap.String("task", ref.Task), zap.Error(err))
+	}
 }

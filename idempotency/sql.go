@@ -13,6 +13,8 @@ type queries struct {
 	skip, hold           string
 	state                string
 	get, list            string
+	staleClaims          string
+	probe                string
 	resolveCompleted     string
 	resolveRetry         string
 	repeats              string
@@ -128,7 +130,7 @@ func newQueries(schema string) queries {
 	}
 	const cols = `task, key, status, token, owner, task_id, attempt, fingerprint, claimed_at,
         lease_until, completed_at, updated_at, result, error, reason, duplicate_count,
-        last_duplicate_at, message`
+        last_duplicate_at, message, COALESCE(status = 'claimed' AND lease_until > now(), false)`
 	// endClaim ends the current claim ($1 task, $2 key, $3 token) with the
 	// assignments of set (where: more conditions), logs an event of kind,
 	// and counts the rows it changed (0: the claim is no longer current).
@@ -168,8 +170,15 @@ WHERE ` + currentClaim),
 		get:   fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
 		list: fill(`SELECT ` + cols + ` FROM {S}.records
 WHERE ($1 = '' OR task = $1) AND ($2 = '' OR key = $2) AND ($3 = '' OR status = $3)
+  AND (NOT $7::bool OR (status = 'claimed' AND lease_until <= now()))
   AND (task, key) > ($4, $5)
 ORDER BY task, key LIMIT $6`),
+		// Waits for the row lock of an uncommitted claim of the record, or
+		// of a writer of its committed row (see Running).
+		probe: fill(`INSERT INTO {S}.records AS r (task, key, status, token) VALUES ($1, $2, 'failed', '')
+ON CONFLICT (task, key) DO UPDATE SET updated_at = r.updated_at`),
+		// Served by the partial index of claimed leases.
+		staleClaims: fill(`SELECT count(*) FROM {S}.records WHERE status = 'claimed' AND lease_until <= now()`),
 		resolveCompleted: fill(`UPDATE {S}.records SET status = 'completed', result = $3::jsonb,
     completed_at = now(), updated_at = now(), reason = 'resolved completed', message = NULL
 WHERE task = $1 AND key = $2 AND status = 'held'`),

@@ -234,6 +234,10 @@ func (p *ClaimParams) validate() error {
 	if p.Task == "" || p.Key == "" {
 		return errors.New("idempotency: claim needs a task and a key")
 	}
+	if len(p.Task) > MaxTaskBytes || len(p.Key) > MaxKeyBytes {
+		return fmt.Errorf("%w: task name of %d bytes (at most %d), key of %d bytes (at most %d)",
+			ErrTooLong, len(p.Task), MaxTaskBytes, len(p.Key), MaxKeyBytes)
+	}
 	for _, v := range []string{p.Task, p.Key, p.Owner, p.TaskID} {
 		if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
 			return fmt.Errorf("idempotency: claim field %q is not valid UTF-8 text without NUL", v)
@@ -293,6 +297,10 @@ type Claim struct {
 	// Error is the error text of the last failure.
 	Error      string
 	LeaseUntil time.Time
+	// Since is this process's clock just before the claim (or takeover)
+	// was sent, when Outcome is OutcomeFirst: the database's lease began
+	// no earlier. Keep counts the lease from it.
+	Since time.Time
 	// Owner and TaskID name the current claimant.
 	Owner, TaskID string
 }

@@ -170,6 +170,7 @@ type member struct {
 	res    *string
 	commit bool  // its claim (and, when first, its effect) commits with the group
 	done   bool  // its turn in the group is over
+	ran    bool  // its function returned without an error
 	err    error // its own answer when it does not commit
 }
 
@@ -266,7 +267,12 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		if m.run(tx) != nil || failedTx(tx) {
+		ferr := m.run(tx)
+		if endedTx(tx) {
+			g.ended(ctx, ms, m, ferr)
+			return true, nil
+		}
+		if ferr != nil || failedTx(tx) {
 			// A function that failed, or returned with the transaction
 			// failed (it caught its statement's error): member by member.
 			return false, nil
@@ -329,6 +335,10 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 			continue // answered after the commit, which keeps the duplicate count
 		}
 		ferr := m.run(tx)
+		if endedTx(tx) {
+			g.ended(ctx, ms, m, ferr)
+			return nil
+		}
 		if ferr == nil {
 			// Releasing the savepoint keeps the next member's rollback to its
 			// own, and finds a function that returned but left the
@@ -339,7 +349,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 				if !isServerError(rerr) {
 					return lost("release savepoint", rerr)
 				}
-				ferr = fmt.Errorf("run tx: the task returned with its transaction failed: %w", rerr)
+				ferr = &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction", Err: rerr}
 			}
 		}
 		if ferr != nil {
@@ -360,11 +370,60 @@ func (m *member) run(tx pgx.Tx) error {
 	if err != nil {
 		return err
 	}
+	m.result = result
+	m.ran = true
 	if m.res, err = checkResult(result); err != nil {
 		return fmt.Errorf("run tx: %w", err)
 	}
-	m.result = result
 	return nil
+}
+
+// ended answers every member of a group whose transaction the function of
+// member by ended itself (it ran COMMIT or ROLLBACK; byErr is what that
+// function returned). What committed is found through the record: a
+// member that ran and whose claim committed is completed outside the
+// transaction (its effect committed with its claim); a member whose claim
+// did not commit, or whose turn had not come, runs again in a transaction
+// of its own (a claim that committed without its effect is found to be its
+// own, by its token).
+func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr error) {
+	s := g.s
+	for _, m := range ms {
+		m.done = true
+		switch {
+		case m == by && byErr != nil:
+			s.endedByTask(ctx, m.op.p.Ref(m.claim.Token), m.op.p.Message)
+			m.commit, m.claim, m.err = false, Claim{}, byErr
+		case m == by:
+			m.claim, m.err = s.completeEnded(ctx, m.op.p, m.claim, m.result)
+			m.commit = false
+		case m.commit && m.claim.Outcome != OutcomeFirst:
+			m.commit = false // answered as found: the claim statement's answer
+		case m.commit && m.ran:
+			m.commit = false
+			err := s.Complete(ctx, m.op.p.Ref(m.claim.Token), m.result)
+			if err == nil {
+				m.claim.Status, m.claim.Result, m.claim.LeaseUntil = StatusCompleted, m.result, time.Time{}
+				continue
+			}
+			if !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
+				// Unknown: its redelivery finds the claim (and, past its
+				// lease, holds it).
+				m.claim, m.err = Claim{}, err
+				continue
+			}
+			fallthrough // rolled back: nothing of it committed
+		case m.err == nil:
+			m.commit = false
+			m.claim, m.err = s.runSolo(m.op.ctx, m.op.p, m.op.fn)
+		}
+	}
+}
+
+// endedTx reports whether tx's connection is no longer in a transaction: a
+// function ran COMMIT or ROLLBACK on it.
+func endedTx(tx pgx.Tx) bool {
+	return !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'I'
 }
 
 // finish completes the group's first claims and commits.
@@ -400,6 +459,19 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 		return nil
 	}
 	if err := tx.Commit(ctx); err != nil {
+		if IsDefinite(err) {
+			// Refused for what a task wrote (a deferred constraint): the
+			// group rolled back; each member runs again in a transaction of
+			// its own, where the refusal is that task's alone.
+			g.s.log.Info("transaction group's commit refused; its members run again one by one", zap.Error(err))
+			for _, m := range ms {
+				if m.commit {
+					m.commit = false
+					m.claim, m.err = g.s.runSolo(m.op.ctx, m.op.p, m.op.fn)
+				}
+			}
+			return nil
+		}
 		return writeError("run tx: commit", err)
 	}
 	return nil

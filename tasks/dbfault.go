@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
@@ -78,6 +79,18 @@ func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
 		return true
 	case err != nil && !errors.Is(err, idempotency.ErrNotFound):
 		w.recordTrouble(ctx, j, "poison check", err)
+		return false
+	}
+	// Not while the operation still runs: its claim is uncommitted in a
+	// live transaction (the channel of the delivery running it was closed,
+	// by the broker's consumer timeout say, and its copies came back): the
+	// redeliveries wait for that run's outcome.
+	switch running, err := w.store.Running(ctx, j.h.name, j.key); {
+	case err != nil:
+		w.recordTrouble(ctx, j, "poison check", err)
+		return false
+	case running:
+		w.deferDelivery(j, time.Time{})
 		return false
 	}
 	w.log.Error("redelivered message keeps failing to finish its operation: quarantined as poison",

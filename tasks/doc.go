@@ -222,9 +222,12 @@
 //     cancelled context is given a second, then the connection's socket is
 //     closed under it (the server rolls back). Tx.Conn and Tx.LargeObjects
 //     are outside the guard.
-//   - Outside: the claim is no longer renewed and is neither completed nor
-//     failed (the effect may still happen): it lapses into the task's
-//     stale-claim policy, applied by the next delivery of the operation.
+//   - Outside: the claim is no longer renewed, and the effect may still
+//     happen: the task's stale-claim policy settles it at once, without
+//     waiting for a delivery that may never come. Hold and lookup hold it
+//     (a lookup could not see an effect still in flight), skip skips it,
+//     retry fails it (claimable again: the rare duplicate that policy
+//     accepts).
 //
 // # Workflows
 //
@@ -320,6 +323,7 @@
 //	onceler_task_duration_seconds{task}       run time histogram
 //	onceler_claim_duration_seconds            claim latency histogram
 //	onceler_broker_reconnects_total           consumer reconnects
+//	onceler_claims_lapsed                     claims whose lease lapsed without an outcome (read at scrape)
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming and its database answers). The Observer receives Celery's task

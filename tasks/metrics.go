@@ -1,8 +1,11 @@
 package tasks
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"math"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -26,9 +29,13 @@ type metrics struct {
 	taskSeconds *prometheus.HistogramVec // task
 	claimSecs   prometheus.Histogram
 	reconnects  prometheus.Counter
+	lapsed      prometheus.Collector // nil without a record
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+// newMetrics makes the collectors and registers them with reg (none when
+// nil). lapsed, when not nil, counts the record's claims whose lease has
+// lapsed; it is read at each scrape.
+func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, error)) (*metrics, error) {
 	const ns = "onceler"
 	cv := func(name, help string, labels ...string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: name, Help: help}, labels)
@@ -60,8 +67,23 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
-		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects} {
+	cs := []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
+		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects}
+	if lapsed != nil {
+		m.lapsed = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: ns, Name: "claims_lapsed",
+			Help: "Claims in the record whose lease has lapsed without an outcome (read at each scrape; NaN when the record does not answer)."},
+			func() float64 {
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				defer cancel()
+				n, err := lapsed(ctx)
+				if err != nil {
+					return math.NaN()
+				}
+				return float64(n)
+			})
+		cs = append(cs, m.lapsed)
+	}
+	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
 )
 
@@ -20,13 +21,13 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 		return
 	}
 	w.crash(CrashAfterClaim, j)
-	ttx := tx
+	var ttx pgx.Tx = &taskTx{Tx: tx}
 	var guard *txGuard
 	if w.hardLimit(j) > 0 {
 		// As in runSameDB: a task abandoned at its hard time limit is kept
 		// off the connection from then on.
 		guard = newTxGuard()
-		ttx = &guardedTx{g: guard, tx: tx}
+		ttx = &guardedTx{g: guard, tx: ttx}
 	}
 	res, taskErr := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.runTx(ctx, ttx, c, j.args)

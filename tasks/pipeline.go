@@ -20,12 +20,15 @@ const (
 	ReasonBadArguments = "bad_arguments"
 	ReasonMismatch     = "fingerprint_mismatch"
 	ReasonPoison       = "poison"
+	// ReasonRefused: the record's database refused what the message asked
+	// it to keep, and would refuse it again.
+	ReasonRefused = "refused_by_record"
 )
 
 // Reasons are the quarantine reasons a worker gives, in the order of the
 // pipeline's checks.
 var Reasons = []string{ReasonUndecodable, ReasonPoison, ReasonUnknownTask, ReasonBadArguments,
-	ReasonUnsupported, ReasonMismatch}
+	ReasonUnsupported, ReasonMismatch, ReasonRefused}
 
 // process takes one delivery through the pipeline. Every path ends in exactly
 // one of: ack (after the outcome is recorded and answered), a deferral (the
@@ -163,12 +166,17 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 
 // operationKey is the idempotency_key header when the producer sent one,
 // else the task's Key function of the arguments; it must be text the record
-// can keep (the database refuses NUL and invalid UTF-8, which would look
-// like an outage and keep the delivery for ever).
+// can keep: UTF-8 without NUL, at most idempotency.MaxKeyBytes (the
+// database would refuse every claim of it).
 func (w *Worker) operationKey(j *job, args any) (string, error) {
 	key, err := w.rawOperationKey(j, args)
-	if err == nil && !celeryproto.StorableText(key) {
+	switch {
+	case err != nil:
+	case !celeryproto.StorableText(key):
 		err = &ArgumentError{Reason: "operation key must be UTF-8 text without NUL"}
+	case len(key) > idempotency.MaxKeyBytes:
+		err = &ArgumentError{Reason: fmt.Sprintf("operation key of %d bytes: the record keeps keys of at most %d bytes",
+			len(key), idempotency.MaxKeyBytes)}
 	}
 	return key, err
 }
@@ -252,13 +260,13 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
 		w.crash(CrashAfterClaim, j)
 		ran = true
-		ttx := tx
+		var ttx pgx.Tx = &taskTx{Tx: tx}
 		var guard *txGuard
 		if w.hardLimit(j) > 0 {
 			// The task may be abandoned at its hard time limit while it still
 			// holds tx: the guard keeps it off the connection from then on.
 			guard = newTxGuard()
-			ttx = &guardedTx{g: guard, tx: tx}
+			ttx = &guardedTx{g: guard, tx: ttx}
 		}
 		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 			return j.h.runTx(ctx, ttx, c, j.args)
@@ -274,8 +282,10 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			return nil, err
 		}
 		w.crash(CrashAfterEffect, j)
-		res = out
-		return out, nil
+		// As the record keeps it, so that this caller and a duplicate's
+		// get the same.
+		res = storable(out)
+		return res, nil
 	})
 	switch {
 	case ran && errors.Is(taskErr, errRevokedWaiting):
@@ -292,11 +302,40 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			return
 		}
 		w.finish(ctx, j, nil, taskErr)
+	case err != nil && taskCaused(err):
+		// The task's own work failed its transaction (a deferred
+		// constraint at commit, a statement error it caught, a transaction
+		// it ended itself), or the database refuses its result: nothing
+		// committed (a transaction the task committed itself is held), and
+		// it fails like any task error, retried as its policy says.
+		w.log.Warn("the task's transaction failed by its own work", w.fields(j, zap.Error(err))...)
+		w.finish(ctx, j, nil, settle(j, nil, err))
 	case err != nil:
 		w.recordTrouble(ctx, j, "same-database transaction", err)
 	default:
 		w.answerClaim(ctx, j, claim, res)
 	}
+}
+
+// taskCaused reports whether an error of the record's RunTx belongs to the
+// task's own work: a *idempotency.TaskTxError, or a definite refusal (the
+// task's result is one the database cannot store).
+func taskCaused(err error) bool {
+	var te *idempotency.TaskTxError
+	return errors.As(err, &te) || idempotency.IsDefinite(err)
+}
+
+// storable returns a task's JSON result as the record keeps it
+// (idempotency.StorableJSON): NUL, unpaired surrogates and bytes that are
+// not UTF-8 escaped.
+func storable(res []byte) []byte {
+	if res == nil {
+		return nil
+	}
+	if b, err := idempotency.StorableJSON(res); err == nil {
+		return b
+	}
+	return res
 }
 
 // answerClaim acts on a claim outcome other than a run of our own.
@@ -308,7 +347,13 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 		w.finish(ctx, j, ownResult, nil)
 	case idempotency.OutcomeCompleted:
 		w.duplicate(ctx, j, claim.Result)
-	case idempotency.OutcomeInProgress, idempotency.OutcomeStale:
+	case idempotency.OutcomeStale:
+		// Only a same-database task whose own statement committed the
+		// claim without its completion leaves one (an outside task's goes
+		// to its policy before this): its effect may have committed with
+		// it, and a person decides.
+		w.holdSameDB(ctx, j, claim)
+	case idempotency.OutcomeInProgress:
 		w.deferDelivery(j, claim.LeaseUntil)
 	case idempotency.OutcomeMismatch:
 		w.log.Warn("fingerprint mismatch: same operation key, different arguments", w.fields(j)...)
@@ -372,10 +417,41 @@ func (w *Worker) deferDelivery(j *job, leaseUntil time.Time) {
 	w.later(j, delay)
 }
 
+// holdSameDB holds the stale claim of a same-database operation and
+// answers the delivery as held.
+func (w *Worker) holdSameDB(ctx context.Context, j *job, stale idempotency.Claim) {
+	p := w.claimParams(j)
+	msg, err := encodeHeld(j.d)
+	if err != nil {
+		w.recordTrouble(ctx, j, "hold", err)
+		return
+	}
+	p.Message = msg
+	w.m.stale.WithLabelValues(j.h.name, PolicyHold.String()).Inc()
+	w.log.Warn("same-database claim committed without its completion: held", w.fields(j)...)
+	c, err := w.store.ApplyPolicy(ctx, p, stale, idempotency.StalePolicy{Policy: PolicyHold,
+		Reason: "same-database claim committed without its completion (the task ended its transaction)"})
+	if err != nil {
+		w.recordTrouble(ctx, j, "hold", err)
+		return
+	}
+	if c.Outcome == idempotency.OutcomeStale {
+		w.deferDelivery(j, c.LeaseUntil)
+		return
+	}
+	w.answerClaim(ctx, j, c, nil)
+}
+
 // recordTrouble handles a record error: the outcome is unknown or the
 // database is away, so the delivery is not acknowledged; it is looked at
-// again after a pause.
+// again after a pause. A definite refusal (idempotency.IsDefinite: the
+// message's content is what the database refuses) is not tried again: the
+// caller is answered and the delivery quarantined.
 func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err error) {
+	if idempotency.IsDefinite(err) {
+		w.refuse(ctx, j, what, err)
+		return
+	}
 	if ctx.Err() != nil {
 		w.giveBack(j)
 		return
@@ -383,6 +459,18 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 	w.log.Warn("record unavailable; delivery kept and retried later", w.fields(j, zap.String("step", what), zap.Error(err))...)
 	j.checks++
 	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))
+}
+
+// refuse answers a delivery whose record write the database refused for
+// its content (a definite error, before any effect ran: a claim) with
+// FAILURE onceler.exceptions.RecordRefused, and quarantines it.
+func (w *Worker) refuse(ctx context.Context, j *job, what string, err error) {
+	w.log.Error("the record refused this message's operation; quarantined", w.fields(j, zap.String("step", what), zap.Error(err))...)
+	exc := &celeryproto.Exception{Type: "RecordRefused", Module: "onceler.exceptions",
+		Message: "the idempotency record refused the operation: " + err.Error()}
+	if w.replyFailure(ctx, j, exc, err) {
+		w.quarantine(ctx, j, ReasonRefused, err)
+	}
 }
 
 // shutdownCut reports whether err is the task's answer to the worker's

@@ -36,7 +36,9 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.recordTrouble(ctx, j, "claim", err)
 		return
 	}
+	tookOver := false
 	if claim.Outcome == idempotency.OutcomeStale {
+		tookOver = true
 		claim, err = w.applyPolicy(ctx, j, p, claim)
 		if err != nil {
 			// The policy may have taken the claim over with this delivery's
@@ -73,9 +75,29 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		return
 	}
 	j.attempt = claim.Attempt
-	w.crash(CrashAfterClaim, j)
 	ref := p.Ref(claim.Token)
-	kctx, stop := w.store.Keep(ctx, ref, p.Lease)
+	since := claim.Since
+	if tookOver || time.Since(since) > p.Lease/3 {
+		// A takeover (its lookup took some of the lease) or a slow claim:
+		// the database must say the lease still holds before the task
+		// starts, and the renewal starts it afresh.
+		renewed := time.Now()
+		if err := w.store.Renew(ctx, ref, p.Lease); err != nil {
+			if errors.Is(err, idempotency.ErrFenced) {
+				// Lapsed before the task could start: another delivery may
+				// take it over. The next look claims anew and finds what
+				// the record says.
+				w.log.Warn("claim lapsed before the task started; not run", w.fields(j)...)
+				w.deferDelivery(j, time.Time{})
+				return
+			}
+			w.recordTrouble(ctx, j, "renew before run", err)
+			return
+		}
+		since = renewed
+	}
+	w.crash(CrashAfterClaim, j)
+	kctx, stop := w.store.KeepSince(ctx, ref, p.Lease, since)
 	res, taskErr := w.execute(kctx, j, w.call(j, claim.Attempt), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
@@ -96,20 +118,28 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.deferDelivery(j, time.Time{})
 	case taskErr == nil:
 		// Even after a lost lease: the token fences the completion if
-		// another delivery took the operation over.
+		// another delivery took the operation over. As the record keeps
+		// it, so that this caller and a duplicate's get the same.
+		res = storable(res)
 		switch err := w.write(ctx, j, "complete", func(c context.Context) error { return w.store.Complete(c, ref, res) }); {
 		case err == nil:
 			w.finish(ctx, j, res, nil)
 		case errors.Is(err, idempotency.ErrFenced):
 			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
 			w.deferDelivery(j, time.Time{})
+		case idempotency.IsDefinite(err):
+			// The effect happened, but the database refuses its result:
+			// held for a person, the caller told so.
+			w.unstorable(ctx, j, ref, err)
 		}
 	case j.abandoned:
-		// The task still runs: its outcome is unknown. The claim is not
-		// renewed any more and lapses into the task's stale-claim policy;
-		// the caller gets TimeLimitExceeded (REVOKED after a terminating
-		// revoke) and the delivery is acknowledged.
-		w.log.Warn("outside claim left to lapse: the task was abandoned", w.fields(j)...)
+		// The task still runs: its outcome is unknown. Its claim goes to
+		// the task's stale-claim policy now, not at a redelivery that
+		// may never come: held (hold, lookup), skipped (skip) or failed
+		// (retry: claimable again). The caller gets TimeLimitExceeded
+		// (REVOKED after a terminating revoke) and the delivery is
+		// acknowledged.
+		w.settleAbandoned(ctx, j, ref)
 		w.finish(ctx, j, nil, taskErr)
 	case w.shutdownCut(ctx, taskErr):
 		// Cut off by the shutdown: whether the task reached the outside
@@ -136,16 +166,17 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 }
 
 // write makes a final record write for a claim this delivery holds,
-// retrying while the database does not answer. It returns nil or
-// idempotency.ErrFenced, which the caller acts on; any other outcome means
-// the worker is stopping and the delivery was given back to the broker (its
-// redelivery finds the claim).
+// retrying while the database does not answer. It returns nil,
+// idempotency.ErrFenced or a definite refusal (idempotency.IsDefinite),
+// which the caller acts on; any other outcome means the worker is stopping
+// and the delivery was given back to the broker (its redelivery finds the
+// claim).
 func (w *Worker) write(ctx context.Context, j *job, what string, op func(context.Context) error) error {
 	for attempt := 0; ; attempt++ {
 		fctx, cancel := final(ctx)
 		err := op(fctx)
 		cancel()
-		if err == nil || errors.Is(err, idempotency.ErrFenced) {
+		if err == nil || errors.Is(err, idempotency.ErrFenced) || idempotency.IsDefinite(err) {
 			return err
 		}
 		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
@@ -170,7 +201,8 @@ func (w *Worker) recheck(ctx context.Context, j *job) bool {
 	case rec.Status == idempotency.StatusCompleted:
 		w.duplicate(ctx, j, rec.Result)
 		return false
-	case rec.Status == idempotency.StatusClaimed && time.Now().Before(rec.LeaseUntil):
+	case rec.Live:
+		// Claimed and its lease running, by the database's clock.
 		w.deferDelivery(j, rec.LeaseUntil)
 		return false
 	}
@@ -184,7 +216,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 	w.log.Warn("stale claim: applying policy", w.fields(j, zap.String("policy", h.policy.String()),
 		zap.String("stale_owner", stale.Owner), zap.String("stale_task_id", stale.TaskID))...)
 	w.m.stale.WithLabelValues(h.name, h.policy.String()).Inc()
-	sp := idempotency.StalePolicy{Policy: h.policy, Fallback: h.fallback}
+	sp := idempotency.StalePolicy{Policy: h.policy, Fallback: h.fallback, LookupTimeout: h.lookupTimeout}
 	if h.policy == PolicyHold || h.fallback == PolicyHold {
 		msg, err := encodeHeld(j.d)
 		if err != nil {
@@ -204,6 +236,67 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 		}
 	}
 	return w.store.ApplyPolicy(ctx, p, stale, sp)
+}
+
+// unstorable settles the claim ref of a task whose effect happened but
+// whose result the database refuses (err): held for a person (its message
+// kept to replay), and the caller answered FAILURE
+// onceler.exceptions.ResultNotStored; then the delivery is acknowledged.
+func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, err error) {
+	w.log.Error("the record refuses the task's result; operation held", w.fields(j, zap.Error(err))...)
+	msg, merr := encodeHeld(j.d)
+	if merr != nil {
+		msg = nil
+	}
+	reason := "the task's result could not be stored: " + err.Error()
+	herr := w.write(ctx, j, "hold", func(c context.Context) error { return w.store.HoldOwn(c, ref, msg, reason) })
+	switch {
+	case herr == nil:
+		w.m.held.WithLabelValues(j.h.name).Inc()
+	case errors.Is(herr, idempotency.ErrFenced):
+	case idempotency.IsDefinite(herr):
+		w.log.Error("holding the operation failed too; its claim lapses into its policy", w.fields(j, zap.Error(herr))...)
+	default:
+		return // given back: the worker is stopping
+	}
+	exc := &celeryproto.Exception{Type: "ResultNotStored", Module: "onceler.exceptions",
+		Message: "the task ran, but the idempotency record refused its result (operation held): " + err.Error()}
+	if w.wantEvents() {
+		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
+	}
+	if w.replyFailure(ctx, j, exc, err) {
+		w.ack(j)
+	}
+}
+
+// settleAbandoned hands the claim ref of a task abandoned while it still
+// runs to its stale-claim policy at once: the effect may happen yet, so
+// hold and lookup hold it (a person decides; the lookup could not see an
+// effect still in flight), skip skips it, and retry fails it (claimable
+// again, the rare duplicate that policy accepts). When the write fails the
+// claim lapses by itself and waits for the policy at its next delivery.
+func (w *Worker) settleAbandoned(ctx context.Context, j *job, ref idempotency.Ref) {
+	reason := "the task was abandoned still running: its effect may or may not happen"
+	fctx, cancel := final(ctx)
+	defer cancel()
+	var err error
+	switch j.h.policy {
+	case PolicySkip:
+		err = w.store.SkipOwn(fctx, ref, reason)
+	case PolicyRetry:
+		err = w.store.Fail(fctx, ref, reason)
+	default:
+		msg, merr := encodeHeld(j.d)
+		if merr != nil {
+			msg = nil
+		}
+		err = w.store.HoldOwn(fctx, ref, msg, reason)
+	}
+	if err != nil {
+		w.log.Warn("settling an abandoned task's claim failed; it lapses into its policy", w.fields(j, zap.Error(err))...)
+		return
+	}
+	w.log.Warn("the claim of an abandoned task was settled by its policy", w.fields(j, zap.String("policy", j.h.policy.String()))...)
 }
 
 // execute runs the task function with its time limits, revocation and panic

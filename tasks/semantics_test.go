@@ -296,7 +296,7 @@ type stubbornArgs struct {
 // at its hard time limit: the caller gets TimeLimitExceeded then, not when
 // the task returns; a same-database task's transaction is rolled back (also
 // when its query ignores the context: the connection is closed under it);
-// an outside-mode claim is left to lapse; the soft limit cancels the
+// an outside-mode claim is held at once (policy hold); the soft limit cancels the
 // context with ErrSoftTimeLimit.
 func TestHardTimeLimitWithPython(t *testing.T) {
 	e := newEnv(t)
@@ -399,8 +399,8 @@ func TestHardTimeLimitWithPython(t *testing.T) {
 		}
 	}
 	rec, err := e.store.Get(context.Background(), "t.stubborn_out", "out-1")
-	if err != nil || rec.Status != idempotency.StatusClaimed {
-		t.Errorf("outside claim after abandonment: %+v, %v (want claimed, left to lapse)", rec, err)
+	if err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("outside claim after abandonment: %v, %v (want held at once by its policy, hold)", rec.Status, err)
 	}
 	for _, task := range []string{"t.stubborn", "t.stubborn_default", "t.stubborn_db", "t.stubborn_query", "t.stubborn_out"} {
 		if n := counterValue(r.w.m.abandoned.WithLabelValues(task)); n != 1 {

@@ -163,6 +163,10 @@ type Task[A any] struct {
 	// RunTx is the task body for ModeSameDB: write the effect through tx,
 	// which also holds the claim and the completion.
 	RunTx func(ctx context.Context, tx pgx.Tx, c *Call, args A) (any, error)
+	// LookupTimeout bounds one call of Lookup; a lookup that runs out of
+	// time counts as failed (Fallback). It runs under the lease of the
+	// takeover, and must end well within it. 0: half the lease.
+	LookupTimeout time.Duration
 	// Lookup asks the outside system whether the operation (Call.Reference)
 	// already happened. Required with PolicyLookup.
 	Lookup func(ctx context.Context, c *Call, args A) (result any, found bool, err error)
@@ -189,6 +193,7 @@ type handler struct {
 	softTimeLimit time.Duration
 	allowMismatch bool
 	hasLookup     bool
+	lookupTimeout time.Duration
 
 	// bind turns Celery args and kwargs into the task's argument value.
 	bind func(args []any, kwargs map[string]any) (any, error)
@@ -283,7 +288,7 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	if t.Fallback == PolicyLookup || t.Fallback < PolicyHold || t.Fallback > PolicyLookup {
 		return nil, invalid(t.Name, "fallback policy must be hold, retry or skip")
 	}
-	if t.Lease < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 || t.Retry.Countdown < 0 || t.Retry.Backoff < 0 || t.Retry.BackoffMax < 0 {
+	if t.Lease < 0 || t.LookupTimeout < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 || t.Retry.Countdown < 0 || t.Retry.Backoff < 0 || t.Retry.BackoffMax < 0 {
 		return nil, invalid(t.Name, "negative duration")
 	}
 	h := &handler{
@@ -297,6 +302,7 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 		softTimeLimit: t.SoftTimeLimit,
 		allowMismatch: t.AllowMismatch,
 		hasLookup:     t.Lookup != nil,
+		lookupTimeout: t.LookupTimeout,
 		bind: func(args []any, kwargs map[string]any) (any, error) {
 			var a A
 			if err := b.bind(reflect.ValueOf(&a).Elem(), args, kwargs); err != nil {

@@ -215,7 +215,7 @@ func TestCrashConfig(t *testing.T) {
 
 func TestMetricsRegistration(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg)
+	m, err := newMetrics(reg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -234,7 +234,7 @@ func TestMetricsRegistration(t *testing.T) {
 			t.Errorf("metric %s not gathered (have %v)", n, names)
 		}
 	}
-	if _, err := newMetrics(reg); err == nil {
+	if _, err := newMetrics(reg, nil); err == nil {
 		t.Error("second worker on the same registry accepted")
 	}
 }

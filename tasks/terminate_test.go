@@ -15,8 +15,8 @@ import (
 // TestRevokeTerminateAbandons: a task that ignores its context is abandoned
 // by Revoke(ids, true) as at the hard time limit: its caller gets REVOKED
 // (TaskRevokedError "terminated") within the settle time while the task still
-// runs, and the delivery is acknowledged. An outside claim is left to lapse
-// (neither completed nor failed), a same-database transaction (time-limited
+// runs, and the delivery is acknowledged. An outside claim is held at once
+// by its policy (hold), a same-database transaction (time-limited
 // task: guarded) rolled back; a same-database task without a time limit
 // (no transaction guard) is waited for, and its outcome stands.
 func TestRevokeTerminateAbandons(t *testing.T) {
@@ -84,8 +84,8 @@ func TestRevokeTerminateAbandons(t *testing.T) {
 	}
 	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	rec, err := e.store.Get(context.Background(), "x.outside", "o-1")
-	if err != nil || rec.Status != idempotency.StatusClaimed {
-		t.Errorf("outside record %v (%v), want claimed, left to lapse", rec.Status, err)
+	if err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("outside record %v (%v), want held at once by its policy (hold)", rec.Status, err)
 	}
 	if _, err := e.store.Get(context.Background(), "x.samedb_tl", "o-2"); err == nil {
 		t.Error("same-database claim kept after the abandoned task's rollback")

@@ -158,7 +158,11 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 			w.store, w.ownStore = s, true
 		}
 	}
-	m, err := newMetrics(cfg.Metrics)
+	var lapsed func(context.Context) (int64, error)
+	if w.store != nil {
+		lapsed = w.store.StaleClaims
+	}
+	m, err := newMetrics(cfg.Metrics, lapsed)
 	if err != nil {
 		w.closeStore()
 		return nil, err

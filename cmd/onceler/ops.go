@@ -74,19 +74,21 @@ func recordsCommand() *command {
 		name:    "records",
 		summary: "list and inspect idempotency records",
 		long: `Lists the records of the idempotency record, by task and key, filtered by
-task, key and status. With both --task and --key it shows the one record in
-full (result, error, reason). --json prints JSON instead of a table.`,
+task, key and status; --stale lists the claims whose lease has lapsed without
+an outcome. With both --task and --key it shows the one record in full
+(result, error, reason). --json prints JSON instead of a table.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			var (
 				d                 dbFlags
 				task, key, status string
 				limit             int
-				asJSON            bool
+				asJSON, stale     bool
 			)
 			d.define(fs)
 			fs.String(&task, "task", "NAME", "", "only records of this task")
 			fs.String(&key, "key", "KEY", "", "only records with this operation key")
 			fs.String(&status, "status", "STATUS", "", "only records in this status: claimed, completed, failed, held or skipped")
+			fs.Bool(&stale, "stale", "only claims whose lease has lapsed without an outcome (their claimant stopped; the stale-claim policy settles them at their next delivery)")
 			fs.Int(&limit, "limit", 100, "list at most this many records")
 			fs.Bool(&asJSON, "json", "print JSON")
 			return func(ctx context.Context, args []string) error {
@@ -106,7 +108,7 @@ full (result, error, reason). --json prints JSON instead of a table.`,
 				}
 				defer pool.Close()
 				defer store.Close()
-				recs, err := store.List(ctx, idempotency.Filter{Task: task, Key: key, Status: st, Limit: limit})
+				recs, err := store.List(ctx, idempotency.Filter{Task: task, Key: key, Status: st, Stale: stale, Limit: limit})
 				if err != nil {
 					return fmt.Errorf("list records: %s", schemaHint(d.schema, err))
 				}

@@ -1,0 +1,181 @@
+package tasks
+
+import (
+	"context"
+	"errors"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrTxManaged is returned to a same-database task that tries to commit or
+// roll back the transaction the worker handed it (with Commit, Rollback or
+// a COMMIT, ROLLBACK, END, ABORT or PREPARE TRANSACTION statement). The
+// worker commits the claim, the task's effect and the completion together
+// when the task returns nil, and rolls everything back when it returns an
+// error: return instead. Nested transactions (tx.Begin: savepoints) may be
+// committed and rolled back as usual.
+var ErrTxManaged = errors.New("tasks: the worker commits or rolls back a same-database task's transaction: return nil to commit, an error to roll back")
+
+// taskTx is the transaction handed to a same-database task: the worker's,
+// which the task may not end.
+type taskTx struct {
+	pgx.Tx
+}
+
+var _ pgx.Tx = (*taskTx)(nil)
+
+// Commit refuses: the worker commits.
+func (t *taskTx) Commit(context.Context) error { return ErrTxManaged }
+
+// Rollback refuses: the worker rolls back when the task returns an error.
+func (t *taskTx) Rollback(context.Context) error { return ErrTxManaged }
+
+// Begin starts a nested transaction (a savepoint), which the task may end.
+func (t *taskTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &nestedTx{Tx: tx}, nil
+}
+
+func (t *taskTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return execChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *taskTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return queryChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *taskTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return queryRowChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *taskTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return sendBatchChecked(ctx, t.Tx, b)
+}
+
+// nestedTx is a savepoint inside the task's transaction: the task may
+// commit (release) or roll it back, but not end the outer transaction by a
+// statement.
+type nestedTx struct {
+	pgx.Tx
+}
+
+var _ pgx.Tx = (*nestedTx)(nil)
+
+func (t *nestedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &nestedTx{Tx: tx}, nil
+}
+
+func (t *nestedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return execChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *nestedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return queryChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *nestedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return queryRowChecked(ctx, t.Tx, sql, args)
+}
+
+func (t *nestedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return sendBatchChecked(ctx, t.Tx, b)
+}
+
+func execChecked(ctx context.Context, tx pgx.Tx, sql string, args []any) (pgconn.CommandTag, error) {
+	if endsTx(sql) {
+		return pgconn.CommandTag{}, ErrTxManaged
+	}
+	return tx.Exec(ctx, sql, args...)
+}
+
+func queryChecked(ctx context.Context, tx pgx.Tx, sql string, args []any) (pgx.Rows, error) {
+	if endsTx(sql) {
+		return nil, ErrTxManaged
+	}
+	return tx.Query(ctx, sql, args...)
+}
+
+func queryRowChecked(ctx context.Context, tx pgx.Tx, sql string, args []any) pgx.Row {
+	if endsTx(sql) {
+		return errRow{ErrTxManaged}
+	}
+	return tx.QueryRow(ctx, sql, args...)
+}
+
+func sendBatchChecked(ctx context.Context, tx pgx.Tx, b *pgx.Batch) pgx.BatchResults {
+	for _, q := range b.QueuedQueries {
+		if endsTx(q.SQL) {
+			return errBatch{ErrTxManaged}
+		}
+	}
+	return tx.SendBatch(ctx, b)
+}
+
+// errRow is the row of a refused query.
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+// endsTx reports whether the statement sql ends the transaction: COMMIT,
+// END, ABORT, ROLLBACK (but not ROLLBACK TO a savepoint), PREPARE
+// TRANSACTION, or COMMIT/ROLLBACK PREPARED. Leading blanks and comments
+// are skipped. (A statement that slips past this, in a string of several,
+// is caught when the task returns: the worker finds the connection out of
+// its transaction.)
+func endsTx(sql string) bool {
+	s := skipBlanks(sql)
+	word := func() string {
+		i := 0
+		for i < len(s) && (s[i] == '_' || s[i] >= 'a' && s[i] <= 'z' || s[i] >= 'A' && s[i] <= 'Z') {
+			i++
+		}
+		w := strings.ToLower(s[:i])
+		s = skipBlanks(s[i:])
+		return w
+	}
+	switch word() {
+	case "commit", "end", "abort":
+		return true
+	case "rollback":
+		next := word()
+		if next == "work" || next == "transaction" {
+			next = word()
+		}
+		return next != "to"
+	case "prepare":
+		return word() == "transaction"
+	}
+	return false
+}
+
+// skipBlanks skips white space and SQL comments.
+func skipBlanks(s string) string {
+	for {
+		s = strings.TrimLeft(s, " \t\r\n\f;")
+		switch {
+		case strings.HasPrefix(s, "--"):
+			i := strings.IndexByte(s, '\n')
+			if i < 0 {
+				return ""
+			}
+			s = s[i+1:]
+		case strings.HasPrefix(s, "/*"):
+			i := strings.Index(s, "*/")
+			if i < 0 {
+				return ""
+			}
+			s = s[i+2:]
+		default:
+			return s
+		}
+	}
+}
