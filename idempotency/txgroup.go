@@ -416,6 +416,15 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 		case m.err == nil:
 			m.commit = false
 			m.claim, m.err = s.runSolo(m.op.ctx, m.op.p, m.op.fn)
+			if m.err != nil && !IsUnknownOutcome(m.err) {
+				// Its claim may have committed with the group's first part,
+				// without an effect: released, as after any failure.
+				if err := s.Release(ctx, m.op.p.Ref(m.op.p.Token)); err != nil &&
+					!errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
+					s.log.Warn("releasing a claim after its group's transaction was ended failed",
+						zap.String("task", m.op.p.Task), zap.Error(err))
+				}
+			}
 		}
 	}
 }
