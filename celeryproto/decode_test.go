@@ -107,6 +107,11 @@ func TestDecodeErrors(t *testing.T) {
 		{"yaml python tag", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- !!python/object/apply:os.system [\"id\"]\n- {}\n- null\n")}, Limits{}, ErrMalformed, `yaml tag "!!python/object/apply:os.system" is not allowed`},
 		{"yaml billion laughs", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte(laughs)}, Limits{}, ErrMalformed, "excessive aliasing"},
 		{"garbage yaml", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("[1, {")}, Limits{}, ErrMalformed, "cannot decode yaml body"},
+		// PyYAML's safe_load refuses a stream of two documents ("expected a
+		// single document in the stream"); taking the first would run what
+		// Celery's worker refuses.
+		{"yaml two documents", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- [1]\n- {}\n- {}\n---\n- [2]\n- {}\n- {}\n")}, Limits{}, ErrMalformed, "more than one document"},
+		{"yaml empty second document", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- [1]\n- {}\n- {}\n...\n---\n")}, Limits{}, ErrMalformed, "more than one document"},
 		{"v2 body object", jsonDelivery(`{"a": 1}`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got object"},
 		{"v2 body 2 elements", jsonDelivery(`[[], {}]`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got 2 elements"},
 		{"v2 kwargs list", jsonDelivery(`[[], [], {}]`, v2Headers()), Limits{}, ErrShape, "kwargs must be a mapping, got array"},

@@ -36,7 +36,8 @@
 //
 // JSON (application/json), msgpack (application/x-msgpack) and YAML
 // (application/x-yaml, safe: plain data only; a tag PyYAML's safe_load
-// would refuse, such as !!python/object, is refused). JSON accepts kombu 5.2's plain
+// would refuse, such as !!python/object, is refused, and so is a stream of
+// more than one document, as safe_load refuses it). JSON accepts kombu 5.2's plain
 // form and kombu >= 5.3's {"__type__": T, "__value__": V} envelopes
 // (datetime and date become time.Time; bytes and base64 become []byte;
 // uuid, decimal and time become strings), and Python's NaN and Infinity.
