@@ -30,7 +30,11 @@
 //
 // Times: [ParseTime] reads every form Celery sends (with or without a
 // fraction, "Z", an offset or none: naive means UTC). [FormatTime] writes
-// what Celery 5.2 parses: UTC, 6 fraction digits, "+00:00".
+// what Celery 5.2 parses: UTC, 6 fraction digits, "+00:00". An eta or
+// expires given as a time value outside what Celery can read is refused
+// ([ErrBadHeader]), never read as a time in the past: an AMQP timestamp
+// past 9999-12-31 (or past 2^63 s, which amqp091-go reads as a negative
+// count), any other time outside the years 1 to 9999.
 //
 // # Serializers
 //
