@@ -12,9 +12,9 @@ import (
 )
 
 // Bounds of the revoke command's reply and log line. A revoke may name any
-// number of ids (a million is a 40 MB message); Celery's reply lists them
-// all, which would make a reply as large as the request and a log line as
-// large again.
+// number of ids (a million task ids is a 40 MB message); Celery's reply
+// lists them all, which would make a reply as large as the request and a
+// log line as large again.
 const (
 	// revokeReplyBytes bounds the ids listed in a revoke reply: the rest
 	// are counted ("... and 99990 more").
