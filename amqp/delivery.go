@@ -20,8 +20,9 @@ type Delivery struct {
 	Queue string
 	// Exchange and RoutingKey are those it was published with.
 	Exchange, RoutingKey string
-	// DeliveryCount is the x-delivery-count header set by quorum queues on
-	// redeliveries, 0 if absent.
+	// DeliveryCount is how many times the broker delivered the message
+	// before: a quorum queue's x-delivery-count header on a redelivery, else
+	// 0 (see newDelivery for why a producer's header is not trusted).
 	DeliveryCount int
 	// MessageID is the AMQP message_id property, empty if unset.
 	MessageID string
@@ -110,8 +111,18 @@ func (d *Delivery) settle(op string, send func(*channelState) error) error {
 }
 
 // newDelivery converts an amqp091 delivery. Its header table is converted
-// in place.
-func newDelivery(m *amqp091.Delivery, queue string, st *channelState) *Delivery {
+// in place. quorum says the queue is a quorum queue.
+//
+// x-delivery-count is trusted only where the broker wrote it: on a
+// redelivery (Redelivered set) from a quorum queue, which overwrites the
+// header with its own count then. A classic queue never sets it and passes
+// a producer's header through untouched, so there it is ignored (the worker
+// counts classic redeliveries itself); and a first delivery (Redelivered
+// unset) was not delivered before, whatever the header says: a quorum
+// queue passes a producer's header through on it too. Otherwise any
+// producer could have a message quarantined as poison on its first
+// delivery with x-delivery-count: 99.
+func newDelivery(m *amqp091.Delivery, queue string, quorum bool, st *channelState) *Delivery {
 	d := &Delivery{
 		Delivery: celeryproto.Delivery{
 			ContentType:     m.ContentType,
@@ -132,8 +143,8 @@ func newDelivery(m *amqp091.Delivery, queue string, st *channelState) *Delivery 
 		tag:        m.DeliveryTag,
 		ch:         st,
 	}
-	if v, ok := d.Headers["x-delivery-count"]; ok {
-		d.DeliveryCount = intValue(v)
+	if v, ok := d.Headers["x-delivery-count"]; ok && quorum && m.Redelivered {
+		d.DeliveryCount = max(0, intValue(v))
 	}
 	return d
 }

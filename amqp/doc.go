@@ -79,7 +79,10 @@
 // and a binding with the queue name as routing key. CeleryQuorumQueue adds
 // x-queue-type quorum; consuming a quorum queue uses per-consumer prefetch
 // (quorum queues refuse global QoS), and redeliveries carry
-// x-delivery-count (Delivery.DeliveryCount). QueueSpec.Passive only checks
+// x-delivery-count (Delivery.DeliveryCount). That header is read only on a
+// redelivery from a queue whose spec says quorum (Quorum, or x-queue-type
+// in Args): a classic queue passes a producer's header through untouched,
+// and a first delivery was not delivered before. QueueSpec.Passive only checks
 // that the queue exists, for queues managed by someone else.
 //
 // # Publishing

@@ -67,7 +67,7 @@ func (p *Publisher) Inspect(ctx context.Context, queue string, limit int, fn fun
 			}
 			seen++
 			st.outstanding.Add(1)
-			d := newDelivery(&m, queue, st)
+			d := newDelivery(&m, queue, false, st) // the type is unknown: counts are not read
 			action, ferr := fn(d)
 			if ferr != nil {
 				return ferr

@@ -12,8 +12,9 @@ import (
 
 // tagged is a delivery with the queue its consumer reads.
 type tagged struct {
-	m     amqp091.Delivery
-	queue string
+	m      amqp091.Delivery
+	queue  string
+	quorum bool
 }
 
 // consumeSession is one connection's consumers, owned by Run's goroutine.
@@ -83,7 +84,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 			return true, nil
 		case t := <-s.merged:
 			s.st.outstanding.Add(1)
-			handle(newDelivery(&t.m, t.queue, s.st))
+			handle(newDelivery(&t.m, t.queue, t.quorum, s.st))
 		case <-c.qosChanged:
 			if err := s.restartConsumers(); err != nil {
 				return true, err
@@ -133,7 +134,7 @@ func (s *consumeSession) startConsumers() error {
 			return fmt.Errorf("consume %q: %w", q.Name, err)
 		}
 		s.tags[tag] = q.Name
-		s.forward(dch, q.Name)
+		s.forward(dch, q.Name, q.isQuorum())
 	}
 	return nil
 }
@@ -164,13 +165,13 @@ func (s *consumeSession) restartConsumers() error {
 
 // forward copies one consumer's deliveries into merged until the consumer
 // ends (cancel or channel close) or the session stops.
-func (s *consumeSession) forward(dch <-chan amqp091.Delivery, queue string) {
+func (s *consumeSession) forward(dch <-chan amqp091.Delivery, queue string, quorum bool) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		for m := range dch {
 			select {
-			case s.merged <- tagged{m: m, queue: queue}:
+			case s.merged <- tagged{m: m, queue: queue, quorum: quorum}:
 			case <-s.stop:
 				return
 			}

@@ -51,6 +51,13 @@ func CeleryQuorumQueue(name string) QueueSpec {
 	return q
 }
 
+// isQuorum reports whether q is a quorum queue: Quorum, or x-queue-type
+// quorum among its arguments.
+func (q QueueSpec) isQuorum() bool {
+	t, _ := q.Args["x-queue-type"].(string)
+	return q.Quorum || t == "quorum"
+}
+
 // resolved fills in kombu's defaults.
 func (q QueueSpec) resolved() QueueSpec {
 	if q.Exchange == "" {

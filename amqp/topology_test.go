@@ -3,6 +3,7 @@ package amqp
 import (
 	"errors"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -261,5 +262,51 @@ print(r.get(timeout=30))
 	}
 	if strings.TrimSpace(out.String()) != "5" {
 		t.Fatalf("celery client printed %q, want 5", out.String())
+	}
+}
+
+// A producer's x-delivery-count header is not taken for the broker's count:
+// a classic queue passes it through untouched (RabbitMQ counts deliveries
+// only on quorum queues), so it is ignored there, first delivery or not; a
+// quorum queue's count is the broker's, whether the spec says Quorum or
+// gives x-queue-type in Args.
+func TestProducerDeliveryCountNotTrusted(t *testing.T) {
+	cfg := testConfig(t)
+	classic, quorum, byArgs := testenv.Name("onceler_amqp_dc_classic"), testenv.Name("onceler_amqp_dc_quorum"), testenv.Name("onceler_amqp_dc_args")
+	cleanupQueue(t, classic, quorum, byArgs)
+	specs := []QueueSpec{CeleryQueue(classic), CeleryQuorumQueue(quorum), CeleryQueue(byArgs)}
+	specs[2].Args = map[string]any{"x-queue-type": "quorum"}
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	for _, s := range specs {
+		must(t, p.Declare(ctx, s), "declare %s", s.Name)
+		msg := textMessage(`"counted?"`)
+		msg.Headers = map[string]any{"x-delivery-count": int64(99)}
+		must(t, p.Publish(ctx, "", s.Name, msg, PublishOptions{}), "publish to %s", s.Name)
+	}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: specs, Prefetch: 4})
+	got := make(chan *Delivery, 8)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	counts := map[string][]int{}
+	for len(counts[classic])+len(counts[quorum])+len(counts[byArgs]) < 6 {
+		d := recv(t, got, 15*time.Second)
+		counts[d.Queue] = append(counts[d.Queue], d.DeliveryCount)
+		if len(counts[d.Queue]) == 1 {
+			if d.Redelivered {
+				t.Errorf("%s: first delivery marked redelivered", d.Queue)
+			}
+			must(t, d.Nack(true), "requeue")
+			continue
+		}
+		if !d.Redelivered {
+			t.Errorf("%s: requeued delivery not marked redelivered", d.Queue)
+		}
+		must(t, d.Ack(), "ack")
+	}
+	want := map[string][]int{classic: {0, 0}, quorum: {0, 1}, byArgs: {0, 1}}
+	for q, w := range want {
+		if !slices.Equal(counts[q], w) {
+			t.Errorf("%s: delivery counts %v, want %v", q, counts[q], w)
+		}
 	}
 }

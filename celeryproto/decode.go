@@ -183,8 +183,9 @@ func (m *Message) readEmbed(e map[string]any, withChain bool) error {
 }
 
 // readFields reads the task fields from protocol 2 headers or a protocol 1
-// body. Absent keys leave the field as it is.
-func (m *Message) readFields(h map[string]any, keepCustom bool) error {
+// body. Absent keys leave the field as it is. headers says h is the AMQP
+// headers: their custom keys are kept, and their times are AMQP timestamps.
+func (m *Message) readFields(h map[string]any, headers bool) error {
 	for k, v := range h {
 		var err error
 		switch k {
@@ -207,9 +208,9 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 		case "kwargsrepr":
 			m.KwargsRepr, err = str(k, v)
 		case "eta":
-			m.ETA, err = timeValue(k, v)
+			m.ETA, err = timeValue(k, v, headers)
 		case "expires":
-			m.Expires, err = timeValue(k, v)
+			m.Expires, err = timeValue(k, v, headers)
 		case "retries":
 			var n int64
 			n, _, err = intValue(k, v)
@@ -239,7 +240,7 @@ func (m *Message) readFields(h map[string]any, keepCustom bool) error {
 		case "stamped_headers":
 			m.StampedHeaders, err = stringList(k, v)
 		default:
-			if _, known := knownHeaders[k]; known || !keepCustom {
+			if _, known := knownHeaders[k]; known || !headers {
 				continue
 			}
 			if m.Headers == nil {

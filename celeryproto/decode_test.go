@@ -107,6 +107,11 @@ func TestDecodeErrors(t *testing.T) {
 		{"yaml python tag", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- !!python/object/apply:os.system [\"id\"]\n- {}\n- null\n")}, Limits{}, ErrMalformed, `yaml tag "!!python/object/apply:os.system" is not allowed`},
 		{"yaml billion laughs", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte(laughs)}, Limits{}, ErrMalformed, "excessive aliasing"},
 		{"garbage yaml", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("[1, {")}, Limits{}, ErrMalformed, "cannot decode yaml body"},
+		// PyYAML's safe_load refuses a stream of two documents ("expected a
+		// single document in the stream"); taking the first would run what
+		// Celery's worker refuses.
+		{"yaml two documents", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- [1]\n- {}\n- {}\n---\n- [2]\n- {}\n- {}\n")}, Limits{}, ErrMalformed, "more than one document"},
+		{"yaml empty second document", &Delivery{ContentType: "application/x-yaml", Headers: v2Headers(), Body: []byte("- [1]\n- {}\n- {}\n...\n---\n")}, Limits{}, ErrMalformed, "more than one document"},
 		{"v2 body object", jsonDelivery(`{"a": 1}`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got object"},
 		{"v2 body 2 elements", jsonDelivery(`[[], {}]`, v2Headers()), Limits{}, ErrShape, "protocol 2 body must be a 3-element list, got 2 elements"},
 		{"v2 kwargs list", jsonDelivery(`[[], [], {}]`, v2Headers()), Limits{}, ErrShape, "kwargs must be a mapping, got array"},
@@ -117,6 +122,15 @@ func TestDecodeErrors(t *testing.T) {
 		{"v1 null task", jsonDelivery(`{"task": null, "id": "x", "args": []}`, nil), Limits{}, ErrShape, "protocol 1 message without a task name"},
 		{"v1 list body", jsonDelivery(`[1, 2]`, nil), Limits{}, ErrShape, "not a protocol 1 mapping, got array"},
 		{"bad eta", jsonDelivery(`[[], {}, {}]`, withHeader("eta", "tomorrow")), Limits{}, ErrBadHeader, "bad eta"},
+		// An AMQP timestamp (field type T) is read by amqp091-go as
+		// time.Unix(int64(raw), 0): near 2^63 the time wraps into the past
+		// (the task would run at once), at or past 2^63 it is before 1970.
+		// py-amqp cannot read either (utcfromtimestamp fails past 9999).
+		{"eta timestamp near 2^63", jsonDelivery(`[[], {}, {}]`, withHeader("eta", time.Unix(math.MaxInt64-10, 0))), Limits{}, ErrBadHeader, "eta is out of range: AMQP timestamp 9223372036854775797 s"},
+		{"eta timestamp past 2^63", jsonDelivery(`[[], {}, {}]`, withHeader("eta", time.Unix(-1, 0))), Limits{}, ErrBadHeader, "eta is out of range: AMQP timestamp 18446744073709551615 s"},
+		{"eta timestamp past 9999", jsonDelivery(`[[], {}, {}]`, withHeader("eta", time.Unix(253402300800, 0))), Limits{}, ErrBadHeader, "eta is out of range"},
+		{"expires timestamp near 2^63", jsonDelivery(`[[], {}, {}]`, withHeader("expires", time.Unix(math.MaxInt64, 0))), Limits{}, ErrBadHeader, "expires is out of range"},
+		{"msgpack eta near 2^63", &Delivery{ContentType: "application/x-msgpack", Body: msgpackBody(t, map[string]any{"task": "t", "id": "x", "args": []any{}, "eta": time.Unix(math.MaxInt64-10, 0)})}, Limits{}, ErrBadHeader, "eta is out of range"},
 		{"bad retries", jsonDelivery(`[[], {}, {}]`, withHeader("retries", "two")), Limits{}, ErrBadHeader, "retries must be an integer, got string"},
 		{"bad timelimit", jsonDelivery(`[[], {}, {}]`, withHeader("timelimit", []any{1})), Limits{}, ErrBadHeader, "timelimit must have 2 elements"},
 		{"bad task", jsonDelivery(`[[], {}, {}]`, withHeader("task", int64(3))), Limits{}, ErrBadHeader, "task must be a string, got integer"},
@@ -353,4 +367,13 @@ func TestDecompressionBombs(t *testing.T) {
 			}
 		})
 	}
+}
+
+func msgpackBody(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := msgpack.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

@@ -30,13 +30,18 @@
 //
 // Times: [ParseTime] reads every form Celery sends (with or without a
 // fraction, "Z", an offset or none: naive means UTC). [FormatTime] writes
-// what Celery 5.2 parses: UTC, 6 fraction digits, "+00:00".
+// what Celery 5.2 parses: UTC, 6 fraction digits, "+00:00". An eta or
+// expires given as a time value outside what Celery can read is refused
+// ([ErrBadHeader]), never read as a time in the past: an AMQP timestamp
+// past 9999-12-31 (or past 2^63 s, which amqp091-go reads as a negative
+// count), any other time outside the years 1 to 9999.
 //
 // # Serializers
 //
 // JSON (application/json), msgpack (application/x-msgpack) and YAML
 // (application/x-yaml, safe: plain data only; a tag PyYAML's safe_load
-// would refuse, such as !!python/object, is refused). JSON accepts kombu 5.2's plain
+// would refuse, such as !!python/object, is refused, and so is a stream of
+// more than one document, as safe_load refuses it). JSON accepts kombu 5.2's plain
 // form and kombu >= 5.3's {"__type__": T, "__value__": V} envelopes
 // (datetime and date become time.Time; bytes and base64 become []byte;
 // uuid, decimal and time become strings), and Python's NaN and Infinity.

@@ -158,11 +158,37 @@ func timeLimitValue(v any) (TimeLimit, error) {
 	return tl, nil
 }
 
-func timeValue(k string, v any) (time.Time, error) {
+// The times Python's datetime holds (years 1 to 9999), in Unix seconds.
+const (
+	minPythonTime = -62135596800 // 0001-01-01T00:00:00Z
+	maxPythonTime = 253402300799 // 9999-12-31T23:59:59Z
+)
+
+// timeValue reads an eta or expires: an ISO 8601 string, or a time value
+// (an AMQP timestamp in the headers, a YAML or msgpack time in a body).
+// header says v is an AMQP header.
+//
+// A time out of the range Celery can read is refused, never taken for a
+// time in the past (an eta in the past runs at once). amqp091-go reads an
+// AMQP timestamp, an unsigned count of seconds, as time.Unix(int64(raw)),
+// which wraps: near 2^63 the time's arithmetic overflows into the past, and
+// from 2^63 on it is before 1970. py-amqp reads it with utcfromtimestamp,
+// which fails past the year 9999, so Celery's worker cannot receive such a
+// message at all. So an AMQP timestamp must be within 0..9999-12-31, any
+// other time within the years 1..9999. Unix() gives back the seconds
+// time.Unix was given, wrapped or not.
+func timeValue(k string, v any, header bool) (time.Time, error) {
 	switch x := v.(type) {
 	case nil:
 		return time.Time{}, nil
 	case time.Time:
+		sec := x.Unix()
+		switch {
+		case header && (sec < 0 || sec > maxPythonTime):
+			return time.Time{}, decodeErr(ErrBadHeader, nil, "%s is out of range: AMQP timestamp %d s is past 9999-12-31 (Celery cannot read it)", k, uint64(sec))
+		case sec < minPythonTime || sec > maxPythonTime:
+			return time.Time{}, decodeErr(ErrBadHeader, nil, "%s is out of range: %d s from 1970 is outside the years 1 to 9999 (Celery cannot read it)", k, sec)
+		}
 		return x.UTC(), nil
 	case string:
 		if x == "" {
@@ -174,7 +200,7 @@ func timeValue(k string, v any) (time.Time, error) {
 		}
 		return t, nil
 	case []byte:
-		return timeValue(k, string(x))
+		return timeValue(k, string(x), header)
 	}
 	return time.Time{}, badField(k, v, "an ISO 8601 time")
 }

@@ -1,7 +1,10 @@
 package celeryproto
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"io"
 	"math"
 	"strings"
 	"time"
@@ -51,11 +54,11 @@ func (dec *Decoder) unmarshal(serializer string, data []byte) (any, error) {
 	case "msgpack":
 		return decodeMsgpack(data)
 	case "yaml":
-		var doc yaml.Node
-		if err := yaml.Unmarshal(data, &doc); err != nil {
+		doc, err := yamlDocument(data)
+		if err != nil {
 			return nil, err
 		}
-		if err := safeYAML(&doc, 0); err != nil {
+		if err := safeYAML(doc, 0); err != nil {
 			return nil, err
 		}
 		var v any
@@ -65,6 +68,27 @@ func (dec *Decoder) unmarshal(serializer string, data []byte) (any, error) {
 		return normalize(v, 0)
 	}
 	return nil, fmt.Errorf("unknown serializer %q", serializer)
+}
+
+// yamlDocument parses the single YAML document of data (none reads as
+// null). A stream of more than one document is refused, as PyYAML's
+// safe_load refuses it ("expected a single document in the stream"):
+// taking the first and ignoring the rest would run a message Celery's
+// worker cannot read.
+func yamlDocument(data []byte) (*yaml.Node, error) {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	var next yaml.Node
+	switch err := dec.Decode(&next); {
+	case errors.Is(err, io.EOF):
+		return &doc, nil
+	case err != nil:
+		return nil, err
+	}
+	return nil, errors.New("yaml stream holds more than one document (expected a single document)")
 }
 
 // normalize converts msgpack and YAML values to the package's value types:

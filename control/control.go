@@ -261,6 +261,12 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 	} else {
 		c.sendWorkerEvent("worker-heartbeat")
 	}
+	// Commands are handled on a goroutine of their own, so that a long one
+	// never delays a heartbeat nor the response to ctx.
+	cmdCtx, stopCmds := context.WithCancel(ctx)
+	cmdsDone := make(chan struct{})
+	go func() { defer close(cmdsDone); c.serve(cmdCtx, ctlCh, deliveries) }()
+	defer func() { stopCmds(); <-cmdsDone }()
 	tick := time.NewTicker(c.cfg.Heartbeat)
 	defer tick.Stop()
 	for {
@@ -277,11 +283,28 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 			return fmt.Errorf("control: event channel closed: %w", err)
 		case <-tick.C:
 			c.sendWorkerEvent("worker-heartbeat")
+		case <-cmdsDone:
+			if ctx.Err() != nil { // it stopped because ctx ended
+				c.goOffline(conn)
+				return nil
+			}
+			return errors.New("control: pidbox consumer cancelled")
+		}
+	}
+}
+
+// serve handles the pidbox requests one at a time until ctx is done or the
+// consumer ends.
+func (c *Controller) serve(ctx context.Context, ch *amqp091.Channel, deliveries <-chan amqp091.Delivery) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
 		case d, ok := <-deliveries:
 			if !ok {
-				return errors.New("control: pidbox consumer cancelled")
+				return
 			}
-			c.handle(ctx, ctlCh, &d)
+			c.handle(ctx, ch, &d)
 		}
 	}
 }

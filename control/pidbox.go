@@ -40,7 +40,7 @@ func (c *Controller) handle(ctx context.Context, ch *amqp091.Channel, d *amqp091
 	}
 	c.commands.Add(1)
 	c.log.Debug("control command", zap.String("method", req.Method), zap.Bool("reply", req.WantsReply()))
-	result, after := c.dispatch(req)
+	result, after := c.dispatch(ctx, req)
 	if req.WantsReply() {
 		c.reply(ctx, ch, req, result)
 	}
@@ -86,7 +86,7 @@ func nok(v string) map[string]any { return map[string]any{"error": v} }
 
 // dispatch runs a command and returns its reply, and an action to run after
 // replying (shutdown).
-func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
+func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlRequest) (any, func()) {
 	node := c.cfg.NodeName
 	switch req.Method {
 	case "ping":
@@ -114,9 +114,9 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 	case "active_queues":
 		return c.activeQueues(), nil
 	case "revoke":
-		return c.revoke(req.Arguments["task_id"], truthy(req.Arguments["terminate"])), nil
+		return c.revoke(ctx, req.Arguments["task_id"], truthy(req.Arguments["terminate"])), nil
 	case "terminate":
-		return c.revoke(req.Arguments["task_id"], true), nil
+		return c.revoke(ctx, req.Arguments["task_id"], true), nil
 	case "revoked":
 		ids := c.revoked.IDs()
 		out := make([]any, len(ids))
@@ -158,12 +158,7 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 			return nil, nil
 		}
 		if r, ok := req.Arguments["revoked"].(map[string]any); ok {
-			ids := make([]string, 0, len(r))
-			for id := range r {
-				ids = append(ids, id)
-			}
-			c.revoked.Add(ids...)
-			c.worker().Revoke(ids, false)
+			c.mergeRevoked(r)
 		}
 		snap := c.revoked.Snapshot()
 		rv := make(map[string]any, len(snap))
@@ -179,43 +174,6 @@ func (c *Controller) dispatch(req *celeryproto.ControlRequest) (any, func()) {
 		return ok("shutting down"), c.cfg.Shutdown
 	}
 	return nok(fmt.Sprintf("unknown command %q", req.Method)), nil
-}
-
-// revoke marks ids revoked, as Celery's revoke command: task_id is one id or
-// a list of ids.
-func (c *Controller) revoke(arg any, terminate bool) map[string]any {
-	var ids []string
-	switch v := arg.(type) {
-	case string:
-		ids = []string{v}
-	case []any:
-		for _, x := range v {
-			if s, ok := x.(string); ok {
-				ids = append(ids, s)
-			}
-		}
-	}
-	if len(ids) == 0 {
-		return nok("revoke: no task_id given")
-	}
-	var running []string
-	if terminate {
-		for _, t := range c.worker().Active() {
-			if slices.Contains(ids, t.ID) {
-				running = append(running, t.ID)
-			}
-		}
-	}
-	c.revoked.Add(ids...)
-	c.worker().Revoke(ids, terminate)
-	c.log.Info("tasks revoked", zap.Strings("ids", ids), zap.Bool("terminate", terminate))
-	if terminate {
-		if len(running) == 0 {
-			return ok("terminate: tasks unknown")
-		}
-		return ok("terminate: " + join(running))
-	}
-	return ok("tasks " + join(ids) + " flagged as revoked")
 }
 
 // queryTask answers Celery's query_task: {id: [state, request]} for the
@@ -242,17 +200,6 @@ func (c *Controller) queryTask(arg any) map[string]any {
 		}
 	}
 	return out
-}
-
-func join(ids []string) string {
-	s := ""
-	for i, id := range ids {
-		if i > 0 {
-			s += ", "
-		}
-		s += id
-	}
-	return s
 }
 
 func truthy(v any) bool {

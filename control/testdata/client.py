@@ -6,6 +6,8 @@
                                            (MODE cli: `celery control terminate`,
                                            api: app.control.revoke(terminate=True))
     client.py NODE call SECONDS            send demo.sleep and wait for it
+    client.py NODE revoke-many COUNT       app.control.revoke of COUNT new ids
+                                           with a reply, then a ping
 """
 import json
 import os
@@ -70,6 +72,12 @@ def main():
         else:
             out['terminate'] = app.control.revoke(res.id, terminate=True, destination=[node], reply=True)
         out.update(outcome(res, 30))
+    elif mode == 'revoke-many':
+        ids = [str(uuid.uuid4()) for _ in range(int(seconds))]
+        t0 = time.time()
+        out['reply'] = app.control.revoke(ids, destination=[node], reply=True, timeout=10)
+        out['elapsed'] = time.time() - t0
+        out['ping'] = app.control.ping([node], timeout=5)
     elif mode == 'call':
         res = send_sleep(seconds)
         out.update(outcome(res, 30))
