@@ -30,6 +30,10 @@ type Delivery struct {
 
 	Headers Table // Application or header exchange table
 
+	// HeadersError is non-nil when the message's header table arrived but
+	// could not be read (a *HeadersError); Headers is then nil (onceler).
+	HeadersError error
+
 	// Properties
 	ContentType     string    // MIME content type
 	ContentEncoding string    // MIME content encoding
@@ -65,6 +69,7 @@ func newDelivery(channel *Channel, msg messageWithContent) *Delivery {
 		Acknowledger: channel,
 
 		Headers:         props.Headers,
+		HeadersError:    props.headersErr,
 		ContentType:     props.ContentType,
 		ContentEncoding: props.ContentEncoding,
 		DeliveryMode:    props.DeliveryMode,

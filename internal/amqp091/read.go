@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"time"
@@ -198,6 +199,7 @@ func readTimestamp(r io.Reader) (v time.Time, err error) {
 'd': float64
 'f': float32
 'l': int64
+'L': int64 (onceler: as py-amqp writes and reads it)
 'i': uint32
 's': int16
 'u': uint16
@@ -269,6 +271,15 @@ func readFieldDepth(r io.Reader, depth int) (v any, err error) {
 		}
 		return value, nil
 
+	// onceler: py-amqp, Celery's client, writes an integer beyond 32 bits
+	// as 'L' holding a signed 64-bit value, and reads 'L' back the same way.
+	case 'L':
+		var value int64
+		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
+			return
+		}
+		return value, nil
+
 	case 'u':
 		var value uint16
 		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
@@ -331,7 +342,7 @@ func readFieldDepth(r io.Reader, depth int) (v any, err error) {
 		return nil, nil
 	}
 
-	return nil, ErrSyntax
+	return nil, fmt.Errorf("unknown field type %q", typ)
 }
 
 /*
@@ -348,15 +359,22 @@ func readTable(r io.Reader) (table Table, err error) {
 
 func readTableDepth(r io.Reader, depth int) (table Table, err error) {
 	if depth > maxFieldDepth {
-		return nil, ErrSyntax
+		return nil, errTooDeep
 	}
 
-	var nested bytes.Buffer
 	var str string
 
 	if str, err = readLongstr(r); err != nil {
 		return
 	}
+
+	return parseTableDepth(str, depth)
+}
+
+// parseTableDepth parses the bytes of a table, its length prefix already
+// read (onceler: split from readTableDepth for readContentHeaders).
+func parseTableDepth(str string, depth int) (table Table, err error) {
+	var nested bytes.Buffer
 
 	nested.WriteString(str)
 
@@ -375,7 +393,7 @@ func readTableDepth(r io.Reader, depth int) (table Table, err error) {
 		}
 
 		if len(table) >= maxContainerElements {
-			return nil, ErrSyntax
+			return nil, errTooMany
 		}
 
 		table[key] = value
@@ -390,7 +408,7 @@ func readArray(r io.Reader) (arr []any, err error) {
 
 func readArrayDepth(r io.Reader, depth int) (arr []any, err error) {
 	if depth > maxFieldDepth {
-		return nil, ErrSyntax
+		return nil, errTooDeep
 	}
 
 	var size uint32
@@ -419,7 +437,7 @@ func readArrayDepth(r io.Reader, depth int) (arr []any, err error) {
 		}
 
 		if len(arr) >= maxContainerElements {
-			return nil, ErrSyntax
+			return nil, errTooMany
 		}
 
 		arr = append(arr, field)
@@ -427,6 +445,52 @@ func readArrayDepth(r io.Reader, depth int) (arr []any, err error) {
 
 	return arr, nil
 }
+
+// onceler: in place of ErrSyntax, the limits and the unknown field type say
+// which rule the table broke.
+var (
+	errTooDeep = fmt.Errorf("tables or arrays nested deeper than %d", maxFieldDepth)
+	errTooMany = fmt.Errorf("a table or array with more than %d entries", maxContainerElements)
+)
+
+// readContentHeaders reads the headers property of a content header frame.
+// (onceler) A table whose bytes arrived whole but that the reader refuses
+// (too deep, too many entries, an unknown field type, an inner length that
+// overruns it) costs the message its headers, not the connection: headers
+// is then nil and unreadable says why, and the message is delivered so
+// that its consumer can settle it. The table's length prefix keeps the
+// frame in step, so the properties after it are read as usual. err is
+// non-nil only when the frame itself is broken.
+func readContentHeaders(r io.Reader) (headers Table, unreadable error, err error) {
+	var str string
+	if str, err = readLongstr(r); err != nil {
+		return nil, nil, err
+	}
+	if headers, err = parseTableDepth(str, 0); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, &HeadersError{Size: len(str), Err: err}, nil
+	}
+	return headers, nil, nil
+}
+
+// HeadersError says why a delivery's header table could not be read
+// (onceler).
+type HeadersError struct {
+	// Size is the length of the table in bytes.
+	Size int
+	// Err is the reader's refusal.
+	Err error
+}
+
+// Error implements error.
+func (e *HeadersError) Error() string {
+	return fmt.Sprintf("header table of %d bytes unreadable: %v", e.Size, e.Err)
+}
+
+// Unwrap returns the reader's refusal.
+func (e *HeadersError) Unwrap() error { return e.Err }
 
 // Checks if this bit mask matches the flags bitset
 func hasProperty(mask uint16, prop int) bool {
@@ -469,7 +533,7 @@ func (r *reader) parseHeaderFrame(channel uint16, size uint32) (frame frame, err
 		}
 	}
 	if hasProperty(flags, flagHeaders) {
-		if hf.Properties.Headers, err = readTable(lim); err != nil {
+		if hf.Properties.Headers, hf.Properties.headersErr, err = readContentHeaders(lim); err != nil {
 			return
 		}
 	}

@@ -174,6 +174,7 @@ type properties struct {
 	UserId          string    // application use - creating user id
 	AppId           string    // application use - creating application
 	reserved1       string    // was cluster-id - process for buffer consumption
+	headersErr      error     // onceler: why Headers could not be read, see readContentHeaders
 }
 
 // DeliveryMode.  Transient means higher throughput but messages will not be
