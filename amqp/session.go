@@ -6,8 +6,9 @@ import (
 	"sync"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
+
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // tagged is a delivery with the queue its consumer reads.
