@@ -14,8 +14,9 @@ import (
 	"sync"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
+
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // Defaults applied to a zero Config.

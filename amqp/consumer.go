@@ -56,6 +56,8 @@ type Consumer struct {
 	gen     atomic.Uint64
 	ready   atomic.Bool
 	running atomic.Bool
+	// reconnects counts the sessions lost and started again.
+	reconnects atomic.Int64
 }
 
 // NewConsumer returns a Consumer; nothing happens until Run.
@@ -123,7 +125,9 @@ func (c *Consumer) SetPrefetch(n int) error {
 // goroutine; handle must return quickly (hand the delivery to a pool). After
 // a connection or channel loss, deliveries already handed out become stale
 // and Run reconnects with jittered backoff, declares the queues, restores
-// QoS and consumes again. Run returns nil once ctx is done (after the drain
+// QoS and consumes again; the backoff resets only after a session that
+// consumed for at least Config.MaxBackoff, so a loss that repeats as soon as
+// consuming starts waits longer each time. Run returns nil once ctx is done (after the drain
 // described at ConsumerConfig.DrainTimeout), and an error only for what
 // retrying cannot cure (IsTopologyError): a declare refused with 406, a
 // passive declare of a missing queue, a refused access, a bad Config.
@@ -140,7 +144,7 @@ func (c *Consumer) Run(ctx context.Context, handle func(*Delivery)) error {
 	defer c.running.Store(false)
 	b := backoff{min: c.cfg.MinBackoff, max: c.cfg.MaxBackoff}
 	for {
-		established, err := c.session(ctx, handle)
+		consumed, err := c.session(ctx, handle)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -148,13 +152,23 @@ func (c *Consumer) Run(ctx context.Context, handle func(*Delivery)) error {
 			c.log.Error("consumer topology refused by the broker", zap.Error(err))
 			return err
 		}
-		if established {
+		if healthy(consumed, c.cfg.MaxBackoff) {
 			b.reset()
 		}
 		wait := b.next()
-		c.log.Warn("consumer disconnected; reconnecting", zap.Error(err), zap.Duration("backoff", wait))
+		c.reconnects.Add(1)
+		c.log.Warn("consumer disconnected; reconnecting", zap.Error(err), zap.Duration("consumed_for", consumed),
+			zap.Int("failures_in_a_row", b.attempt), zap.Duration("backoff", wait))
 		if !sleep(ctx, wait) {
 			return nil
 		}
 	}
 }
+
+// healthy reports whether a session that consumed for d (0 if it never
+// started consuming) resets the backoff: it must have lasted at least
+// maxBackoff. A session lost sooner, such as one that a message or a
+// broker refusal ends each time it starts, counts as one more failure in a
+// row, and the wait before the next grows up to maxBackoff instead of
+// hammering the broker at the shortest backoff.
+func healthy(d, maxBackoff time.Duration) bool { return d >= maxBackoff }

@@ -5,9 +5,8 @@ import (
 	"fmt"
 	"sync/atomic"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
-
 	"github.com/onceler/onceler/celeryproto"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // Delivery is one message handed over by the broker. Ack, Nack and Reject
@@ -128,6 +127,7 @@ func newDelivery(m *amqp091.Delivery, queue string, quorum bool, st *channelStat
 			ContentType:     m.ContentType,
 			ContentEncoding: m.ContentEncoding,
 			Headers:         fromTable(m.Headers),
+			HeadersError:    m.HeadersError,
 			Body:            m.Body,
 			CorrelationID:   m.CorrelationId,
 			ReplyTo:         m.ReplyTo,

@@ -1,5 +1,5 @@
-// Package amqp is onceler's thin adapter over github.com/rabbitmq/amqp091-go:
-// it owns connecting with backoff, reconnecting, kombu-compatible topology,
+// Package amqp is onceler's thin adapter over github.com/rabbitmq/amqp091-go
+// (a patched copy: see Header tables the library cannot read): it owns connecting with backoff, reconnecting, kombu-compatible topology,
 // QoS, late acknowledgement bound to the channel a delivery came on, and
 // publishing with confirms.
 //
@@ -23,8 +23,10 @@
 //     prefetch and starts one consumer per queue. It ends at the first sign
 //     of loss: the connection or channel closing, the delivery stream ending,
 //     or the broker cancelling a consumer (its queue was deleted). Run then
-//     waits a jittered exponential backoff (Config.MinBackoff to MaxBackoff,
-//     reset once a session consumed) and starts the next session. Errors no
+//     waits a jittered exponential backoff (Config.MinBackoff to MaxBackoff)
+//     and starts the next session. The backoff resets only after a session
+//     that consumed for at least MaxBackoff: a loss that comes back as soon
+//     as consuming starts waits longer each time. Errors no
 //     retry can cure, a declare refused with 406 PRECONDITION_FAILED (a
 //     *PreconditionError naming the property that differs), a passive
 //     declare of a missing queue, a refused access, are returned by Run.
@@ -38,6 +40,34 @@
 // Every Notify* channel registered with amqp091 is buffered and drained
 // until amqp091 closes it: a full notification channel would stall
 // amqp091's reader goroutine.
+//
+// # Header tables the library cannot read
+//
+// amqp091-go reads a message's header table inside its connection's frame
+// reader, and closes the connection on a table it refuses: py-amqp's field
+// type L (how Celery's client writes an integer beyond 32 bits), more than
+// 8,192 entries in one table or array, nesting deeper than 32. The broker
+// then redelivers the message to the next connection, which it closes too:
+// the queue stalls behind one message, and nothing above the library ever
+// sees it to quarantine it.
+//
+// This package therefore imports internal/amqp091, a copy of amqp091-go
+// v1.16.0 with a small patch to its reader (PATCHES.md there): L is read as
+// the signed 64-bit integer py-amqp writes, and a refused table costs the
+// message its headers, not the connection. The table's length prefix keeps
+// the frame in step, so the message is delivered with Headers nil and
+// Delivery.HeadersError saying why, every other property intact; the
+// decoder refuses it and the worker quarantines it and answers its caller.
+// The limits stay: they bound what a small frame costs in memory.
+//
+// A patched copy was chosen over the other ways to keep the connection: a
+// proxy or net.Conn wrapper that parses and rewrites every frame would
+// duplicate the reader on every byte (and sit under TLS, or re-implement
+// it); checking messages out of band cannot help, as the library fails
+// before any delivery exists. It is an internal package rather than a go.mod
+// replace directive because a replace applies only when this module is the
+// main module: binaries that import onceler's packages to serve their own
+// tasks would silently get the unpatched reader.
 //
 // # Why stale delivery tags are never acknowledged
 //

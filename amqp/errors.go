@@ -7,7 +7,7 @@ import (
 	"sort"
 	"strings"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // Errors that callers act on. Match them with errors.Is.

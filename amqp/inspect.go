@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // InspectAction says what Inspect does with a message after its callback.

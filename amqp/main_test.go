@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/onceler/onceler/celeryproto"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"github.com/onceler/onceler/internal/testenv"
 )
 

@@ -7,10 +7,10 @@ import (
 	"sync"
 	"sync/atomic"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/celeryproto"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // PublishOptions tune one Publish.

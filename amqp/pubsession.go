@@ -8,8 +8,9 @@ import (
 	"sync"
 	"sync/atomic"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
+
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // pubSession is one connection with its confirm-mode channel.

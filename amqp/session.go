@@ -6,8 +6,9 @@ import (
 	"sync"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
+
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // tagged is a delivery with the queue its consumer reads.
@@ -32,12 +33,12 @@ type consumeSession struct {
 	wg      sync.WaitGroup
 }
 
-// session is one connection's life. established reports whether consuming
-// started, which resets the backoff.
-func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (established bool, err error) {
+// session is one connection's life. consumed is how long it consumed, 0
+// if consuming never started; a long enough session resets the backoff.
+func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consumed time.Duration, err error) {
 	conn, err := c.cfg.dial(ctx, "consume")
 	if err != nil {
-		return false, err
+		return 0, err
 	}
 	s := &consumeSession{
 		c: c, conn: conn, st: &channelState{gen: c.gen.Add(1)},
@@ -47,7 +48,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
 	ch, err := conn.Channel()
 	if err != nil {
-		return false, fmt.Errorf("open channel: %w", err)
+		return 0, fmt.Errorf("open channel: %w", err)
 	}
 	s.st.ch = ch
 	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))
@@ -61,7 +62,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 			s.global = false // quorum queues refuse global QoS
 		}
 		if err := declare(ch, q); err != nil {
-			return false, err
+			return 0, err
 		}
 	}
 	c.mu.Lock()
@@ -71,9 +72,10 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 	}
 	c.mu.Unlock()
 	if err != nil {
-		return false, err
+		return 0, err
 	}
 	c.ready.Store(true)
+	started := time.Now()
 	c.log.Info("consuming", zap.Strings("queues", queueNames(c.cc.Queues)),
 		zap.Int("prefetch", s.applied), zap.Bool("global_qos", s.global), zap.Uint64("channel_generation", s.st.gen))
 
@@ -81,21 +83,21 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (establi
 		select {
 		case <-ctx.Done():
 			s.drain(chClosed, connClosed)
-			return true, nil
+			return time.Since(started), nil
 		case t := <-s.merged:
 			s.st.outstanding.Add(1)
 			handle(newDelivery(&t.m, t.queue, t.quorum, s.st))
 		case <-c.qosChanged:
 			if err := s.restartConsumers(); err != nil {
-				return true, err
+				return time.Since(started), err
 			}
 		case e := <-chClosed:
-			return true, fmt.Errorf("channel closed: %w", errOrClosed(e))
+			return time.Since(started), fmt.Errorf("channel closed: %w", errOrClosed(e))
 		case e := <-connClosed:
-			return true, fmt.Errorf("connection closed: %w", errOrClosed(e))
+			return time.Since(started), fmt.Errorf("connection closed: %w", errOrClosed(e))
 		case tag := <-cancels:
 			if _, live := s.tags[tag]; live {
-				return true, fmt.Errorf("%w: consumer %s of queue %q", ErrCancelled, tag, s.tags[tag])
+				return time.Since(started), fmt.Errorf("%w: consumer %s of queue %q", ErrCancelled, tag, s.tags[tag])
 			}
 		}
 	}

@@ -5,7 +5,7 @@ import (
 	"reflect"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // fromTable converts received headers in place to plain Go values: nested

@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"github.com/onceler/onceler/internal/testenv"
 )
 

@@ -3,7 +3,7 @@ package amqp
 import (
 	"fmt"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // QueueSpec describes a queue, the exchange it is bound to and the binding,

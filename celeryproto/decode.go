@@ -39,6 +39,9 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 	if d == nil {
 		return nil, decodeErr(ErrShape, nil, "nil delivery")
 	}
+	if err := unreadableHeaders(d); err != nil {
+		return nil, err
+	}
 	if len(d.Body) > dec.limits.MaxBodyBytes {
 		return nil, decodeErr(ErrTooLarge, nil, "body of %d bytes exceeds the limit of %d", len(d.Body), dec.limits.MaxBodyBytes)
 	}

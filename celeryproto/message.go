@@ -13,6 +13,10 @@ type Delivery struct {
 	Priority, DeliveryMode uint8
 	Expiration             string
 	Redelivered            bool
+	// HeadersError, when set, says the transport received the message's
+	// header table but could not read it (Headers is then nil). Decode
+	// refuses such a delivery with ErrBadHeader.
+	HeadersError error
 }
 
 // Limits bound what the decoder accepts.
