@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
@@ -140,7 +141,7 @@ func (s *pubSession) checkExchange(name string) error {
 	defer func() { _ = ch.Close() }()
 	if err := ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, true, false, false, false, nil); err != nil {
 		if ae := brokerError(err); ae != nil && ae.Code == amqp091.NotFound {
-			return fmt.Errorf("exchange %q: %w: %s", name, ErrNotFound, ae.Reason)
+			return refused("publish", name, "", ae.Code, ae.Reason, fmt.Errorf("exchange %s: %w", shown(name), ErrNotFound))
 		}
 		if s.isDead() {
 			return errNotSent
@@ -336,4 +337,82 @@ func (s *pubSession) setBlocked(active bool) {
 		close(s.blocked)
 		s.blocked = nil
 	}
+}
+
+// directReplyPrefix starts the routing keys of RabbitMQ's direct reply-to
+// addresses.
+const directReplyPrefix = "amq.rabbitmq.reply-to."
+
+// publishIsolated publishes to a direct reply-to address over a connection
+// of its own, one publish at a time, closed after. RabbitMQ closes the
+// connection when it cannot decode the address (541 INTERNAL_ERROR, or
+// another channel or connection error it raises): on this connection that
+// answer can only be this publish's, and is a *RefusedError. A connection
+// lost for another reason (a forced close, the network) is retried as in
+// Publish.
+func (p *Publisher) publishIsolated(ctx context.Context, key string, pub amqp091.Publishing, o PublishOptions) error {
+	select {
+	case p.isolated <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("publish to %q: %w", shown(key), ctx.Err())
+	}
+	defer func() { <-p.isolated }()
+	bo := backoff{min: p.cfg.MinBackoff, max: p.cfg.MaxBackoff}
+	for {
+		s, err := p.open(ctx)
+		if err != nil {
+			if errors.Is(err, ErrClosed) || errors.Is(err, ErrConfig) || ctx.Err() != nil || p.refusedFirst(err) {
+				return fmt.Errorf("publish to %q: %w", shown(key), err)
+			}
+			if !sleep(ctx, bo.next()) {
+				return fmt.Errorf("publish to %q: connect: %w (last error: %w)", shown(key), ctx.Err(), err)
+			}
+			continue
+		}
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			_ = s.conn.Close()
+			return ErrClosed
+		}
+		p.iso = s
+		p.mu.Unlock()
+		if err = checkFrame("", key, &pub, s.conn.Config.FrameSize); err == nil {
+			err = s.publish(ctx, "", key, pub, o)
+		}
+		if err != nil && !IsPermanent(err) && ctx.Err() == nil {
+			// Give the connection's close a moment to arrive with its reason.
+			t := time.NewTimer(2 * time.Second)
+			select {
+			case <-s.dead:
+			case <-t.C:
+			}
+			t.Stop()
+			if ae := brokerError(s.reason()); ae != nil && ae.Server && refusalCode(ae.Code) {
+				err = refused("publish", "", key, ae.Code, ae.Reason, ae)
+			}
+		}
+		_ = s.conn.Close()
+		p.mu.Lock()
+		p.iso = nil
+		p.mu.Unlock()
+		if errors.Is(err, errNotSent) {
+			continue
+		}
+		if err != nil && !IsPermanent(err) {
+			return fmt.Errorf("publish to %q: %w", shown(key), err)
+		}
+		return err
+	}
+}
+
+// refusalCode reports whether a broker's close code answers what was sent
+// rather than the state of the broker or the network.
+func refusalCode(code int) bool {
+	switch code {
+	case amqp091.NotFound, amqp091.AccessRefused, amqp091.PreconditionFailed, amqp091.InternalError,
+		amqp091.SyntaxError, amqp091.CommandInvalid, amqp091.FrameError, amqp091.NotAllowed:
+		return true
+	}
+	return false
 }
