@@ -7,18 +7,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
 // hostileRegistry has h.add (pure), h.fail (pure, ValueError), h.retry
-// (pure, asks for a retry) and h.pay (outside, with a record); runs counts
-// their runs by task id.
+// (pure, asks for a retry), h.pay (outside) and h.credit (same database);
+// runs counts their runs by task id.
 func hostileRegistry(t *testing.T, runs *effects) *Registry {
 	t.Helper()
 	r := NewRegistry()
@@ -38,6 +40,12 @@ func hostileRegistry(t *testing.T, runs *effects) *Registry {
 		Register(r, Task[payArgs]{Name: "h.pay", Mode: ModeOutside, Policy: PolicyRetry,
 			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
 			Run: func(_ context.Context, c *Call, a payArgs) (any, error) {
+				runs.add(c.TaskID)
+				return a.Amount, nil
+			}}),
+		Register(r, Task[payArgs]{Name: "h.credit", Mode: ModeSameDB,
+			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+			RunTx: func(_ context.Context, _ pgx.Tx, c *Call, a payArgs) (any, error) {
 				runs.add(c.TaskID)
 				return a.Amount, nil
 			}}),
@@ -101,6 +109,11 @@ func hostiles() []hostile {
 			return &celeryproto.Message{Protocol: 2, Task: "h.pay", ID: id, ReplyTo: replyTo,
 				Kwargs:    map[string]any{"order_id": "order-" + id, "amount": int64(7)},
 				Callbacks: step(map[string]any{"exchange": missingExchage, "routing_key": "k"})}
+		}, "FAILURE PublishRefused", ReasonPublishRefused},
+		{"same-database task with a chain step to a missing exchange", func(id, replyTo string) *celeryproto.Message {
+			return &celeryproto.Message{Protocol: 2, Task: "h.credit", ID: id, ReplyTo: replyTo,
+				Kwargs: map[string]any{"order_id": "order-" + id, "amount": int64(7)},
+				Chain:  step(map[string]any{"exchange": missingExchage, "routing_key": "k"})}
 		}, "FAILURE PublishRefused", ReasonPublishRefused},
 		{"retry of a task whose id is 300 bytes", func(id, replyTo string) *celeryproto.Message {
 			m := add(id+long300, replyTo)
@@ -216,6 +229,17 @@ func TestRefusedPublishIsAnsweredOnce(t *testing.T) {
 	}
 	if d := e.queueDepth(e.queue); d != 0 {
 		t.Errorf("queue holds %d messages", d)
+	}
+	// The operations of record tasks stay completed.
+	for i, h := range hs {
+		m := h.msg(taskID(i), replyTo)
+		if m.Task != "h.pay" && m.Task != "h.credit" {
+			continue
+		}
+		rec, err := e.store.Get(context.Background(), m.Task, "order-"+m.ID)
+		if err != nil || rec.Status != idempotency.StatusCompleted {
+			t.Errorf("%s: record %+v, %v; want completed", h.name, rec, err)
+		}
 	}
 }
 
