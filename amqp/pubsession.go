@@ -52,8 +52,8 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 		return err
 	}
 	if exchange != "" {
-		if err := s.checkExchange(exchange); err != nil {
-			return err
+		if _, ok := s.exchanges.Load(exchange); !ok {
+			return s.publishFirst(ctx, exchange, key, pub, o)
 		}
 	}
 	var w *mandatoryWait
@@ -124,32 +124,79 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 	return nil
 }
 
-// checkExchange passively declares a named exchange once per connection, on
-// a side channel: publishing to a missing exchange would close the shared
-// channel and leave every concurrent publish unconfirmed.
-func (s *pubSession) checkExchange(name string) error {
-	if _, ok := s.exchanges.Load(name); ok {
-		return nil
-	}
+// publishFirst publishes the first message of the session to a named
+// exchange on a side channel of its own, after a passive declare: a
+// missing exchange (404), or one the user may not publish to (an internal
+// exchange, 403), would close the shared channel and leave every
+// concurrent publish unconfirmed. On the side channel the refusal is this
+// publish's alone, and a *RefusedError. Once a publish to the exchange is
+// confirmed, the next ones go on the shared channel.
+func (s *pubSession) publishFirst(ctx context.Context, name, key string, pub amqp091.Publishing, o PublishOptions) error {
 	ch, err := s.conn.Channel()
 	if err != nil {
 		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
 			return errNotSent
 		}
-		return fmt.Errorf("check exchange %q: open channel: %w", name, err)
+		return fmt.Errorf("publish to exchange %s: open channel: %w", shown(name), err)
 	}
 	defer func() { _ = ch.Close() }()
+	closed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	returns := ch.NotifyReturn(make(chan amqp091.Return, 1))
 	if err := ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, true, false, false, false, nil); err != nil {
 		if ae := brokerError(err); ae != nil && ae.Code == amqp091.NotFound {
-			return refused("publish", name, "", ae.Code, ae.Reason, fmt.Errorf("exchange %s: %w", shown(name), ErrNotFound))
+			return refused("publish", name, key, ae.Code, ae.Reason, fmt.Errorf("exchange %s: %w", shown(name), ErrNotFound))
 		}
 		if s.isDead() {
 			return errNotSent
 		}
-		return fmt.Errorf("check exchange %q: %w", name, err)
+		return fmt.Errorf("check exchange %s: %w", shown(name), err)
 	}
-	s.exchanges.Store(name, struct{}{})
-	return nil
+	if err := ch.Confirm(false); err != nil {
+		if s.isDead() {
+			return errNotSent
+		}
+		return fmt.Errorf("publish to exchange %s: enable confirms: %w", shown(name), err)
+	}
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, name, key, o.Mandatory, false, pub)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
+			return errNotSent
+		}
+		return err
+	}
+	select {
+	case <-dc.Done():
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, ctx.Err())
+	}
+	if dc.Acked() {
+		// RabbitMQ sends basic.return before the ack; amqp091 passed it on
+		// before it took the ack.
+		s.exchanges.Store(name, struct{}{})
+		select {
+		case r, ok := <-returns:
+			if ok {
+				return &ReturnedError{Exchange: r.Exchange, RoutingKey: r.RoutingKey, Code: int(r.ReplyCode), Text: r.ReplyText}
+			}
+		default:
+		}
+		return nil
+	}
+	// amqp091 tells the channel's close before it ends the confirms.
+	select {
+	case e := <-closed:
+		if e != nil && e.Server && (e.Code == amqp091.AccessRefused || e.Code == amqp091.NotFound) {
+			return refused("publish", name, key, e.Code, e.Reason, e)
+		}
+	default:
+	}
+	if ch.IsClosed() || s.isDead() {
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, s.reason())
+	}
+	return ErrNacked
 }
 
 func (s *pubSession) waitUnblocked(ctx context.Context) error {

@@ -40,6 +40,7 @@ func TestPublishRefusedIsPermanent(t *testing.T) {
 	}{
 		{name: "missing exchange", exchange: testenv.Name("onceler_amqp_noex"), key: "k", cause: ErrNotFound, code: 404},
 		{name: "amq.foo", exchange: "amq.foo", key: "k", cause: ErrNotFound, code: 404},
+		{name: "internal exchange", exchange: "amq.rabbitmq.trace", key: "k", code: 403},
 		{name: "correlation id over 255 bytes", key: q, edit: func(map[string]any) (string, string) { return long, "" }, cause: ErrTooLong},
 		{name: "reply_to over 255 bytes", key: q, edit: func(map[string]any) (string, string) { return "", long }, cause: ErrTooLong},
 		{name: "routing key over 255 bytes", key: long, cause: ErrTooLong},
@@ -91,8 +92,23 @@ func TestPublishRefusedIsPermanent(t *testing.T) {
 			}
 		})
 	}
-	if d := queueDepth(t, q); d != 1+9*20 {
-		t.Errorf("queue depth %d, want %d", d, 1+9*20)
+	if d := queueDepth(t, q); d != 1+10*20 {
+		t.Errorf("queue depth %d, want %d", d, 1+10*20)
+	}
+
+	// The first publish to a named exchange goes on a side channel: an
+	// unroutable mandatory one is returned there as on the shared channel,
+	// and a routed one arrives.
+	for i := range 2 {
+		if err := p.Publish(ctx, q, "nowhere", textMessage("x"), PublishOptions{Mandatory: true}); !errors.Is(err, ErrReturned) {
+			t.Errorf("unroutable mandatory publish %d to a named exchange = %v, want ErrReturned", i, err)
+		}
+	}
+	fresh := newPublisher(t, testConfig(t))
+	must(t, fresh.Publish(ctx, q, q, textMessage("first"), PublishOptions{Mandatory: true}), "first publish to a named exchange")
+	must(t, fresh.Publish(ctx, q, q, textMessage("second"), PublishOptions{Mandatory: true}), "second publish to a named exchange")
+	if d := queueDepth(t, q); d != 1+10*20+2 {
+		t.Errorf("queue depth %d, want %d", d, 1+10*20+2)
 	}
 
 	// A valid direct reply-to address is published (the broker drops it

@@ -89,6 +89,11 @@ func hostiles() []hostile {
 			m.Callbacks = step(map[string]any{"exchange": "amq.foo", "routing_key": "k"})
 			return m
 		}, "FAILURE PublishRefused", ReasonPublishRefused},
+		{"link to the internal exchange amq.rabbitmq.trace", func(id, replyTo string) *celeryproto.Message {
+			m := add(id, replyTo)
+			m.Callbacks = step(map[string]any{"exchange": "amq.rabbitmq.trace", "routing_key": "k"})
+			return m
+		}, "FAILURE PublishRefused", ReasonPublishRefused},
 		{"chain step to the reserved queue amq.foo", func(id, replyTo string) *celeryproto.Message {
 			m := add(id, replyTo)
 			m.Chain = step(map[string]any{"queue": "amq.foo"})
