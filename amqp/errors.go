@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+	"unicode/utf8"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
@@ -44,7 +45,87 @@ var (
 	// ErrCancelled: the broker cancelled the consumer (its queue was
 	// deleted); Run reconnects and declares again.
 	ErrCancelled = errors.New("amqp: consumer cancelled by the broker")
+	// ErrRefused matches every *RefusedError: a publish or declare refused
+	// for what it asks, which sending again can never make succeed.
+	ErrRefused = errors.New("amqp: refused")
+	// ErrTooLong: a name or property is longer than the 255 bytes of an
+	// AMQP short string (exchange, routing key, queue, correlation_id,
+	// reply_to, a header name). Refused before sending.
+	ErrTooLong = errors.New("amqp: longer than an AMQP short string (255 bytes)")
+	// ErrFrameTooLarge: a message's properties and headers do not fit in
+	// one frame of the negotiated frame_max. Refused before sending.
+	ErrFrameTooLarge = errors.New("amqp: properties and headers larger than a frame")
 )
+
+// RefusedError is a publish (or a declare before one) that the broker, or
+// amqp091-go before sending, refuses for what it is: an exchange that does
+// not exist (404), a reserved or forbidden name (403), a direct reply-to
+// address the broker cannot read (it closes the connection, 541), a name or
+// property over 255 bytes, properties larger than a frame. Sending it again
+// gives the same answer; a lost connection is never a RefusedError.
+// errors.Is(err, ErrRefused) is true for it; Unwrap gives the cause
+// (ErrNotFound, ErrAccessRefused, a *PreconditionError, ErrTooLong,
+// ErrFrameTooLarge, or the broker's *amqp091.Error).
+type RefusedError struct {
+	// Op is "publish" or "declare queue".
+	Op string
+	// Exchange and RoutingKey are the publish's (RoutingKey is the queue's
+	// name for a declare), cut for display.
+	Exchange, RoutingKey string
+	// Code is the broker's reply code, 0 when refused before sending.
+	Code int
+	// Reason says why, bounded in length.
+	Reason string
+	// Err is the cause.
+	Err error
+}
+
+func (e *RefusedError) Error() string {
+	code := ""
+	if e.Code != 0 {
+		code = fmt.Sprintf(" (%d)", e.Code)
+	}
+	if e.Op != "publish" {
+		return fmt.Sprintf("amqp: %s %q refused%s: %s", e.Op, e.RoutingKey, code, e.Reason)
+	}
+	return fmt.Sprintf("amqp: publish to exchange %q routing key %q refused%s: %s", e.Exchange, e.RoutingKey, code, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrRefused) true.
+func (e *RefusedError) Is(target error) bool { return target == ErrRefused }
+
+// Unwrap returns the cause.
+func (e *RefusedError) Unwrap() error { return e.Err }
+
+// IsPermanent reports whether err is a *RefusedError: the broker refused
+// this publish (or the declare of its queue) for what it is, and publishing
+// it again can never succeed. A lost connection, a missing confirm, a nack
+// (a full queue) or an unroutable return are not permanent.
+func IsPermanent(err error) bool { return errors.Is(err, ErrRefused) }
+
+// maxShown bounds names quoted in a RefusedError.
+const maxShown = 128
+
+// shown cuts s for an error message.
+func shown(s string) string { return cut(s, maxShown) }
+
+// cut returns s cut to about n bytes at a rune boundary, saying how long it
+// was.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	i := n
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
+	}
+	return fmt.Sprintf("%s...(%d bytes)", s[:i], len(s))
+}
+
+func refused(op, exchange, key string, code int, reason string, err error) *RefusedError {
+	return &RefusedError{Op: op, Exchange: shown(exchange), RoutingKey: shown(key), Code: code,
+		Reason: cut(reason, 512), Err: err}
+}
 
 // PreconditionError reports a 406 PRECONDITION_FAILED answer to a declare:
 // the queue or exchange exists with other flags or arguments than declared.

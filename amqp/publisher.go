@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -32,13 +33,17 @@ type Publisher struct {
 
 	// connecting is a context-aware lock held while dialing.
 	connecting chan struct{}
-	mu         sync.Mutex
-	cur        *pubSession
-	closed     bool
-	connected  bool // a connection opened once: refusals after that are retried
-	backoff    backoff
-	wg         sync.WaitGroup
-	gen        atomic.Uint64
+	// isolated is a context-aware lock held by the one isolated publish
+	// (publishIsolated) in progress; iso is its session, under mu.
+	isolated  chan struct{}
+	iso       *pubSession
+	mu        sync.Mutex
+	cur       *pubSession
+	closed    bool
+	connected bool // a connection opened once: refusals after that are retried
+	backoff   backoff
+	wg        sync.WaitGroup
+	gen       atomic.Uint64
 }
 
 // NewPublisher returns a Publisher; it connects on first use.
@@ -48,6 +53,7 @@ func NewPublisher(cfg Config) *Publisher {
 		cfg:        cfg,
 		log:        cfg.Logger.Named("amqp.publisher"),
 		connecting: make(chan struct{}, 1),
+		isolated:   make(chan struct{}, 1),
 		backoff:    backoff{min: cfg.MinBackoff, max: cfg.MaxBackoff},
 	}
 }
@@ -57,9 +63,18 @@ func NewPublisher(cfg Config) *Publisher {
 // and waits for the broker's confirm. The errors to act on: ErrNacked (not
 // stored), ErrReturned (mandatory and unroutable), ErrUnconfirmed (outcome
 // unknown: the channel died or ctx ended after the message was sent),
-// ErrNotFound (no such exchange), ErrClosed. A publish that could not be
-// sent because the connection was down is retried on a new connection until
-// ctx ends.
+// ErrClosed, and a *RefusedError (IsPermanent) for a publish that can never
+// succeed: no such exchange (ErrNotFound), a name or property over 255
+// bytes (ErrTooLong), properties larger than a frame (ErrFrameTooLarge), a
+// direct reply-to address the broker cannot read. A publish that could not
+// be sent because the connection was down is retried on a new connection
+// until ctx ends.
+//
+// Publishes to a direct reply-to address (routing key
+// "amq.rabbitmq.reply-to.*") go one at a time over a connection of their
+// own: RabbitMQ closes the connection (541 INTERNAL_ERROR) on an address it
+// cannot decode, which must cost neither the other publishes nor the
+// shared channel, and is then known to be this publish's refusal.
 func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, msg *celeryproto.Publishing, o PublishOptions) error {
 	if msg == nil {
 		return fmt.Errorf("publish to %q/%q: nil message", exchange, routingKey)
@@ -82,10 +97,19 @@ func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, ms
 		Priority:        msg.Priority,
 		Expiration:      msg.Expiration,
 	}
+	if err := checkNames(exchange, routingKey, &pub); err != nil {
+		return err
+	}
+	if exchange == "" && strings.HasPrefix(routingKey, directReplyPrefix) {
+		return p.publishIsolated(ctx, routingKey, pub, o)
+	}
 	for {
 		s, err := p.session(ctx)
 		if err != nil {
 			return fmt.Errorf("publish to %q/%q: %w", exchange, routingKey, err)
+		}
+		if err := checkFrame(exchange, routingKey, &pub, s.conn.Config.FrameSize); err != nil {
+			return err
 		}
 		err = s.publish(ctx, exchange, routingKey, pub, o)
 		if errors.Is(err, errNotSent) {
@@ -249,9 +273,22 @@ func (p *Publisher) drop(s *pubSession) {
 
 // Declare declares q (or checks it, when passive) on a short-lived channel
 // of the publisher's connection, so a refused declare never closes the
-// publishing channel. A conflict is a *PreconditionError.
+// publishing channel. A conflict is a *PreconditionError. A declare the
+// broker refuses for what it asks (406 conflict, 403 reserved name, 404
+// for a passive declare) or a name over 255 bytes is also a *RefusedError
+// (IsPermanent).
 func (p *Publisher) Declare(ctx context.Context, q QueueSpec) error {
-	return p.withChannel(ctx, func(ch *amqp091.Channel) error { return declare(ch, q) })
+	if len(q.Name) > shortMax {
+		return refused("declare queue", "", q.Name, 0,
+			fmt.Sprintf("queue name of %d bytes is longer than an AMQP short string (255 bytes)", len(q.Name)), ErrTooLong)
+	}
+	return p.withChannel(ctx, func(ch *amqp091.Channel) error {
+		err := declare(ch, q)
+		if errors.Is(err, ErrPrecondition) || errors.Is(err, ErrAccessRefused) || (q.Passive && errors.Is(err, ErrNotFound)) {
+			return refused("declare queue", "", q.Name, 0, err.Error(), err)
+		}
+		return err
+	})
 }
 
 // DeleteQueue deletes a queue, returning how many messages it held.
@@ -297,6 +334,9 @@ func (p *Publisher) Close() error {
 	p.closed = true
 	s := p.cur
 	p.cur = nil
+	if p.iso != nil {
+		_ = p.iso.conn.Close()
+	}
 	p.mu.Unlock()
 	var err error
 	if s != nil {

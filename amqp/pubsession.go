@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -52,8 +53,8 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 		return err
 	}
 	if exchange != "" {
-		if err := s.checkExchange(exchange); err != nil {
-			return err
+		if _, ok := s.exchanges.Load(exchange); !ok {
+			return s.publishFirst(ctx, exchange, key, pub, o)
 		}
 	}
 	var w *mandatoryWait
@@ -124,32 +125,79 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 	return nil
 }
 
-// checkExchange passively declares a named exchange once per connection, on
-// a side channel: publishing to a missing exchange would close the shared
-// channel and leave every concurrent publish unconfirmed.
-func (s *pubSession) checkExchange(name string) error {
-	if _, ok := s.exchanges.Load(name); ok {
-		return nil
-	}
+// publishFirst publishes the first message of the session to a named
+// exchange on a side channel of its own, after a passive declare: a
+// missing exchange (404), or one the user may not publish to (an internal
+// exchange, 403), would close the shared channel and leave every
+// concurrent publish unconfirmed. On the side channel the refusal is this
+// publish's alone, and a *RefusedError. Once a publish to the exchange is
+// confirmed, the next ones go on the shared channel.
+func (s *pubSession) publishFirst(ctx context.Context, name, key string, pub amqp091.Publishing, o PublishOptions) error {
 	ch, err := s.conn.Channel()
 	if err != nil {
 		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
 			return errNotSent
 		}
-		return fmt.Errorf("check exchange %q: open channel: %w", name, err)
+		return fmt.Errorf("publish to exchange %s: open channel: %w", shown(name), err)
 	}
 	defer func() { _ = ch.Close() }()
+	closed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	returns := ch.NotifyReturn(make(chan amqp091.Return, 1))
 	if err := ch.ExchangeDeclarePassive(name, amqp091.ExchangeDirect, true, false, false, false, nil); err != nil {
 		if ae := brokerError(err); ae != nil && ae.Code == amqp091.NotFound {
-			return fmt.Errorf("exchange %q: %w: %s", name, ErrNotFound, ae.Reason)
+			return refused("publish", name, key, ae.Code, ae.Reason, fmt.Errorf("exchange %s: %w", shown(name), ErrNotFound))
 		}
 		if s.isDead() {
 			return errNotSent
 		}
-		return fmt.Errorf("check exchange %q: %w", name, err)
+		return fmt.Errorf("check exchange %s: %w", shown(name), err)
 	}
-	s.exchanges.Store(name, struct{}{})
-	return nil
+	if err := ch.Confirm(false); err != nil {
+		if s.isDead() {
+			return errNotSent
+		}
+		return fmt.Errorf("publish to exchange %s: enable confirms: %w", shown(name), err)
+	}
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, name, key, o.Mandatory, false, pub)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
+			return errNotSent
+		}
+		return err
+	}
+	select {
+	case <-dc.Done():
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, ctx.Err())
+	}
+	if dc.Acked() {
+		// RabbitMQ sends basic.return before the ack; amqp091 passed it on
+		// before it took the ack.
+		s.exchanges.Store(name, struct{}{})
+		select {
+		case r, ok := <-returns:
+			if ok {
+				return &ReturnedError{Exchange: r.Exchange, RoutingKey: r.RoutingKey, Code: int(r.ReplyCode), Text: r.ReplyText}
+			}
+		default:
+		}
+		return nil
+	}
+	// amqp091 tells the channel's close before it ends the confirms.
+	select {
+	case e := <-closed:
+		if e != nil && e.Server && (e.Code == amqp091.AccessRefused || e.Code == amqp091.NotFound) {
+			return refused("publish", name, key, e.Code, e.Reason, e)
+		}
+	default:
+	}
+	if ch.IsClosed() || s.isDead() {
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, s.reason())
+	}
+	return ErrNacked
 }
 
 func (s *pubSession) waitUnblocked(ctx context.Context) error {
@@ -337,4 +385,82 @@ func (s *pubSession) setBlocked(active bool) {
 		close(s.blocked)
 		s.blocked = nil
 	}
+}
+
+// directReplyPrefix starts the routing keys of RabbitMQ's direct reply-to
+// addresses.
+const directReplyPrefix = "amq.rabbitmq.reply-to."
+
+// publishIsolated publishes to a direct reply-to address over a connection
+// of its own, one publish at a time, closed after. RabbitMQ closes the
+// connection when it cannot decode the address (541 INTERNAL_ERROR, or
+// another channel or connection error it raises): on this connection that
+// answer can only be this publish's, and is a *RefusedError. A connection
+// lost for another reason (a forced close, the network) is retried as in
+// Publish.
+func (p *Publisher) publishIsolated(ctx context.Context, key string, pub amqp091.Publishing, o PublishOptions) error {
+	select {
+	case p.isolated <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("publish to %q: %w", shown(key), ctx.Err())
+	}
+	defer func() { <-p.isolated }()
+	bo := backoff{min: p.cfg.MinBackoff, max: p.cfg.MaxBackoff}
+	for {
+		s, err := p.open(ctx)
+		if err != nil {
+			if errors.Is(err, ErrClosed) || errors.Is(err, ErrConfig) || ctx.Err() != nil || p.refusedFirst(err) {
+				return fmt.Errorf("publish to %q: %w", shown(key), err)
+			}
+			if !sleep(ctx, bo.next()) {
+				return fmt.Errorf("publish to %q: connect: %w (last error: %w)", shown(key), ctx.Err(), err)
+			}
+			continue
+		}
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			_ = s.conn.Close()
+			return ErrClosed
+		}
+		p.iso = s
+		p.mu.Unlock()
+		if err = checkFrame("", key, &pub, s.conn.Config.FrameSize); err == nil {
+			err = s.publish(ctx, "", key, pub, o)
+		}
+		if err != nil && !IsPermanent(err) && ctx.Err() == nil {
+			// Give the connection's close a moment to arrive with its reason.
+			t := time.NewTimer(2 * time.Second)
+			select {
+			case <-s.dead:
+			case <-t.C:
+			}
+			t.Stop()
+			if ae := brokerError(s.reason()); ae != nil && ae.Server && refusalCode(ae.Code) {
+				err = refused("publish", "", key, ae.Code, ae.Reason, ae)
+			}
+		}
+		_ = s.conn.Close()
+		p.mu.Lock()
+		p.iso = nil
+		p.mu.Unlock()
+		if errors.Is(err, errNotSent) {
+			continue
+		}
+		if err != nil && !IsPermanent(err) {
+			return fmt.Errorf("publish to %q: %w", shown(key), err)
+		}
+		return err
+	}
+}
+
+// refusalCode reports whether a broker's close code answers what was sent
+// rather than the state of the broker or the network.
+func refusalCode(code int) bool {
+	switch code {
+	case amqp091.NotFound, amqp091.AccessRefused, amqp091.PreconditionFailed, amqp091.InternalError,
+		amqp091.SyntaxError, amqp091.CommandInvalid, amqp091.FrameError, amqp091.NotAllowed:
+		return true
+	}
+	return false
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"go.uber.org/zap"
 
@@ -31,6 +30,10 @@ const (
 	// HeaderTime is when it was quarantined (RFC 3339, UTC).
 	HeaderTime = "x-onceler-quarantined-at"
 )
+
+// maxShortString is the longest AMQP short string (correlation_id,
+// reply_to, names), in bytes.
+const maxShortString = 255
 
 // opTimeout bounds one publish or one final record write.
 const opTimeout = 30 * time.Second
@@ -75,13 +78,27 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 			return true
 		}
 	}
+	if len(pub.CorrelationID) > maxShortString {
+		// A task id an AMQP short string cannot carry: the result goes
+		// without a correlation id (Celery's result consumer reads the task
+		// id from the body).
+		pub.CorrelationID = ""
+	}
 	for attempt := 0; ; attempt++ {
 		err := w.publish(ctx, "", replyTo, pub, amqp.PublishOptions{})
 		if err == nil {
 			return true
 		}
+		if amqp.IsPermanent(err) {
+			// The reply address (or the result) is refused for what it is:
+			// the caller cannot be answered. Said once; the delivery goes on.
+			w.log.Error("result refused by the broker; the caller cannot be answered", w.fields(j,
+				zap.String("reply_to", clip(replyTo, maxLogField)), zap.String("result_task_id", clip(r.TaskID, maxLogField)),
+				zap.String("status", string(r.Status)), zap.String("error", clip(err.Error(), maxLogField)))...)
+			return true
+		}
 		if ctx.Err() != nil || attempt >= 20 || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
-			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.Error(err))...)
+			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false
 		}
@@ -143,65 +160,6 @@ func (w *Worker) quarantineUndecodable(ctx context.Context, j *job, cause error)
 	w.quarantine(ctx, j, ReasonUndecodable, cause)
 }
 
-// quarantine moves the delivery to its queue's quarantine queue (published
-// with a confirm and the reason in HeaderReason) and then acknowledges it.
-// If the move fails the delivery stays unacknowledged and is tried again.
-func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause error) {
-	d := j.d
-	w.m.quarantined.WithLabelValues(reason).Inc()
-	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", d.Queue), zap.Error(cause)}
-	if j.msg != nil {
-		fields = append(fields, zap.String("task", j.msg.Task), zap.String("task_id", j.msg.ID))
-	}
-	w.log.Warn("quarantining message", fields...)
-	headers := make(map[string]any, len(d.Headers)+4)
-	for k, v := range d.Headers {
-		headers[k] = v
-	}
-	headers[HeaderReason] = reason
-	// Bounded: the cause may repeat a name from the message (a task or an
-	// argument) of any length, and the copy's headers must fit the broker's
-	// frame (128 KiB), or the move fails for ever.
-	headers[HeaderDetail] = clip(cause.Error(), maxDetail)
-	headers[HeaderQueue] = d.Queue
-	headers[HeaderTime] = time.Now().UTC().Format(time.RFC3339Nano)
-	if celeryproto.IsDecodeError(cause) {
-		headers[HeaderDecodeReason] = celeryproto.Reason(cause)
-	}
-	p := &celeryproto.Publishing{
-		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: headers, Body: d.Body,
-		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
-	}
-	err := w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
-	if err != nil {
-		if ctx.Err() != nil {
-			w.giveBack(j)
-			return
-		}
-		w.log.Error("quarantine publish failed; delivery kept and tried again", append(fields, zap.NamedError("publish_error", err))...)
-		j.verdict = &verdict{reason: reason, cause: cause}
-		w.later(j, time.Second)
-		return
-	}
-	w.ack(j)
-}
-
-// maxDetail bounds the quarantine header HeaderDetail, in bytes.
-const maxDetail = 4096
-
-// clip returns s cut to at most n bytes at a rune boundary, with "..." when
-// cut.
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	i := n
-	for i > 0 && !utf8.RuneStart(s[i]) {
-		i--
-	}
-	return s[:i] + "..."
-}
-
 // ack acknowledges the delivery; a stale delivery (its channel is gone)
 // comes back from the broker and is answered from the record then.
 func (w *Worker) ack(j *job) {
@@ -227,6 +185,10 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		return
 	}
 	if err := w.publish(ctx, j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {
+		if amqp.IsPermanent(err) {
+			w.publishRefused(ctx, j, fmt.Errorf("publish retry: %w", err))
+			return
+		}
 		w.recordTrouble(ctx, j, "publish retry", err)
 		return
 	}
@@ -295,6 +257,10 @@ func (w *Worker) rehold(ctx context.Context, j *job) {
 		Body: d.Body, CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
 	}
 	if err := w.publish(ctx, "", d.Queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
+		if amqp.IsPermanent(err) {
+			w.publishRefused(ctx, j, fmt.Errorf("republish held delivery: %w", err))
+			return
+		}
 		w.recordTrouble(ctx, j, "republish held delivery", err)
 		return
 	}
@@ -367,7 +333,8 @@ func (w *Worker) dropStaleHeld() {
 func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
 	f := make([]zap.Field, 0, 6+len(extra))
 	if j.msg != nil {
-		f = append(f, zap.String("task", j.msg.Task), zap.String("task_id", j.msg.ID))
+		// Bounded: a producer may send names of any length.
+		f = append(f, zap.String("task", clip(j.msg.Task, maxLogField)), zap.String("task_id", clip(j.msg.ID, maxLogField)))
 		if j.msg.Retries > 0 {
 			f = append(f, zap.Int("retries", j.msg.Retries))
 		}
@@ -376,7 +343,7 @@ func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
 		}
 	}
 	if j.key != "" {
-		f = append(f, zap.String("key", j.key))
+		f = append(f, zap.String("key", clip(j.key, maxLogField)))
 	}
 	if j.attempt > 0 {
 		f = append(f, zap.Int("attempt", j.attempt))

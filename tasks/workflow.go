@@ -16,6 +16,14 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 )
 
+// ReasonPublishRefused is the quarantine reason of a message whose
+// workflow step, link, errback, retry or re-hold the broker refused for
+// what it is (a missing exchange, a reserved or too long name, a copy
+// larger than a frame, no queue bound for it): publishing it again could
+// never succeed, so the caller is told FAILURE
+// onceler.exceptions.PublishRefused and the task is not run again.
+const ReasonPublishRefused = "publish_refused"
+
 // ReasonUnsupported is the quarantine reason of a message whose workflow
 // onceler cannot carry out: a chord part (chord counters need a result
 // backend other than rpc) or a chain, link or errback step that is itself a
@@ -289,17 +297,24 @@ func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 			return fmt.Errorf("encode %s step %s: %w", s.kind, s.msg.Task, err)
 		}
 		err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
+		if errors.Is(err, amqp.ErrReturned) && s.queue == "" {
+			// Routed by an exchange that has no queue for it: Celery's
+			// producer would lose it silently; waiting would hold the
+			// delivery for ever.
+			err = &amqp.RefusedError{Op: "publish", Exchange: clip(s.exchange, 128), RoutingKey: clip(s.routingKey, 128),
+				Reason: "unroutable: no queue is bound for it", Err: err}
+		}
 		if errors.Is(err, amqp.ErrReturned) && s.queue != "" {
 			dctx, cancel := context.WithTimeout(ctx, opTimeout)
 			derr := w.pub.Declare(dctx, amqp.CeleryQueue(s.queue))
 			cancel()
 			if derr != nil {
-				return fmt.Errorf("declare queue %s for %s step %s: %w", s.queue, s.kind, s.msg.Task, derr)
+				return fmt.Errorf("declare queue %s for %s step %s: %w", clip(s.queue, 128), s.kind, clip(s.msg.Task, 128), derr)
 			}
 			err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
 		}
 		if err != nil {
-			return fmt.Errorf("publish %s step %s: %w", s.kind, s.msg.Task, err)
+			return fmt.Errorf("publish %s step %s: %w", s.kind, clip(s.msg.Task, 128), err)
 		}
 		w.m.steps.WithLabelValues(kindLabel(s.kind)).Inc()
 		if ce := w.log.Check(zap.DebugLevel, "workflow step published"); ce != nil {
@@ -346,6 +361,13 @@ func (w *Worker) followUp(ctx context.Context, j *job, res []byte) bool {
 		}
 	}
 	if err := w.publishSteps(ctx, j, steps); err != nil {
+		if amqp.IsPermanent(err) {
+			// The operation is done (and recorded, when it has a record);
+			// what follows it can never be published: the caller and the
+			// chain hear of it and the message is quarantined, not run again.
+			w.publishRefused(ctx, j, err)
+			return false
+		}
 		w.recordTrouble(ctx, j, "publish workflow steps", err)
 		return false
 	}
@@ -401,11 +423,34 @@ func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exce
 		return true
 	}
 	if err := w.publishSteps(ctx, j, steps); err != nil {
-		w.log.Warn("errbacks not published; delivery requeued", w.fields(j, zap.Error(err))...)
+		if amqp.IsPermanent(err) {
+			// The caller has its FAILURE; the errback can never go.
+			w.quarantine(ctx, j, ReasonPublishRefused, fmt.Errorf("%w (after the failure: %s)", err, clip(traceback, maxLogField)))
+			return false
+		}
+		w.log.Warn("errbacks not published; delivery requeued", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
 		w.giveBack(j)
 		return false
 	}
 	return true
+}
+
+// publishRefused answers a delivery whose workflow step, retry or re-hold
+// the broker refused for what it is (amqp.IsPermanent): FAILURE
+// onceler.exceptions.PublishRefused to the caller and along the chain, the
+// errbacks, then the quarantine. The task is not run again.
+func (w *Worker) publishRefused(ctx context.Context, j *job, err error) {
+	msg := clip(err.Error(), maxDetail)
+	w.log.Error("publish refused by the broker; caller answered FAILURE, message quarantined",
+		w.fields(j, zap.String("error", clip(msg, maxLogField)))...)
+	exc := &celeryproto.Exception{Type: "PublishRefused", Module: "onceler.exceptions", Message: msg}
+	if w.wantEvents() {
+		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
+	}
+	if !w.replyFailure(ctx, j, exc, errors.New(msg)) || !w.failWorkflow(ctx, j, exc, msg) {
+		return
+	}
+	w.quarantine(ctx, j, ReasonPublishRefused, err)
 }
 
 // stepID derives the task id of an unfrozen signature from the id of the
