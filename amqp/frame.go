@@ -5,7 +5,7 @@ import (
 	"math"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // What amqp091-go would write for a publish, measured before it is sent:

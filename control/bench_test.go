@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"

@@ -10,7 +10,7 @@ import (
 	"syscall"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"

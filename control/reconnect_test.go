@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
 	"github.com/onceler/onceler/internal/testenv"
 )

@@ -28,7 +28,7 @@ const (
 // Reasons are the quarantine reasons a worker gives, in the order of the
 // pipeline's checks.
 var Reasons = []string{ReasonUndecodable, ReasonPoison, ReasonUnknownTask, ReasonBadArguments,
-	ReasonUnsupported, ReasonMismatch, ReasonRefused}
+	ReasonUnsupported, ReasonMismatch, ReasonRefused, ReasonPublishRefused}
 
 // process takes one delivery through the pipeline. Every path ends in exactly
 // one of: ack (after the outcome is recorded and answered), a deferral (the
@@ -104,7 +104,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	h, ok := w.reg.get(msg.Task)
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
-		w.log.Error("received unregistered task", zap.String("task", msg.Task), zap.String("task_id", msg.ID))
+		w.log.Error("received unregistered task", zap.String("task", clip(msg.Task, maxLogField)), zap.String("task_id", clip(msg.ID, maxLogField)))
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if w.wantEvents() {
 			// As Celery's consumer (on_unknown_task): task-failed, no
@@ -134,7 +134,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		if errors.As(err, &ae) {
 			ae.Task = h.name
 		}
-		w.log.Warn("bad arguments", w.fields(j, zap.Error(err))...)
+		w.log.Warn("bad arguments", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
 		exc := exceptionFor(err)
 		if w.wantEvents() {
 			w.event(ctx, j, failedEvent("task-failed", h.name, exc))
@@ -456,7 +456,7 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 		w.giveBack(j)
 		return
 	}
-	w.log.Warn("record unavailable; delivery kept and retried later", w.fields(j, zap.String("step", what), zap.Error(err))...)
+	w.log.Warn("record unavailable; delivery kept and retried later", w.fields(j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))...)
 	j.checks++
 	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))
 }
