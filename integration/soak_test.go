@@ -19,7 +19,9 @@ import (
 )
 
 // TestSoak runs 20,000 demo tasks (ONCELER_SOAK_TASKS to change) of every
-// mode, a fifth of them duplicates, published over two minutes through 3
+// mode, a fifth of them duplicates and one in 25 hostile input (a result
+// with a NUL, a task that swallows its statement's error, a deferred
+// constraint failing at commit, a 16 kB key), published over two minutes through 3
 // worker processes while it
 // kills -9 a random worker every few seconds (and restarts it), resets the
 // workers' broker connections once and restarts PostgreSQL (a private
@@ -55,6 +57,18 @@ func TestSoak(t *testing.T) {
 				continue
 			}
 			msgs = append(msgs, wl.add(o.task, o.op))
+			continue
+		}
+		if rng.IntN(25) == 0 {
+			// Hostile input, one call in 25: a result the record cannot keep
+			// as it is, a task that swallows its statement's error, a
+			// deferred constraint that fails at commit, a 16 kB key.
+			switch k := rng.IntN(4); k {
+			case 3:
+				msgs = append(msgs, wl.add("replay.notify", strings.Repeat("k", 16<<10)+wl.op("long", i)))
+			default:
+				msgs = append(msgs, wl.add([]string{"replay.nul", "replay.swallow", "replay.deferred"}[k], wl.op("hostile", i)))
+			}
 			continue
 		}
 		msgs = append(msgs, wl.add(kinds[rng.IntN(len(kinds))], wl.op("soak", i)))

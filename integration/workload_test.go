@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/tasks"
 )
 
 // faultTests reports whether the tests that disturb shared services
@@ -313,6 +314,13 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 			byTask[o.task] = tl
 		}
 		tl.ops++
+		if refused(o) {
+			// Hostile input: the task fails by its own work every time, or
+			// its key is too long for the record. No effect, no completed
+			// record, every caller a FAILURE (a long key quarantined).
+			w.checkRefused(ctx, t, o, tl, &problems)
+			continue
+		}
 		if o.task == demo.TaskAdd {
 			// Pure: no record, no effect; every caller answered.
 			for _, m := range o.msgs {
@@ -353,7 +361,7 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 		case n == 0 && !held:
 			tl.lost++
 			problems = append(problems, fmt.Sprintf("%s %s: no effect (record %s)", o.task, o.op, rec.Status))
-		case o.task == "replay.notify" && n == 2:
+		case (o.task == "replay.notify" || o.task == "replay.nul") && n == 2:
 			tl.retried++
 		case n > 1:
 			tl.duplicates++
@@ -395,13 +403,76 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 	if n, err := w.e.QueueDepth(w.e.Queue); err != nil || n != 0 {
 		t.Errorf("queue: %d messages left (err %v), want 0", n, err)
 	}
-	if q, err := w.e.TakeQuarantined(); err != nil || len(q) != 0 {
-		t.Errorf("quarantine: %d messages %v (err %v), want none", len(q), q, err)
+	q, err := w.e.TakeQuarantined()
+	if err != nil {
+		t.Errorf("quarantine: %v", err)
+	}
+	// Only long keys, as bad arguments, each at least once (twice when a
+	// worker died between the move and its ack).
+	want := map[string]bool{}
+	for _, o := range w.ops {
+		if len(o.op) > idempotency.MaxKeyBytes {
+			for _, m := range o.msgs {
+				want[m.ID] = true
+			}
+		}
+	}
+	seen := map[string]bool{}
+	for _, m := range q {
+		if !want[m.TaskID] || m.Reason != tasks.ReasonBadArguments {
+			t.Errorf("quarantined %s (%s: %.80s), want only long keys", m.TaskID, m.Reason, m.Detail)
+		}
+		seen[m.TaskID] = true
+	}
+	if len(seen) != len(want) {
+		t.Errorf("quarantine: %d of %d long-key calls", len(seen), len(want))
 	}
 	if n, err := w.e.StaleClaims(ctx); err != nil || n != 0 {
 		t.Errorf("stale claims: %d (err %v), want 0", n, err)
 	}
 	return byTask
+}
+
+// refused reports whether o is hostile input the worker must refuse:
+// tasks that fail by their own transaction, or a key too long to keep.
+func refused(o *operation) bool {
+	return o.task == "replay.swallow" || o.task == "replay.deferred" || len(o.op) > idempotency.MaxKeyBytes
+}
+
+// checkRefused checks a refused operation: no effect, no completed record,
+// every caller answered FAILURE.
+func (w *workload) checkRefused(ctx context.Context, t *testing.T, o *operation, tl *tally, problems *[]string) {
+	t.Helper()
+	n, err := effects(ctx, w.e.Pool, o.task, o.op)
+	if err != nil {
+		t.Fatalf("effects of %.40s: %v", o.op, err)
+	}
+	name := o.op
+	if len(name) > 40 {
+		name = name[:20] + "..." + name[len(name)-20:]
+	}
+	if n != 0 {
+		tl.duplicates++
+		*problems = append(*problems, fmt.Sprintf("%s %s: %d effects of refused input", o.task, name, n))
+	}
+	if rec, err := w.e.Store.Get(ctx, o.task, o.op); err == nil && rec.Status != idempotency.StatusFailed {
+		*problems = append(*problems, fmt.Sprintf("%s %s: record %s, want none or failed", o.task, name, rec.Status))
+	}
+	for _, m := range o.msgs {
+		tl.calls++
+		reps := final(w.e.Replies(m.ID))
+		if len(reps) == 0 {
+			tl.lost++
+			*problems = append(*problems, fmt.Sprintf("%s %s: caller %s got no result", o.task, name, m.ID))
+			continue
+		}
+		tl.answered++
+		for _, r := range reps {
+			if r.Status != "FAILURE" {
+				*problems = append(*problems, fmt.Sprintf("%s %s: caller %s got %s", o.task, name, m.ID, r.Status))
+			}
+		}
+	}
 }
 
 // migrate creates the demo tables before a test counts effects in them.

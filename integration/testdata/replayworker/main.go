@@ -11,6 +11,13 @@
 //   - replay.audit(op): the same outside service; stale-claim policy skip.
 //   - replay.slow(op, seconds): sleeps, then calls the service; policy retry.
 //     For stop-and-continue tests.
+//   - replay.nul(op): calls the service and returns a result holding a NUL
+//     (which PostgreSQL's jsonb refuses as it is); policy retry.
+//   - replay.swallow(op): same-database; writes its row, then catches the
+//     error of a statement that fails and returns nil (its transaction is
+//     aborted: the task fails).
+//   - replay.deferred(op): same-database; writes a row whose deferred
+//     foreign key fails at COMMIT (the task fails).
 //
 // ONCELER_HEARTBEAT sets the broker heartbeat (default 10s);
 // ONCELER_DATABASE_DEAD_AFTER the bound on detecting a dead PostgreSQL
@@ -58,6 +65,11 @@ CREATE TABLE IF NOT EXISTS onceler_replay.effects (
 	at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS effects_op ON onceler_replay.effects (op);
+CREATE TABLE IF NOT EXISTS onceler_replay.parents (id int PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS onceler_replay.deferred (
+	op     text PRIMARY KEY,
+	parent int  REFERENCES onceler_replay.parents DEFERRABLE INITIALLY DEFERRED
+);
 `
 
 func main() {
@@ -179,6 +191,30 @@ func run(ctx context.Context) error {
 				}
 				return map[string]any{"op": a.Op}, nil
 			}}),
+		tasks.Register(reg, tasks.Task[OpArgs]{Name: "replay.nul", Mode: tasks.ModeOutside, Key: key,
+			Policy: tasks.PolicyRetry,
+			Run: func(ctx context.Context, c *tasks.Call, a OpArgs) (any, error) {
+				if err := record(ctx, pool, "replay.nul", a.Op, c.TaskID); err != nil {
+					return nil, err
+				}
+				return map[string]any{"op": a.Op, "text": "a\x00b"}, nil
+			}}),
+		tasks.Register(reg, tasks.Task[OpArgs]{Name: "replay.swallow", Mode: tasks.ModeSameDB, Key: key,
+			RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a OpArgs) (any, error) {
+				if err := recordTx(ctx, tx, "replay.swallow", a.Op, c.TaskID); err != nil {
+					return nil, err
+				}
+				_, _ = tx.Exec(ctx, `SELECT 1/0`) // caught: "already done", the task thinks
+				return map[string]any{"op": a.Op}, nil
+			}}),
+		tasks.Register(reg, tasks.Task[OpArgs]{Name: "replay.deferred", Mode: tasks.ModeSameDB, Key: key,
+			RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a OpArgs) (any, error) {
+				if err := recordTx(ctx, tx, "replay.deferred", a.Op, c.TaskID); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO onceler_replay.deferred VALUES ($1, -1)`, a.Op) // no parent -1
+				return map[string]any{"op": a.Op}, err
+			}}),
 	)
 	if err != nil {
 		return err
@@ -221,6 +257,15 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		_, err := tx.Exec(ctx, ddl)
 		return err
 	})
+}
+
+// recordTx keeps a call of a same-database task in its transaction.
+func recordTx(ctx context.Context, tx pgx.Tx, task, op, taskID string) error {
+	_, err := tx.Exec(ctx, `INSERT INTO onceler_replay.effects (task, op, task_id) VALUES ($1, $2, $3)`, task, op, taskID)
+	if err != nil {
+		return fmt.Errorf("effects: %w", err)
+	}
+	return nil
 }
 
 // record is the outside service: it keeps every call, in its own
