@@ -441,3 +441,18 @@ func TestRecheckAsksTheDatabase(t *testing.T) {
 		t.Errorf("stale claims %d (%v)", n, err)
 	}
 }
+
+// TestRegisterRefusesNamesTheRecordCannotKeep: a task with a record and a
+// name beyond idempotency.MaxTaskBytes is refused at registration, not at
+// every claim.
+func TestRegisterRefusesNamesTheRecordCannotKeep(t *testing.T) {
+	long := strings.Repeat("n", idempotency.MaxTaskBytes+1)
+	err := Register(NewRegistry(), Task[opArgs]{Name: long, Mode: ModeOutside, Key: opKey,
+		Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }})
+	if !errors.Is(err, ErrInvalidTask) {
+		t.Errorf("long name registered: %v", err)
+	}
+	if err := Register(NewRegistry(), Task[opArgs]{Name: long, Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }}); err != nil {
+		t.Errorf("long name of a pure task (no record): %v", err)
+	}
+}

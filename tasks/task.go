@@ -254,6 +254,9 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	if err != nil {
 		return nil, invalid(t.Name, "%v", err)
 	}
+	if t.Mode != ModePure && len(t.Name) > idempotency.MaxTaskBytes {
+		return nil, invalid(t.Name[:40]+"...", "name of %d bytes: the record keeps task names of at most %d", len(t.Name), idempotency.MaxTaskBytes)
+	}
 	switch t.Mode {
 	case ModePure:
 		if t.Run == nil {
