@@ -308,10 +308,14 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 	byTask := make(map[string]*tally)
 	var problems []string
 	for _, o := range w.ops {
-		tl := byTask[o.task]
+		row := o.task
+		if len(o.op) > idempotency.MaxKeyBytes {
+			row = "16 kB key (refused)"
+		}
+		tl := byTask[row]
 		if tl == nil {
 			tl = &tally{}
-			byTask[o.task] = tl
+			byTask[row] = tl
 		}
 		tl.ops++
 		if refused(o) {
