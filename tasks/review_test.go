@@ -248,3 +248,42 @@ func slowClaim(t *testing.T, pol Policy) {
 			pol, rs, runs.Load(), rec.Status)
 	}
 }
+
+// TestReviewLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback
+// retry whose LookupTimeout is the lease (accepted: only a timeout beyond
+// the lease is cut to half of it) and an outside system that does not
+// answer. The lookup runs out at the very end of the takeover's lease, the
+// renewal before the run finds it lapsed, the delivery forgets its token,
+// finds its own takeover stale, takes it over again, looks up again, ...
+// for ever: never answered, never run, never held.
+func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const lease = 600 * time.Millisecond
+	var lookups, runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.lookup", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyRetry,
+		Key: opKey, Lease: lease, LookupTimeout: lease,
+		Lookup: func(ctx context.Context, _ *Call, _ opArgs) (any, bool, error) {
+			lookups.Add(1)
+			<-ctx.Done() // the outside system does not answer
+			return nil, false, context.Cause(ctx)
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.lookup", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.lookup", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	rec, _ := e.store.Get(ctx, "rv.lookup", "op-1")
+	if rs := res[taskID(1)]; len(rs) != 1 {
+		t.Errorf("not answered within 10 s: %d lookups, %d runs, record %s attempt %d", lookups.Load(), runs.Load(), rec.Status, rec.Attempt)
+	}
+}
