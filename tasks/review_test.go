@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -285,5 +286,44 @@ func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 	rec, _ := e.store.Get(ctx, "rv.lookup", "op-1")
 	if rs := res[taskID(1)]; len(rs) != 1 {
 		t.Errorf("not answered within 10 s: %d lookups, %d runs, record %s attempt %d", lookups.Load(), runs.Load(), rec.Status, rec.Attempt)
+	}
+}
+
+// TestReviewLookupResultUnstorableSettled: a lookup that finds the
+// operation done, with a result the database refuses (a number beyond
+// PostgreSQL's numeric range). The completion after the lookup fails with a
+// definite error, which the worker takes for a refusal of the message: the
+// caller is told RecordRefused, the message quarantined and acknowledged,
+// and the takeover's claim is left "claimed" (no later delivery: it stays
+// so), though the lookup said the effect happened. An outside task's own
+// unstorable result is held instead (ResultNotStored).
+func TestReviewLookupResultUnstorableSettled(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.found", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyHold,
+		Key: opKey, Lease: time.Second,
+		Lookup: func(context.Context, *Call, opArgs) (any, bool, error) {
+			return json.RawMessage(`1e999999`), true, nil
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.found", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.found", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	rec, err := e.store.Get(ctx, "rv.found", "op-1")
+	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, err)
+	if err == nil && rec.Status == idempotency.StatusClaimed {
+		t.Errorf("message answered and acknowledged with its operation's claim left %q", rec.Status)
 	}
 }
