@@ -1,0 +1,329 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
+)
+
+// The tests of this file are an adversarial review of the guarantee:
+// inputs, task behaviours and timings that leave a message unanswered,
+// answered with its outcome unknown, or dropped.
+
+// collect gathers the replies that arrive within timeout, by task id,
+// without failing the test.
+func collect(replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
+	out := make(map[string][]map[string]any)
+	deadline := time.After(timeout)
+	for got := 0; got < n; got++ {
+		select {
+		case r := <-replies:
+			id, _ := r["task_id"].(string)
+			out[id] = append(out[id], r)
+		case <-deadline:
+			return out
+		}
+	}
+	return out
+}
+
+// TestReviewCommitRefusedByTriggerAnswered: a same-database task whose
+// transaction is refused at COMMIT by a deferred constraint trigger of the
+// task's own table (a business rule raising its own SQLSTATE, here class
+// "OB", as applications do) is refused every time: nothing commits and the
+// same run will be refused again. It must be answered (the task's failure)
+// within seconds, alone and in a transaction group, and the innocent
+// members of the group must be answered too. The worker takes any commit
+// error outside IsDefinite's classes for an outage and retries it for ever.
+func TestReviewCommitRefusedByTriggerAnswered(t *testing.T) {
+	for _, group := range []int{0, 8} {
+		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) { commitRefusedByTrigger(t, group) })
+	}
+}
+
+func commitRefusedByTrigger(t *testing.T, group int) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	ctx := context.Background()
+	ledger := e.schema + ".ledger"
+	for _, q := range []string{
+		`CREATE TABLE ` + ledger + ` (op text PRIMARY KEY, amount int NOT NULL)`,
+		`CREATE FUNCTION ` + e.schema + `.no_overdraft() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.amount < 0 THEN
+        RAISE EXCEPTION 'overdraft on %', NEW.op USING ERRCODE = 'OB001';
+    END IF;
+    RETURN NULL;
+END $$`,
+		`CREATE CONSTRAINT TRIGGER no_overdraft AFTER INSERT ON ` + ledger + `
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION ` + e.schema + `.no_overdraft()`,
+	} {
+		if _, err := pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type ledgerArgs struct {
+		Op     string `json:"op"`
+		Amount int    `json:"amount"`
+	}
+	r := NewRegistry()
+	if err := Register(r, Task[ledgerArgs]{Name: "rv.post", Mode: ModeSameDB,
+		Key: func(a ledgerArgs) (string, error) { return a.Op, nil },
+		RunTx: func(ctx context.Context, tx pgx.Tx, _ *Call, a ledgerArgs) (any, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+ledger+` VALUES ($1, $2)`, a.Op, a.Amount)
+			return "posted", err
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Concurrency = 8
+	if group > 0 {
+		cfg.Store = e.storeOn(pool, idempotency.BatchConfig{GroupTx: group})
+	}
+	e.start(r, cfg)
+	replyTo, replies := e.replyQueue()
+	amounts := []int{5, -1, 7, 9} // the second is refused at COMMIT
+	for i, amount := range amounts {
+		e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.post", ID: taskID(i),
+			Kwargs: map[string]any{"op": fmt.Sprint("op-", i), "amount": int64(amount)}, ReplyTo: replyTo, CorrelationID: taskID(i)})
+	}
+	res := collect(replies, len(amounts), 10*time.Second)
+	for i, amount := range amounts {
+		rs := res[taskID(i)]
+		switch {
+		case len(rs) != 1:
+			t.Errorf("op-%d (amount %d): %d answers within 10 s, want 1", i, amount, len(rs))
+		case amount >= 0 && rs[0]["status"] != "SUCCESS":
+			t.Errorf("op-%d answered %v, want SUCCESS", i, rs[0])
+		case amount < 0 && rs[0]["status"] != "FAILURE":
+			t.Errorf("op-%d answered %v, want FAILURE", i, rs[0])
+		}
+	}
+}
+
+// TestReviewChainedCommitSettled: a same-database task that sends "INSERT
+// ...; COMMIT AND CHAIN" in one statement string (or "...; COMMIT; BEGIN")
+// slips past endsTx, which reads the first word only, and is not found out
+// when it returns, since its connection is in a (new) transaction again.
+// Its claim and effect committed. When it then fails, the caller is told
+// FAILURE and the message acknowledged with the claim left "claimed" for
+// ever (no later delivery): the effect happened, nobody is told, the
+// record says it is still running.
+func TestReviewChainedCommitSettled(t *testing.T) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	ctx := context.Background()
+	table := e.schema + ".chained"
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (op text PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.chain", Mode: ModeSameDB, Key: opKey,
+		RunTx: func(ctx context.Context, tx pgx.Tx, _ *Call, a opArgs) (any, error) {
+			// No arguments: pgx sends it by the simple protocol, all of it.
+			if _, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES ('`+a.Op+`'); COMMIT AND CHAIN`); err != nil {
+				return nil, err
+			}
+			return nil, errors.New("failed after its insert")
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.chain", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	var effects int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&effects); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := e.store.Get(ctx, "rv.chain", "op-1")
+	t.Logf("answer %v; effects %d; record %v (%v)", res[taskID(1)], effects, rec.Status, err)
+	if err == nil && rec.Status == idempotency.StatusClaimed {
+		t.Errorf("message answered and acknowledged with its operation's claim left %q (effects committed: %d)", rec.Status, effects)
+	}
+	if rs := res[taskID(1)]; effects > 0 && len(rs) == 1 && rs[0]["status"] == "FAILURE" && (err != nil || rec.Status != idempotency.StatusHeld) {
+		t.Errorf("caller told FAILURE while the task's effect committed, and the operation is not held")
+	}
+}
+
+// TestReviewChainedRollbackAnswered: a same-database task that sends
+// "...; ROLLBACK AND CHAIN" in one statement string and returns nil rolls
+// back its claim unseen (its connection is in a transaction again); the
+// worker's completion finds no claim (ErrFenced), takes that for trouble
+// with the record and runs the task again every 2 s, for ever: the caller
+// is never answered.
+func TestReviewChainedRollbackAnswered(t *testing.T) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	ctx := context.Background()
+	table := e.schema + ".rolled"
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (op text)`); err != nil {
+		t.Fatal(err)
+	}
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.rollback", Mode: ModeSameDB, Key: opKey,
+		RunTx: func(ctx context.Context, tx pgx.Tx, _ *Call, a opArgs) (any, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES ('`+a.Op+`'); ROLLBACK AND CHAIN`)
+			return "done", err
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.rollback", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	if rs := res[taskID(1)]; len(rs) != 1 {
+		t.Errorf("not answered within 10 s")
+	}
+}
+
+// TestReviewSlowClaimNotDropped: a first claim that waits on the record's
+// row lock longer than the lease (a person resolving, a purge batch, a
+// slow database) is written with a lease counted from the statement's
+// start, lapsed on arrival. The renewal before the run finds it lapsed and
+// defers the delivery, which then forgets its token, claims anew, finds
+// its own never-run claim stale and hands it to the stale-claim policy:
+// under PolicySkip the operation is skipped (the caller told
+// OperationSkipped) though no one ever ran it; under PolicyHold it is held
+// for a person though it certainly never happened.
+func TestReviewSlowClaimNotDropped(t *testing.T) {
+	for _, pol := range []Policy{PolicySkip, PolicyHold} {
+		t.Run(pol.String(), func(t *testing.T) { slowClaim(t, pol) })
+	}
+}
+
+func slowClaim(t *testing.T, pol Policy) {
+	e := newEnv(t)
+	pool := testenvPool(t)
+	ctx := context.Background()
+	const lease = 500 * time.Millisecond
+	var runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.slowclaim", Mode: ModeOutside, Policy: pol, Key: opKey, Lease: lease,
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "ran", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	// An earlier attempt failed: the record is claimable again.
+	p := idempotency.ClaimParams{Task: "rv.slowclaim", Key: "op-1", Owner: "earlier", TaskID: "earlier", Lease: lease}
+	c, err := e.store.Claim(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.store.Fail(ctx, p.Ref(c.Token), "an earlier failure"); err != nil {
+		t.Fatal(err)
+	}
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	// Someone holds the record's row for three leases.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM `+e.schema+`.records WHERE task = 'rv.slowclaim' AND key = 'op-1' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.slowclaim", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	time.Sleep(3 * lease)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res := collect(replies, 1, 10*time.Second)
+	rec, gerr := e.store.Get(ctx, "rv.slowclaim", "op-1")
+	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, gerr)
+	if rs := res[taskID(1)]; len(rs) != 1 || rs[0]["status"] != "SUCCESS" || runs.Load() != 1 {
+		t.Errorf("an operation that never ran was settled by its stale-claim policy (%s): answered %v, ran %d times, record %v",
+			pol, rs, runs.Load(), rec.Status)
+	}
+}
+
+// TestReviewLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback
+// retry whose LookupTimeout is the lease (accepted: only a timeout beyond
+// the lease is cut to half of it) and an outside system that does not
+// answer. The lookup runs out at the very end of the takeover's lease, the
+// renewal before the run finds it lapsed, the delivery forgets its token,
+// finds its own takeover stale, takes it over again, looks up again, ...
+// for ever: never answered, never run, never held.
+func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const lease = 600 * time.Millisecond
+	var lookups, runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.lookup", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyRetry,
+		Key: opKey, Lease: lease, LookupTimeout: lease,
+		Lookup: func(ctx context.Context, _ *Call, _ opArgs) (any, bool, error) {
+			lookups.Add(1)
+			<-ctx.Done() // the outside system does not answer
+			return nil, false, context.Cause(ctx)
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.lookup", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.lookup", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	rec, _ := e.store.Get(ctx, "rv.lookup", "op-1")
+	if rs := res[taskID(1)]; len(rs) != 1 {
+		t.Errorf("not answered within 10 s: %d lookups, %d runs, record %s attempt %d", lookups.Load(), runs.Load(), rec.Status, rec.Attempt)
+	}
+}
+
+// TestReviewLookupResultUnstorableSettled: a lookup that finds the
+// operation done, with a result the database refuses (a number beyond
+// PostgreSQL's numeric range). The completion after the lookup fails with a
+// definite error, which the worker takes for a refusal of the message: the
+// caller is told RecordRefused, the message quarantined and acknowledged,
+// and the takeover's claim is left "claimed" (no later delivery: it stays
+// so), though the lookup said the effect happened. An outside task's own
+// unstorable result is held instead (ResultNotStored).
+func TestReviewLookupResultUnstorableSettled(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.found", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyHold,
+		Key: opKey, Lease: time.Second,
+		Lookup: func(context.Context, *Call, opArgs) (any, bool, error) {
+			return json.RawMessage(`1e999999`), true, nil
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.found", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.found", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	rec, err := e.store.Get(ctx, "rv.found", "op-1")
+	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, err)
+	if err == nil && rec.Status == idempotency.StatusClaimed {
+		t.Errorf("message answered and acknowledged with its operation's claim left %q", rec.Status)
+	}
+}
