@@ -197,7 +197,8 @@ type StalePolicy struct {
 	// LookupTimeout bounds a lookup: it runs under the takeover's lease,
 	// and one that outlived the lease would let another delivery take the
 	// operation over while this one goes on to run it. A lookup that runs
-	// out of time counts as failed (Fallback). Default: half the lease.
+	// out of time counts as failed (Fallback). Default and most: half the
+	// lease, so that the claim can still be renewed after it.
 	LookupTimeout time.Duration
 	// Reason is recorded on skipped and held records.
 	Reason string
@@ -238,7 +239,7 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 			return c, err
 		}
 		timeout := sp.LookupTimeout
-		if timeout <= 0 || timeout > p.Lease {
+		if timeout <= 0 || timeout > p.Lease/2 {
 			timeout = p.Lease / 2
 		}
 		lctx, cancel := context.WithTimeoutCause(ctx, timeout, fmt.Errorf("idempotency: lookup took longer than %s", timeout))
@@ -251,6 +252,12 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 		switch {
 		case lerr == nil && found:
 			if err := s.Complete(ctx, p.Ref(c.Token), result); err != nil {
+				if IsDefinite(err) {
+					// Done, but its result cannot be stored: held for a
+					// person, who knows from the reason what the lookup found.
+					return s.settle(ctx, p, p.Ref(c.Token), PolicyHold,
+						"the lookup found the operation done, but its result could not be stored: "+err.Error(), c, false)
+				}
 				return Claim{}, fmt.Errorf("complete after lookup: %w", err)
 			}
 			c.Outcome, c.Status, c.Result, c.Token = OutcomeCompleted, StatusCompleted, result, ""

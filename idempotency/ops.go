@@ -390,10 +390,13 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 		return Claim{}, fmt.Errorf("run tx: complete: %w", err)
 	}
 	if !ok {
-		return Claim{}, fmt.Errorf("run tx: %w", ErrFenced)
+		// Nobody else can see, let alone take, a claim uncommitted in this
+		// transaction: the task ended it (a ROLLBACK AND CHAIN in a string
+		// of statements), and nothing of it is left.
+		return Claim{}, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
 	}
 	if err := tx.Commit(ctx); err != nil {
-		if IsDefinite(err) {
+		if refusedCommit(err) {
 			// Refused for what the task wrote (a deferred constraint):
 			// rolled back, the task's failure.
 			return Claim{}, &TaskTxError{What: "commit refused", Err: err}

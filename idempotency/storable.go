@@ -166,6 +166,19 @@ func IsDefinite(err error) bool {
 	return false
 }
 
+// refusedCommit reports whether err is the server's refusal of a COMMIT
+// for what the transaction wrote (a deferred constraint, a constraint
+// trigger raising any SQLSTATE): an answer, not a lost connection, and not
+// one of the transient refusals (serialization failure, deadlock, a server
+// shutting down) that the same transaction may pass when run again.
+func refusedCommit(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" {
+		return false
+	}
+	return !IsRetryable(err)
+}
+
 // TaskTxError is the failure of a same-database task's transaction caused
 // by the task's own work, not by the record or the connection: a statement
 // of the task failed and the task returned without an error (the

@@ -460,7 +460,14 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 		}
 		for _, m := range firsts {
 			if !done[m.op.key()] {
-				return lost("complete", ErrFenced)
+				// A claim of the group's own is gone from its transaction: a
+				// function ended it (a ROLLBACK AND CHAIN in a string of
+				// statements). Nothing of the group commits; each member
+				// runs again in a transaction of its own.
+				g.s.log.Warn("a function ended its transaction group's transaction; its members run again one by one")
+				_ = tx.Rollback(ctx)
+				g.rerunSolo(ms)
+				return nil
 			}
 		}
 	}
@@ -468,22 +475,28 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 		return nil
 	}
 	if err := tx.Commit(ctx); err != nil {
-		if IsDefinite(err) {
+		if refusedCommit(err) {
 			// Refused for what a task wrote (a deferred constraint): the
 			// group rolled back; each member runs again in a transaction of
 			// its own, where the refusal is that task's alone.
 			g.s.log.Info("transaction group's commit refused; its members run again one by one", zap.Error(err))
-			for _, m := range ms {
-				if m.commit {
-					m.commit = false
-					m.claim, m.err = g.s.runSolo(m.op.ctx, m.op.p, m.op.fn)
-				}
-			}
+			g.rerunSolo(ms)
 			return nil
 		}
 		return writeError("run tx: commit", err)
 	}
 	return nil
+}
+
+// rerunSolo runs every member that was to commit again, each in a
+// transaction of its own: the group's transaction rolled back.
+func (g *txGroup) rerunSolo(ms []*member) {
+	for _, m := range ms {
+		if m.commit {
+			m.commit = false
+			m.claim, m.err = g.s.runSolo(m.op.ctx, m.op.p, m.op.fn)
+		}
+	}
 }
 
 // failedTx reports whether tx is in a failed state: a statement in it

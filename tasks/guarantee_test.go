@@ -456,3 +456,39 @@ func TestRegisterRefusesNamesTheRecordCannotKeep(t *testing.T) {
 		t.Errorf("long name of a pure task (no record): %v", err)
 	}
 }
+
+func TestEndsTx(t *testing.T) {
+	for sql, want := range map[string]bool{
+		"COMMIT":                          true,
+		" /* x */ -- y\n commit work":     true,
+		"end":                             true,
+		"ABORT":                           true,
+		"rollback":                        true,
+		"ROLLBACK AND CHAIN":              true,
+		"rollback to savepoint a":         false,
+		"ROLLBACK WORK TO a":              false,
+		"prepare transaction 'x'":         true,
+		"PREPARE transaction AS SELECT 1": false,
+		"COMMIT PREPARED 'x'":             true,
+		"INSERT INTO t VALUES (1); COMMIT AND CHAIN": true,
+		"INSERT INTO t VALUES (1); ROLLBACK":         true,
+		"SELECT 1; SELECT 2":                         false,
+		"SELECT ';commit'":                           false,
+		`SELECT "a;commit"`:                          false,
+		"SELECT E'\\';commit'":                       false,
+		"SELECT $$;commit$$":                         false,
+		"SELECT $f$;commit$f$; SELECT 1":             false,
+		"SELECT $1; SELECT 2":                        false,
+		"SELECT 1 /* ; commit */":                    false,
+		"SELECT 1 -- ; commit":                       false,
+		"SELECT 1 /* /* */ ; commit */":              false,
+		"UPDATE endpoint SET x = 1":                  false,
+		"SELECT end_of_day()":                        false,
+		"INSERT INTO commit_log VALUES (1)":          false,
+		"SELECT 1; end":                              true,
+	} {
+		if got := endsTx(sql); got != want {
+			t.Errorf("endsTx(%q) = %v, want %v", sql, got, want)
+		}
+	}
+}

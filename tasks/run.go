@@ -83,11 +83,14 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		// starts, and the renewal starts it afresh.
 		renewed := time.Now()
 		if err := w.store.Renew(ctx, ref, p.Lease); err != nil {
+			// The task has not run: the next claim takes this claim's token
+			// again, so that it finds the claim its own (first, the lease
+			// renewed) unless another delivery took it over meanwhile;
+			// with a new token it would find its own claim stale and hand an
+			// operation that never ran to the stale-claim policy.
+			j.claimToken = claim.Token
 			if errors.Is(err, idempotency.ErrFenced) {
-				// Lapsed before the task could start: another delivery may
-				// take it over. The next look claims anew and finds what
-				// the record says.
-				w.log.Warn("claim lapsed before the task started; not run", w.fields(j)...)
+				w.log.Warn("claim lapsed before the task started; not run yet", w.fields(j)...)
 				w.deferDelivery(j, time.Time{})
 				return
 			}
@@ -139,8 +142,9 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		// (retry: claimable again). The caller gets TimeLimitExceeded
 		// (REVOKED after a terminating revoke) and the delivery is
 		// acknowledged.
-		w.settleAbandoned(ctx, j, ref)
-		w.finish(ctx, j, nil, taskErr)
+		if w.settleAbandoned(ctx, j, ref) {
+			w.finish(ctx, j, nil, taskErr)
+		}
 	case w.shutdownCut(ctx, taskErr):
 		// Cut off by the shutdown: whether the task reached the outside
 		// system is unknown. Its lease ends now, so that the redelivery goes
@@ -273,30 +277,37 @@ func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, er
 // runs to its stale-claim policy at once: the effect may happen yet, so
 // hold and lookup hold it (a person decides; the lookup could not see an
 // effect still in flight), skip skips it, and retry fails it (claimable
-// again, the rare duplicate that policy accepts). When the write fails the
-// claim lapses by itself and waits for the policy at its next delivery.
-func (w *Worker) settleAbandoned(ctx context.Context, j *job, ref idempotency.Ref) {
+// again, the rare duplicate that policy accepts). The write is retried
+// while the database does not answer; false means the worker is stopping
+// and the delivery was given back (its redelivery finds the claim, which
+// by then has lapsed into the policy).
+func (w *Worker) settleAbandoned(ctx context.Context, j *job, ref idempotency.Ref) bool {
 	reason := "the task was abandoned still running: its effect may or may not happen"
-	fctx, cancel := final(ctx)
-	defer cancel()
-	var err error
-	switch j.h.policy {
-	case PolicySkip:
-		err = w.store.SkipOwn(fctx, ref, reason)
-	case PolicyRetry:
-		err = w.store.Fail(fctx, ref, reason)
-	default:
-		msg, merr := encodeHeld(j.d)
-		if merr != nil {
-			msg = nil
+	msg, merr := encodeHeld(j.d)
+	if merr != nil {
+		msg = nil
+	}
+	err := w.write(ctx, j, "settle abandoned", func(c context.Context) error {
+		switch j.h.policy {
+		case PolicySkip:
+			return w.store.SkipOwn(c, ref, reason)
+		case PolicyRetry:
+			return w.store.Fail(c, ref, reason)
+		default:
+			return w.store.HoldOwn(c, ref, msg, reason)
 		}
-		err = w.store.HoldOwn(fctx, ref, msg, reason)
+	})
+	switch {
+	case err == nil:
+		w.log.Warn("the claim of an abandoned task was settled by its policy", w.fields(j, zap.String("policy", j.h.policy.String()))...)
+	case errors.Is(err, idempotency.ErrFenced):
+		// Settled already (a person, or a takeover once it lapsed).
+	case idempotency.IsDefinite(err):
+		w.log.Error("settling an abandoned task's claim was refused; it lapses into its policy", w.fields(j, zap.Error(err))...)
+	default:
+		return false
 	}
-	if err != nil {
-		w.log.Warn("settling an abandoned task's claim failed; it lapses into its policy", w.fields(j, zap.Error(err))...)
-		return
-	}
-	w.log.Warn("the claim of an abandoned task was settled by its policy", w.fields(j, zap.String("policy", j.h.policy.String()))...)
+	return true
 }
 
 // execute runs the task function with its time limits, revocation and panic

@@ -165,7 +165,8 @@ type Task[A any] struct {
 	RunTx func(ctx context.Context, tx pgx.Tx, c *Call, args A) (any, error)
 	// LookupTimeout bounds one call of Lookup; a lookup that runs out of
 	// time counts as failed (Fallback). It runs under the lease of the
-	// takeover, and must end well within it. 0: half the lease.
+	// takeover, so that the claim can be renewed after it: 0 and anything
+	// longer mean half the lease.
 	LookupTimeout time.Duration
 	// Lookup asks the outside system whether the operation (Call.Reference)
 	// already happened. Required with PolicyLookup.

@@ -125,17 +125,29 @@ type errRow struct{ err error }
 
 func (r errRow) Scan(...any) error { return r.err }
 
-// endsTx reports whether the statement sql ends the transaction: COMMIT,
-// END, ABORT, ROLLBACK (but not ROLLBACK TO a savepoint), PREPARE
-// TRANSACTION, or COMMIT/ROLLBACK PREPARED. Leading blanks and comments
-// are skipped. (A statement that slips past this, in a string of several,
-// is caught when the task returns: the worker finds the connection out of
-// its transaction.)
+// endsTx reports whether sql, one statement or several separated by
+// semicolons (which pgx sends as one when a query has no arguments), has a
+// statement that ends the transaction: COMMIT, END, ABORT, ROLLBACK (but
+// not ROLLBACK TO a savepoint), PREPARE TRANSACTION, COMMIT or ROLLBACK
+// PREPARED, also AND CHAIN. Quoted text, quoted names, dollar-quoted bodies
+// and comments are skipped. (A task that ends its transaction through
+// tx.Conn(), outside this check, is found when it returns: the worker finds
+// the connection out of its transaction or its claim gone from it.)
 func endsTx(sql string) bool {
-	s := skipBlanks(sql)
+	for _, stmt := range statements(sql) {
+		if endsTxStatement(stmt) {
+			return true
+		}
+	}
+	return false
+}
+
+// endsTxStatement is endsTx of one statement.
+func endsTxStatement(stmt string) bool {
+	s := skipBlanks(stmt)
 	word := func() string {
 		i := 0
-		for i < len(s) && (s[i] == '_' || s[i] >= 'a' && s[i] <= 'z' || s[i] >= 'A' && s[i] <= 'Z') {
+		for i < len(s) && (s[i] == '_' || s[i] >= 'a' && s[i] <= 'z' || s[i] >= 'A' && s[i] <= 'Z' || s[i] >= '0' && s[i] <= '9') {
 			i++
 		}
 		w := strings.ToLower(s[:i])
@@ -152,9 +164,86 @@ func endsTx(sql string) bool {
 		}
 		return next != "to"
 	case "prepare":
-		return word() == "transaction"
+		return word() == "transaction" && !strings.HasPrefix(strings.ToLower(s), "as")
 	}
 	return false
+}
+
+// statements splits sql at the semicolons that end statements: not those
+// inside quotes ('...', E'...', "..."), dollar quotes ($tag$...$tag$) or
+// comments (-- and nested /* */).
+func statements(sql string) []string {
+	var out []string
+	start := 0
+	for i := 0; i < len(sql); {
+		switch c := sql[i]; {
+		case c == ';':
+			out = append(out, sql[start:i])
+			i++
+			start = i
+		case c == '\'' || c == '"':
+			// A doubled quote stays inside; E'...' escapes with a backslash.
+			escapes := c == '\'' && i > 0 && (sql[i-1] == 'E' || sql[i-1] == 'e')
+			i++
+			for i < len(sql) {
+				if escapes && sql[i] == '\\' {
+					i += 2
+					continue
+				}
+				if sql[i] == c {
+					if i+1 < len(sql) && sql[i+1] == c {
+						i += 2
+						continue
+					}
+					break
+				}
+				i++
+			}
+			i++
+		case c == '-' && strings.HasPrefix(sql[i:], "--"):
+			if j := strings.IndexByte(sql[i:], '\n'); j >= 0 {
+				i += j + 1
+			} else {
+				i = len(sql)
+			}
+		case c == '/' && strings.HasPrefix(sql[i:], "/*"):
+			depth := 0
+			for i < len(sql) {
+				if strings.HasPrefix(sql[i:], "/*") {
+					depth++
+					i += 2
+				} else if strings.HasPrefix(sql[i:], "*/") {
+					depth--
+					i += 2
+					if depth == 0 {
+						break
+					}
+				} else {
+					i++
+				}
+			}
+		case c == '$':
+			// $tag$ ... $tag$ (a tag is a name, or empty); $1 is a parameter.
+			j := i + 1
+			for j < len(sql) && (sql[j] == '_' || sql[j] >= 'a' && sql[j] <= 'z' || sql[j] >= 'A' && sql[j] <= 'Z' ||
+				(j > i+1 && sql[j] >= '0' && sql[j] <= '9')) {
+				j++
+			}
+			if j < len(sql) && sql[j] == '$' {
+				tag := sql[i : j+1]
+				if k := strings.Index(sql[j+1:], tag); k >= 0 {
+					i = j + 1 + k + len(tag)
+				} else {
+					i = len(sql)
+				}
+				continue
+			}
+			i++
+		default:
+			i++
+		}
+	}
+	return append(out, sql[start:])
 }
 
 // skipBlanks skips white space and SQL comments.
