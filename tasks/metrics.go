@@ -26,6 +26,11 @@ type metrics struct {
 	taskSeconds *prometheus.HistogramVec // task
 	claimSecs   prometheus.Histogram
 	reconnects  prometheus.Counter
+	memBudget   prometheus.Gauge
+	memCharged  prometheus.Gauge
+	memWaiting  prometheus.Gauge
+	etaRequeued prometheus.Counter
+	stalled     prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -56,12 +61,23 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Latency of claiming an operation in the record.", Buckets: prometheus.ExponentialBuckets(0.0002, 3, 10)}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "broker_reconnects_total",
 			Help: "Times the worker's consumer started consuming again after losing its channel."}),
+		memBudget: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "memory_budget_bytes",
+			Help: "The memory budget of the deliveries the worker holds."}),
+		memCharged: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "memory_charged_bytes",
+			Help: "Memory charged against the budget by the deliveries held now."}),
+		memWaiting: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "deliveries_waiting_memory",
+			Help: "Deliveries received and waiting, undecoded, for room in the memory budget."}),
+		etaRequeued: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "eta_requeued_total",
+			Help: "Deliveries due later sent back to the end of their queue because those held for their ETA filled half the memory budget."}),
+		stalled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "stalled",
+			Help: "1 while the worker holds every slot without settling a delivery (readiness fails), else 0."}),
 	}
 	if reg == nil {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
-		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects} {
+		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects,
+		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {
