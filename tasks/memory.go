@@ -121,6 +121,9 @@ func (m *memDecoder) Decode(d *celeryproto.Delivery) (*celeryproto.Message, erro
 // the whole budget is charged its body only and handed over at once: it is
 // refused before decoding. w.mu is held.
 func (w *Worker) admit(j *job) {
+	if n := int64(len(j.d.Body)); n > w.largest {
+		w.largest = n
+	}
 	j.need = w.dec.dec.Estimate(&j.d.Delivery) + deliveryOverhead
 	if j.need > w.cfg.MemoryBudget {
 		w.charge(j, int64(len(j.d.Body))+deliveryOverhead)
@@ -234,8 +237,10 @@ func (w *Worker) decoded(j *job, msg *celeryproto.Message, cost int64) {
 
 // sweepCharges releases the charges of deliveries whose channel is gone and
 // that the worker no longer holds (held ETA deliveries dropped with their
-// channel). w.mu is held.
+// channel), and lets the largest body seen decay. Called every second;
+// w.mu is held.
 func (w *Worker) sweepCharges() {
+	w.largest -= w.largest / 8
 	for _, j := range w.charged {
 		if _, ok := w.reserved[j]; ok || w.active[j] != nil || !j.d.Stale() {
 			continue
@@ -254,15 +259,17 @@ func (w *Worker) flowChanged() {
 }
 
 // windowLimit is the prefetch cap under the budget: none while the budget
-// has room for a full window of the largest bodies; else the deliveries
-// held plus as many of the largest bodies as the free budget holds (at
-// least one in all: 0 would lift the limit); while deliveries wait for
-// memory, the deliveries held: none more until some are settled.
+// has room for a full window of the largest bodies (the largest accepted,
+// or a larger one seen lately: a body arrives whole before the worker can
+// refuse it); else the deliveries held plus as many of the largest bodies
+// as the free budget holds (at least one in all: 0 would lift the limit);
+// while deliveries wait for memory, the deliveries held: none more until
+// some are settled.
 func (w *Worker) windowLimit() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	held := len(w.reserved) + len(w.active)
-	largest := int64(w.dec.dec.Limits().MaxBodyBytes) + deliveryOverhead
+	largest := max(int64(w.dec.dec.Limits().MaxBodyBytes), w.largest) + deliveryOverhead
 	free := w.cfg.MemoryBudget - w.memUsed
 	switch {
 	case len(w.waiting) > 0:

@@ -73,6 +73,7 @@ type Worker struct {
 	charged  map[*celeryproto.Delivery]*job
 	memUsed  int64
 	waiting  []*job
+	largest  int64         // the largest body seen lately (decays)
 	flowKick chan struct{} // wakes the flow goroutine (window limit)
 }
 
