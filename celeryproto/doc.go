@@ -65,7 +65,8 @@
 // or map length is checked before it is allocated. [Decoder.Estimate]
 // bounds the memory a delivery's decoding takes without decoding it, and
 // [Decoder.DecodeCost] returns what the decoded message holds, for a
-// caller that budgets memory (see docs/limits.md). Headers the worker keeps in the record must be storable text (the
+// caller that budgets memory (see docs/limits.md). Headers the worker
+// keeps in the record must be storable text (the
 // task name and id: UTF-8 without NUL), and retries must be from 0 to 2^20.
 //
 // # Encoding
