@@ -282,7 +282,8 @@ func (w *Worker) windowLimit() int {
 }
 
 // flow applies windowLimit to the consumer when it changes, at most every
-// 20 ms, until ctx is done.
+// 50 ms (a change restarts the consumers of quorum queues), until ctx is
+// done.
 func (w *Worker) flow(ctx context.Context) {
 	applied := 0
 	for {
@@ -301,7 +302,7 @@ func (w *Worker) flow(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(20 * time.Millisecond):
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
 }
