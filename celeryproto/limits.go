@@ -101,7 +101,11 @@ func (m *meter) chargeTree(v any) error {
 		}
 		return nil
 	case map[string]any:
-		if err := m.charge(1, 0); err != nil {
+		group := 0
+		if len(x) > 0 {
+			group = mapGroupCost
+		}
+		if err := m.charge(1, group); err != nil {
 			return err
 		}
 		for k, e := range x {

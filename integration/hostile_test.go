@@ -32,7 +32,7 @@ const (
 	hostileBudget = 256 << 20
 	// hostileMargin covers the process itself (pools, connections, Go
 	// runtime) and the collector's slack above the Go memory limit, which
-	// the worker sets to the budget plus 128 MiB.
+	// the worker sets to the budget plus 64 MiB.
 	hostileMargin = 256 << 20
 	// hostileKill ends the worker should it grow far past the bound (a
 	// regression), before it takes the machine's memory.
@@ -265,8 +265,9 @@ func TestReadyzWhileSlotsStuck(t *testing.T) {
 	addr := freeAddr(t)
 	e.StartWorker(replay.WorkerOptions{Concurrency: 2, Prefetch: 4,
 		Env: []string{"ONCELER_HTTP_ADDR=" + addr, "ONCELER_STALL_AFTER=2s"}})
+	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	status := func() int {
-		resp, err := http.Get("http://" + addr + "/readyz")
+		resp, err := client.Get("http://" + addr + "/readyz")
 		if err != nil {
 			return 0
 		}

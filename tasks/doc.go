@@ -325,6 +325,7 @@
 //	onceler_deliveries_waiting_memory         deliveries waiting, undecoded, for the budget
 //	onceler_eta_requeued_total                due later, sent back: ETA holds fill half the budget
 //	onceler_stalled                           1 while every slot is held without progress
+//	onceler_memory_collections_total          collections run before a large decode
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming, its database answers and it is not stalled: Worker.Stalled).

@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime"
+	rtmetrics "runtime/metrics"
 	"strconv"
 	"strings"
 	"time"
@@ -109,11 +111,47 @@ func (m *memDecoder) Decode(d *celeryproto.Delivery) (*celeryproto.Message, erro
 		return nil, &celeryproto.DecodeError{Reason: celeryproto.ErrTooLarge,
 			Detail: fmt.Sprintf("decoding needs up to %d bytes of memory, more than the memory budget of %d", need, w.cfg.MemoryBudget)}
 	}
+	w.makeRoom(need)
 	msg, cost, err := m.dec.DecodeCost(d)
 	if j != nil {
 		w.decoded(j, msg, cost)
 	}
 	return msg, err
+}
+
+// gcSlack is how far the heap (live objects and garbage not yet collected)
+// plus a large decode may go past the budget before the garbage is
+// collected first.
+const gcSlack = 64 << 20
+
+// heapObjectsMetric is the runtime metric of the heap's objects, live and
+// not yet collected.
+const heapObjectsMetric = "/memory/classes/heap/objects:bytes"
+
+// makeRoom collects the garbage before a decode that may take need bytes
+// (at least a sixteenth of the budget) when the heap's objects, live or
+// dead, plus need would pass the budget by more than gcSlack. The budget
+// bounds what is live; garbage is the collector's, and with the worker's
+// GOGC of 400, or a collector held back by a busy CPU (the Go memory
+// limit yields to its CPU cap), a stream of large decodes would otherwise
+// pile up garbage far past the budget. Calls are serialized so that one
+// collection serves the decodes waiting for it.
+func (w *Worker) makeRoom(need int64) {
+	if need < w.cfg.MemoryBudget/16 {
+		return
+	}
+	w.gcMu.Lock()
+	defer w.gcMu.Unlock()
+	sample := []rtmetrics.Sample{{Name: heapObjectsMetric}}
+	rtmetrics.Read(sample)
+	if sample[0].Value.Kind() != rtmetrics.KindUint64 {
+		return
+	}
+	if int64(sample[0].Value.Uint64())+need <= w.cfg.MemoryBudget+gcSlack {
+		return
+	}
+	runtime.GC()
+	w.m.collections.Inc()
 }
 
 // admit charges j its estimate and hands it to the task goroutines, or

@@ -31,6 +31,7 @@ type metrics struct {
 	memWaiting  prometheus.Gauge
 	etaRequeued prometheus.Counter
 	stalled     prometheus.Gauge
+	collections prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -71,13 +72,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Deliveries due later sent back to the end of their queue because those held for their ETA filled half the memory budget."}),
 		stalled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "stalled",
 			Help: "1 while the worker holds every slot without settling a delivery (readiness fails), else 0."}),
+		collections: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "memory_collections_total",
+			Help: "Garbage collections run before a large decode because the heap, garbage included, would pass the memory budget."}),
 	}
 	if reg == nil {
 		return m, nil
 	}
 	for _, c := range []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
 		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects,
-		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled} {
+		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {

@@ -74,6 +74,7 @@ type Worker struct {
 	memUsed  int64
 	waiting  []*job
 	largest  int64         // the largest body seen lately (decays)
+	gcMu     sync.Mutex    // serializes makeRoom's collections
 	flowKick chan struct{} // wakes the flow goroutine (window limit)
 }
 

@@ -11,8 +11,8 @@ import (
 
 // memoryMargin is what the worker's Go memory limit allows beyond the
 // memory budget: the process's own heap (connections, pools, buffers,
-// metrics) and the collector's slack.
-const memoryMargin = 128 << 20
+// metrics).
+const memoryMargin = 64 << 20
 
 // parseSize reads a size in bytes: a number with an optional unit, KiB,
 // MiB, GiB or TiB (powers of 1024; Ki, Mi, Gi, Ti too) or KB, MB, GB, TB
