@@ -45,9 +45,12 @@ type Consumer struct {
 	// mu guards the fields below and serializes RPCs (basic.qos) on the live
 	// channel, since amqp091 does not allow concurrent RPCs on one channel.
 	mu       sync.Mutex
-	prefetch int
+	prefetch int // in force: min(requested, limit)
 	cur      *channelState
 	global   bool
+	// requested is the count SetPrefetch asked for; limit, when not 0,
+	// caps it (SetWindowLimit: flow control).
+	requested, limit int
 
 	// qosChanged asks the consume goroutine to restart per-consumer
 	// prefetch consumers (quorum queues) under the new limit.
@@ -72,7 +75,7 @@ func NewConsumer(cfg Config, cc ConsumerConfig) *Consumer {
 	cc.Queues = append([]QueueSpec(nil), cc.Queues...)
 	return &Consumer{
 		cfg: cfg, cc: cc, log: cfg.Logger.Named("amqp.consumer"),
-		prefetch: cc.Prefetch, qosChanged: make(chan struct{}, 1),
+		prefetch: cc.Prefetch, requested: cc.Prefetch, qosChanged: make(chan struct{}, 1),
 	}
 }
 
@@ -100,6 +103,34 @@ func (c *Consumer) SetPrefetch(n int) error {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.requested = n
+	return c.applyLocked()
+}
+
+// SetWindowLimit caps the prefetch count at n (flow control: a worker
+// short of memory lets fewer deliveries in, and with n at or below the
+// deliveries it holds, none until it settles some); 0 removes the cap. The
+// prefetch in force is the smaller of the two, applied as SetPrefetch
+// applies it.
+func (c *Consumer) SetWindowLimit(n int) error {
+	if n < 0 || n > 65535 {
+		return fmt.Errorf("%w: window limit %d outside 0..65535", ErrConfig, n)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.limit = n
+	return c.applyLocked()
+}
+
+// applyLocked applies min(requested, limit); c.mu is held.
+func (c *Consumer) applyLocked() error {
+	n := c.requested
+	if c.limit > 0 && (n == 0 || c.limit < n) {
+		n = c.limit
+	}
+	if n == c.prefetch {
+		return nil
+	}
 	c.prefetch = n
 	st := c.cur
 	if st == nil || st.dead() {

@@ -149,6 +149,34 @@ func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
 	}
 }
 
+// SetWindowLimit caps the prefetch window below what SetPrefetch asks (a
+// worker short of memory), and removing the cap restores it.
+func TestSetWindowLimit(t *testing.T) {
+	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_window", 30*time.Second)
+	for i := range 6 {
+		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
+	}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 5})
+	must(t, c.SetWindowLimit(1), "limit before Run")
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	held := []*Delivery{recv(t, got, 10*time.Second)}
+	noRecv(t, got, 300*time.Millisecond)
+	must(t, c.SetPrefetch(4), "prefetch under the limit")
+	noRecv(t, got, 300*time.Millisecond)
+	if n := c.Prefetch(); n != 1 {
+		t.Fatalf("prefetch in force %d, want the limit 1", n)
+	}
+	must(t, c.SetWindowLimit(0), "remove the limit")
+	held = append(held, recv(t, got, 5*time.Second), recv(t, got, 5*time.Second), recv(t, got, 5*time.Second))
+	noRecv(t, got, 300*time.Millisecond)
+	for _, d := range held {
+		must(t, d.Ack(), "ack")
+	}
+	must(t, recv(t, got, 5*time.Second).Ack(), "ack")
+	must(t, recv(t, got, 5*time.Second).Ack(), "ack")
+}
+
 // With DrainTimeout, deliveries handed out before shutdown can still be
 // acknowledged; what the broker sends after the cancel goes back.
 func TestDrainOnShutdown(t *testing.T) {

@@ -49,7 +49,7 @@ func DecodeControl(d *Delivery) (*ControlRequest, error) {
 	if c, ok := d.Headers["compression"]; ok && c != nil {
 		return nil, ctlError(fmt.Sprintf("compressed control messages are not supported (%v)", c), ErrCompression)
 	}
-	v, err := decodeJSON(&defaultDecoder.scratch, d.Body)
+	v, err := decodeJSON(&defaultDecoder.scratch, d.Body, nil)
 	raw, isObject := v.(map[string]any)
 	if err != nil {
 		return nil, ctlError("control body is not a JSON object: "+err.Error(), ErrMalformed)

@@ -8,15 +8,24 @@ type Decoder struct {
 	scratch sync.Pool // *scratch: the JSON parser's element stacks
 }
 
-// NewDecoder returns a Decoder; a zero MaxBodyBytes means DefaultMaxBodyBytes.
+// NewDecoder returns a Decoder; a zero limit takes its default.
 func NewDecoder(l Limits) *Decoder {
 	if l.MaxBodyBytes <= 0 {
 		l.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if l.MaxDecodedBytes <= 0 {
+		l.MaxDecodedBytes = DefaultMaxDecodedBytes
+	}
+	if l.MaxElements <= 0 {
+		l.MaxElements = DefaultMaxElements
 	}
 	return &Decoder{limits: l, scratch: sync.Pool{New: newScratch}}
 }
 
 var defaultDecoder = NewDecoder(Limits{})
+
+// Limits returns the decoder's limits, defaults filled in.
+func (dec *Decoder) Limits() Limits { return dec.limits }
 
 // Decode decodes d with the default limits.
 func Decode(d *Delivery) (*Message, error) { return defaultDecoder.Decode(d) }
@@ -36,6 +45,20 @@ var knownHeaders = map[string]struct{}{
 // mapping with "args") is the hybrid form: the body fields are read and the
 // headers override them. Every error is a *DecodeError.
 func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
+	m, _, err := dec.DecodeCost(d)
+	return m, err
+}
+
+// DecodeCost is Decode that also returns what the decoded message costs in
+// memory, as charged against Limits.MaxDecodedBytes (ElementCost per
+// element plus the text).
+func (dec *Decoder) DecodeCost(d *Delivery) (*Message, int64, error) {
+	mt := newMeter(dec.limits)
+	m, err := dec.decode(d, mt)
+	return m, mt.bytes, err
+}
+
+func (dec *Decoder) decode(d *Delivery, mt *meter) (*Message, error) {
 	if d == nil {
 		return nil, decodeErr(ErrShape, nil, "nil delivery")
 	}
@@ -69,7 +92,15 @@ func (dec *Decoder) Decode(d *Delivery) (*Message, error) {
 	if ser == "yaml" && len(body) > maxYAMLBody {
 		return nil, decodeErr(ErrTooLarge, nil, "yaml body of %d bytes exceeds the limit of %d for yaml", len(body), maxYAMLBody)
 	}
-	payload, err := dec.unmarshal(ser, body)
+	payload, err := dec.unmarshal(ser, body, mt)
+	if err == nil && ser == "yaml" {
+		// The YAML parser is not metered while it runs (its body is
+		// bounded by maxYAMLBody); its values are charged once decoded.
+		err = mt.chargeTree(payload)
+	}
+	if IsDecodeError(err) {
+		return nil, err // a limit
+	}
 	if err != nil {
 		return nil, decodeErr(ErrMalformed, err, "cannot decode %s body", ser)
 	}

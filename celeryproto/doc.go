@@ -62,7 +62,16 @@
 // says (their LZMA2 chunks are walked by their headers, so that no block
 // hides in another); a zstd window is bounded the same way. A YAML body is
 // at most 1 MiB once decompressed: its parser needs about a hundred times
-// that. Headers the worker keeps in the record must be storable text (the
+// that. The decoded values are bounded too, as they are decoded: each
+// element is charged [ElementCost] bytes plus its text against
+// [Limits.MaxDecodedBytes] (default 64 MiB), and at most [Limits.MaxElements]
+// (default 1 Mi) elements are read, so that a small body of tiny elements
+// (a msgpack empty map is one byte) cannot take gigabytes; a declared list
+// or map length is checked before it is allocated. [Decoder.Estimate]
+// bounds the memory a delivery's decoding takes without decoding it, and
+// [Decoder.DecodeCost] returns what the decoded message holds, for a
+// caller that budgets memory (see docs/limits.md). Headers the worker
+// keeps in the record must be storable text (the
 // task name and id: UTF-8 without NUL), and retries must be from 0 to 2^20.
 //
 // # Encoding

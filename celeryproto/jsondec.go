@@ -29,6 +29,7 @@ type jsonDecoder struct {
 	// collect here, then move to a slice or map of the exact size.
 	vals []any
 	kvs  []kv
+	mt   *meter // nil: unmetered
 }
 
 type kv struct {
@@ -49,12 +50,16 @@ func newScratch() any {
 	return &scratch{vals: make([]any, 0, 64), kvs: make([]kv, 0, 64)}
 }
 
-func decodeJSON(pool *sync.Pool, data []byte) (any, error) {
+func decodeJSON(pool *sync.Pool, data []byte, mt *meter) (any, error) {
+	// src (strings share it) is a copy of data.
+	if err := mt.charge(0, len(data)); err != nil {
+		return nil, err
+	}
 	sc, _ := pool.Get().(*scratch)
 	if sc == nil {
 		sc = newScratch().(*scratch)
 	}
-	d := jsonDecoder{data: data, src: string(data), vals: sc.vals[:0], kvs: sc.kvs[:0]}
+	d := jsonDecoder{data: data, src: string(data), vals: sc.vals[:0], kvs: sc.kvs[:0], mt: mt}
 	v, err := d.value(0)
 	if err == nil {
 		d.skipSpace()
@@ -91,6 +96,9 @@ func (d *jsonDecoder) value(depth int) (any, error) {
 	d.skipSpace()
 	if d.pos >= len(d.data) {
 		return nil, d.errorf("unexpected end of input")
+	}
+	if err := d.mt.charge(1, 0); err != nil {
+		return nil, err
 	}
 	switch c := d.data[d.pos]; {
 	case c == '{':
@@ -180,6 +188,9 @@ func (d *jsonDecoder) object(depth int) (any, error) {
 		if err != nil {
 			return nil, err
 		}
+		if err := d.mt.charge(1, 0); err != nil { // the key
+			return nil, err
+		}
 		d.skipSpace()
 		if d.pos >= len(d.data) || d.data[d.pos] != ':' {
 			return nil, d.errorf("expected : in object")
@@ -200,6 +211,9 @@ func (d *jsonDecoder) object(depth int) (any, error) {
 		case '}':
 			d.pos++
 			pairs := d.kvs[base:]
+			if err := d.mt.charge(0, mapGroupCost); err != nil {
+				return nil, err
+			}
 			out := make(map[string]any, len(pairs))
 			for _, p := range pairs {
 				out[p.k] = p.v
@@ -353,6 +367,9 @@ func (d *jsonDecoder) strSlow(start int) (string, error) {
 		switch {
 		case c == '"':
 			d.pos++
+			if err := d.mt.charge(0, len(buf)); err != nil {
+				return "", err
+			}
 			return string(buf), nil
 		case c < 0x20:
 			return "", d.errorf("control character in string")
@@ -436,4 +453,4 @@ func (d *jsonDecoder) hex4() (rune, bool) {
 // objects as map[string]any, arrays as []any, and kombu ≥ 5.3 "__type__"
 // envelopes unwrapped. Strings may share memory with data, which must not
 // change afterwards.
-func DecodeJSON(data []byte) (any, error) { return decodeJSON(&defaultDecoder.scratch, data) }
+func DecodeJSON(data []byte) (any, error) { return decodeJSON(&defaultDecoder.scratch, data, nil) }

@@ -19,11 +19,20 @@ type Delivery struct {
 	HeadersError error
 }
 
-// Limits bound what the decoder accepts.
+// Limits bound what the decoder accepts and the memory one decode takes. A
+// message past a limit is refused with ErrTooLarge.
 type Limits struct {
 	// MaxBodyBytes is the largest body accepted, before and after
 	// decompression (the decompression bomb guard). Default 16 MiB.
 	MaxBodyBytes int
+	// MaxDecodedBytes bounds the decoded values of one body: each element
+	// (list, mapping, key, string, number, ...) is charged ElementCost
+	// bytes plus its text, as it is decoded, so that a small body of many
+	// tiny elements cannot take gigabytes of heap. Default 64 MiB.
+	MaxDecodedBytes int
+	// MaxElements bounds the elements of one decoded body. Default 1 Mi
+	// (1,048,576).
+	MaxElements int
 }
 
 // DefaultMaxBodyBytes is the default Limits.MaxBodyBytes.

@@ -14,12 +14,13 @@ import (
 type msgpackDecoder struct {
 	data []byte
 	pos  int
+	mt   *meter // nil: unmetered
 }
 
 var errMsgpack = errors.New("invalid msgpack")
 
-func decodeMsgpack(data []byte) (any, error) {
-	d := msgpackDecoder{data: data}
+func decodeMsgpack(data []byte, mt *meter) (any, error) {
+	d := msgpackDecoder{data: data, mt: mt}
 	v, err := d.value(0)
 	if err != nil {
 		return nil, err
@@ -67,6 +68,9 @@ func (d *msgpackDecoder) value(depth int) (any, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := d.mt.charge(1, 0); err != nil {
+		return nil, err
+	}
 	c := b[0]
 	switch {
 	case c <= 0x7f:
@@ -94,6 +98,9 @@ func (d *msgpackDecoder) value(depth int) (any, error) {
 		}
 		raw, err := d.take(n)
 		if err != nil {
+			return nil, err
+		}
+		if err := d.mt.charge(0, n); err != nil {
 			return nil, err
 		}
 		return append([]byte(nil), raw...), nil
@@ -167,12 +174,18 @@ func (d *msgpackDecoder) str(n int) (any, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := d.mt.charge(0, n); err != nil {
+		return nil, err
+	}
 	return string(raw), nil
 }
 
 func (d *msgpackDecoder) arrayOf(n, depth int) (any, error) {
 	if n > len(d.data)-d.pos { // every element takes at least one byte
 		return nil, d.errorf("array of %d elements in %d bytes", n, len(d.data)-d.pos)
+	}
+	if err := d.mt.fits(n); err != nil {
+		return nil, err
 	}
 	out := make([]any, n)
 	for i := range out {
@@ -188,6 +201,14 @@ func (d *msgpackDecoder) arrayOf(n, depth int) (any, error) {
 func (d *msgpackDecoder) mapOf(n, depth int) (any, error) {
 	if n > (len(d.data)-d.pos)/2 { // every entry takes at least two bytes
 		return nil, d.errorf("map of %d entries in %d bytes", n, len(d.data)-d.pos)
+	}
+	if err := d.mt.fits(2 * n); err != nil {
+		return nil, err
+	}
+	if n > 0 { // a map with entries takes a group of 8 slots at least
+		if err := d.mt.charge(0, mapGroupCost); err != nil {
+			return nil, err
+		}
 	}
 	out := make(map[string]any, n)
 	for range n {

@@ -47,12 +47,12 @@ func serializerFor(contentType string) (string, error) {
 // smaller.
 const maxYAMLBody = 1 << 20
 
-func (dec *Decoder) unmarshal(serializer string, data []byte) (any, error) {
+func (dec *Decoder) unmarshal(serializer string, data []byte, mt *meter) (any, error) {
 	switch serializer {
 	case "json":
-		return decodeJSON(&dec.scratch, data)
+		return decodeJSON(&dec.scratch, data, mt)
 	case "msgpack":
-		return decodeMsgpack(data)
+		return decodeMsgpack(data, mt)
 	case "yaml":
 		doc, err := yamlDocument(data)
 		if err != nil {

@@ -55,6 +55,24 @@ type Config struct {
 	// RabbitMQ's consumer_timeout (which would close the channel). Default
 	// 25 minutes (consumer_timeout defaults to 30); negative: never.
 	MaxHold time.Duration
+	// MemoryBudget bounds, in bytes, the memory of the deliveries the
+	// worker holds: being decoded, waiting, running and held for their ETA
+	// (see docs/limits.md). Each delivery is charged what its decoding may
+	// take before it is decoded, then what its decoded message takes; past
+	// the budget the worker takes no more deliveries (it caps the prefetch
+	// window) until memory is released. It also sets the per-message
+	// limits: a body at most an eighth of it (and 16 MiB), its decoded
+	// values at most a quarter (and 64 MiB); a delivery whose decoding
+	// would need more than the whole budget is quarantined undecoded.
+	// Deliveries held for their ETA take at most half. Default
+	// DefaultMemoryBudget(): a quarter of the cgroup's or the machine's
+	// memory, from 64 MiB to 2 GiB.
+	MemoryBudget int64
+	// StallAfter is how long the worker may hold every slot without
+	// settling any delivery before Ready reports it not ready: every task
+	// goroutine busy, or the prefetch window full of deliveries not held
+	// for their ETA, or deliveries waiting for memory. Default 1 minute.
+	StallAfter time.Duration
 	// Hostname is the node name. Default "onceler@<host>".
 	Hostname string
 	// Logger receives structured logs. Default: none.
@@ -124,6 +142,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Grace <= 0 {
 		c.Grace = 30 * time.Second
+	}
+	if c.MemoryBudget <= 0 {
+		c.MemoryBudget = DefaultMemoryBudget()
+	}
+	if c.StallAfter <= 0 {
+		c.StallAfter = time.Minute
 	}
 	if c.MaxHold == 0 {
 		c.MaxHold = 25 * time.Minute

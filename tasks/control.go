@@ -250,7 +250,8 @@ func receivedEvent(j *job) *celeryproto.TaskEvent {
 }
 
 // HealthHandler serves /healthz (200 while Run runs) and /readyz (200 only
-// while consuming and the database answers; 503 otherwise).
+// while consuming, the database answers and the worker is not stalled;
+// 503 otherwise).
 func (w *Worker) HealthHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(rw http.ResponseWriter, _ *http.Request) {

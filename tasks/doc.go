@@ -324,9 +324,16 @@
 //	onceler_claim_duration_seconds            claim latency histogram
 //	onceler_broker_reconnects_total           consumer reconnects
 //	onceler_claims_lapsed                     claims whose lease lapsed without an outcome (read at scrape)
+//	onceler_memory_budget_bytes               Config.MemoryBudget
+//	onceler_memory_charged_bytes              memory charged by the deliveries held
+//	onceler_deliveries_waiting_memory         deliveries waiting, undecoded, for the budget
+//	onceler_eta_requeued_total                due later, sent back: ETA holds fill half the budget
+//	onceler_stalled                           1 while every slot is held without progress
+//	onceler_memory_collections_total          collections run before a large decode
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
-// consuming and its database answers). The Observer receives Celery's task
+// consuming, its database answers and it is not stalled: Worker.Stalled).
+// docs/limits.md describes the memory budget and readiness. The Observer receives Celery's task
 // events (task-received, task-started, task-succeeded, task-failed,
 // task-retried, task-revoked) with Celery's fields, plus
 // onceler_duplicate on answers from the record and onceler_key_sha256 (on

@@ -30,6 +30,12 @@ type metrics struct {
 	claimSecs   prometheus.Histogram
 	reconnects  prometheus.Counter
 	lapsed      prometheus.Collector // nil without a record
+	memBudget   prometheus.Gauge
+	memCharged  prometheus.Gauge
+	memWaiting  prometheus.Gauge
+	etaRequeued prometheus.Counter
+	stalled     prometheus.Gauge
+	collections prometheus.Counter
 }
 
 // newMetrics makes the collectors and registers them with reg (none when
@@ -63,12 +69,25 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 			Help: "Latency of claiming an operation in the record.", Buckets: prometheus.ExponentialBuckets(0.0002, 3, 10)}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "broker_reconnects_total",
 			Help: "Times the worker's consumer started consuming again after losing its channel."}),
+		memBudget: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "memory_budget_bytes",
+			Help: "The memory budget of the deliveries the worker holds."}),
+		memCharged: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "memory_charged_bytes",
+			Help: "Memory charged against the budget by the deliveries held now."}),
+		memWaiting: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "deliveries_waiting_memory",
+			Help: "Deliveries received and waiting, undecoded, for room in the memory budget."}),
+		etaRequeued: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "eta_requeued_total",
+			Help: "Deliveries due later sent back to the end of their queue because those held for their ETA filled half the memory budget."}),
+		stalled: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "stalled",
+			Help: "1 while the worker holds every slot without settling a delivery (readiness fails), else 0."}),
+		collections: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "memory_collections_total",
+			Help: "Garbage collections run before a large decode because the heap, garbage included, would pass the memory budget."}),
 	}
 	if reg == nil {
 		return m, nil
 	}
 	cs := []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
-		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects}
+		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects,
+		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections}
 	if lapsed != nil {
 		m.lapsed = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: ns, Name: "claims_lapsed",
 			Help: "Claims in the record whose lease has lapsed without an outcome (read at each scrape; NaN when the record does not answer)."},

@@ -27,7 +27,7 @@ type Worker struct {
 	ownStore bool
 	consumer *amqp.Consumer
 	pub      *amqp.Publisher
-	dec      *celeryproto.Decoder
+	dec      *memDecoder
 	m        *metrics
 	started  time.Time // guarded by mu: Stats reads it
 
@@ -42,6 +42,13 @@ type Worker struct {
 
 	jobs chan *job     // deliveries waiting for a task goroutine
 	quit chan struct{} // closed when shutdown begins: take no new jobs
+
+	// busy counts the task goroutines inside the pipeline; settled is when
+	// a delivery was last settled (acknowledged, given back or lost with
+	// its channel), in Unix nanoseconds: readiness (stalled).
+	busy       atomic.Int32
+	settled    atomic.Int64
+	stalledNow atomic.Bool
 
 	ran       atomic.Bool // Run was called
 	running   atomic.Bool // Run is running
@@ -59,6 +66,16 @@ type Worker struct {
 	reserved  map[*job]struct{}    // received, not yet running
 	revoked   revokedSet
 	totals    map[string]int64 // tasks run, by name (Stats)
+
+	// The memory budget (memory.go): the deliveries charged, by their
+	// celeryproto.Delivery (what the decoder sees), the sum of their
+	// charges, and the deliveries waiting for room, in order of arrival.
+	charged  map[*celeryproto.Delivery]*job
+	memUsed  int64
+	waiting  []*job
+	largest  int64         // the largest body seen lately (decays)
+	gcMu     sync.Mutex    // serializes makeRoom's collections
+	flowKick chan struct{} // wakes the flow goroutine (window limit)
 }
 
 type runState struct {
@@ -70,8 +87,11 @@ type runState struct {
 type job struct {
 	d        *amqp.Delivery
 	received time.Time
-	msg      *celeryproto.Message // nil until decoded
-	prepared bool                 // prepare found it runnable: msg, h, args, key and fp are set
+	// need is what decoding the delivery may take (its estimate); charge
+	// is what it is charged against the memory budget now. Guarded by w.mu.
+	need, charge int64
+	msg          *celeryproto.Message // nil until decoded
+	prepared     bool                 // prepare found it runnable: msg, h, args, key and fp are set
 	// verdict: why the delivery goes to quarantine, once decided; a
 	// quarantine whose publish failed is tried again from it, not from
 	// prepare (which would answer the caller again).
@@ -121,7 +141,6 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		reg:      reg,
 		cfg:      cfg,
 		log:      cfg.Logger.With(zap.String("node", cfg.Hostname)),
-		dec:      celeryproto.NewDecoder(celeryproto.Limits{}),
 		kill:     func() { _ = syscall.Kill(os.Getpid(), syscall.SIGKILL) },
 		timers:   make(map[*job]*time.Timer),
 		held:     make(map[*job]struct{}),
@@ -129,7 +148,10 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		reserved: make(map[*job]struct{}),
 		revoked:  newRevokedSet(50000, cfg.RevokedExpiry),
 		totals:   make(map[string]int64),
+		charged:  make(map[*celeryproto.Delivery]*job),
+		flowKick: make(chan struct{}, 1),
 	}
+	w.dec = &memDecoder{w: w, dec: celeryproto.NewDecoder(decoderLimits(cfg.MemoryBudget))}
 	needRecord, sameDB := false, false
 	for _, n := range reg.Names() {
 		h, _ := reg.get(n)
@@ -168,6 +190,7 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w.m = m
+	m.memBudget.Set(float64(cfg.MemoryBudget))
 	tag := cfg.Hostname
 	w.consumer = amqp.NewConsumer(cfg.Broker, amqp.ConsumerConfig{Queues: cfg.Queues, Prefetch: cfg.Prefetch, Tag: tag,
 		DrainTimeout: cfg.Grace + 10*time.Second})
@@ -198,6 +221,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.mu.Lock() // Stats reads it from remote-control goroutines
 	w.started = time.Now()
 	w.mu.Unlock()
+	w.settled.Store(time.Now().UnixNano())
 
 	for _, q := range w.cfg.Queues {
 		spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
@@ -226,14 +250,19 @@ func (w *Worker) Run(ctx context.Context) error {
 	consDone := make(chan error, 1)
 	go func() { consDone <- w.consumer.Run(consCtx, w.receive) }()
 	var watch sync.WaitGroup
-	watch.Add(1)
+	watch.Add(2)
 	go func() {
 		defer watch.Done()
 		w.watchReconnects(consCtx)
 	}()
+	go func() {
+		defer watch.Done()
+		w.flow(consCtx)
+	}()
 	defer watch.Wait()
 
 	w.log.Info("worker started", zap.Int("concurrency", w.cfg.Concurrency), zap.Int("prefetch", w.cfg.Prefetch),
+		zap.Int64("memory_budget", w.cfg.MemoryBudget), zap.Duration("stall_after", w.cfg.StallAfter),
 		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.NoRecord))
 	if w.cfg.NoRecord {
 		w.log.Warn("running WITHOUT the idempotency record: duplicate deliveries repeat their effects")
@@ -259,6 +288,9 @@ func (w *Worker) Run(ctx context.Context) error {
 		t.Stop()
 		delete(w.timers, j)
 		w.requeue(j)
+	}
+	for len(w.waiting) > 0 {
+		w.requeue(w.waiting[0]) // removes it from w.waiting
 	}
 	w.mu.Unlock()
 	w.log.Info("worker stopping: waiting for running tasks", zap.Duration("grace", w.cfg.Grace))
@@ -306,20 +338,26 @@ func (w *Worker) waitAbandoned() {
 }
 
 // watchReconnects counts the consumer's returns to consuming after a loss,
-// and every second drops held ETA deliveries whose channel is gone.
+// looks for a stall (Stalled) and every second drops held ETA deliveries
+// whose channel is gone.
 func (w *Worker) watchReconnects(ctx context.Context) {
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	was := false
 	lost := false
+	var full time.Time
 	for tick := 0; ; tick++ {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
+		w.checkStall(&full)
 		if tick%4 == 0 {
 			w.dropStaleHeld()
+			w.mu.Lock()
+			w.sweepCharges()
+			w.mu.Unlock()
 		}
 		now := w.consumer.Ready()
 		switch {
@@ -346,7 +384,7 @@ func (w *Worker) receive(d *amqp.Delivery) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.reserved[j] = struct{}{}
-	w.enqueue(j)
+	w.admit(j)
 }
 
 // enqueue hands j to the task goroutines without blocking. w.mu is held.
@@ -357,8 +395,7 @@ func (w *Worker) enqueue(j *job) {
 		// Cannot happen while the prefetch window is smaller than the buffer;
 		// requeue rather than block the consumer.
 		w.log.Error("job buffer full: requeueing delivery")
-		delete(w.reserved, j)
-		_ = j.d.Nack(true)
+		w.requeue(j)
 	}
 }
 
@@ -378,6 +415,8 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 	if j.d.Stale() {
 		// Its channel is gone: the broker redelivers it.
 		delete(w.reserved, j)
+		w.release(j)
+		w.settled.Store(time.Now().UnixNano())
 		return
 	}
 	w.timers[j] = time.AfterFunc(delay, func() {
@@ -416,7 +455,9 @@ func (w *Worker) loop(ctx context.Context) {
 				return
 			default:
 			}
+			w.busy.Add(1)
 			w.process(ctx, j)
+			w.busy.Add(-1)
 		}
 	}
 }
@@ -424,6 +465,8 @@ func (w *Worker) loop(ctx context.Context) {
 // requeue gives the delivery back to the broker unanswered. w.mu is held.
 func (w *Worker) requeue(j *job) {
 	delete(w.reserved, j)
+	w.release(j)
+	w.settled.Store(time.Now().UnixNano())
 	if err := j.d.Nack(true); err != nil {
 		w.log.Debug("requeue failed; the broker redelivers the message when the channel closes", zap.Error(err))
 	}
@@ -440,7 +483,9 @@ func (w *Worker) giveBack(j *job) {
 func (w *Worker) forget(j *job) {
 	w.mu.Lock()
 	delete(w.reserved, j)
+	w.release(j)
 	w.mu.Unlock()
+	w.settled.Store(time.Now().UnixNano())
 }
 
 // crash kills the process if the configured crash point is reached.
@@ -455,23 +500,4 @@ func (w *Worker) crash(point string, j *job) {
 		_ = w.log.Sync()
 		w.kill()
 	}
-}
-
-// Ready reports whether the worker is consuming and its database answers.
-func (w *Worker) Ready() bool {
-	return w.ready(context.Background())
-}
-
-func (w *Worker) ready(ctx context.Context) bool {
-	if !w.running.Load() || w.draining.Load() || !w.consumer.Ready() {
-		return false
-	}
-	if w.cfg.Pool != nil && w.store != nil {
-		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
-		if err := w.cfg.Pool.Ping(ctx); err != nil {
-			return false
-		}
-	}
-	return true
 }

@@ -51,6 +51,8 @@ type workerFlags struct {
 	noControl    bool
 	groupTx      int
 	flushers     int
+	memBudget    string
+	stallAfter   time.Duration
 }
 
 func (f *workerFlags) defineLog(fs *flagSet) {
@@ -83,6 +85,8 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
 			fs.Int(&f.groupTx, "group-tx", 0, "run up to N same-database tasks in one transaction, committed once (a group commit: fewer commits, more throughput for short tasks; a task that fails is rolled back alone); 0 means each in a transaction of its own; at most 32")
 			fs.Int(&f.flushers, "flushers", 0, "record flushes running at once, each a batch of claims and completions committed once on a connection of its own; 0 means the record's default, 1, which makes the largest batches and the fewest commits (the fastest with the broker and PostgreSQL on the worker's machine); 2 may gain on a database server with cores to spare; at most 16")
+			fs.String(&f.memBudget, "memory-budget", "SIZE", "", "memory for the deliveries held (being decoded, waiting, running, held for their ETA), e.g. 512MiB or 2GiB; past it no more deliveries are taken until some are settled, and a message that needs more is quarantined (docs/limits.md); empty means a quarter of the cgroup's or machine's memory, from 64 MiB to 2 GiB. The Go memory limit is set to it plus 64 MiB unless GOMEMLIMIT is set")
+			fs.Duration(&f.stallAfter, "stall-after", time.Minute, "/readyz answers 503 while every slot is held (all tasks running, the prefetch window full, or deliveries waiting for memory) and no delivery was settled for this long")
 			fs.Duration(&f.grace, "grace", 30*time.Second, "on shutdown, how long running tasks may take to finish before they are cancelled")
 			fs.String(&f.hostname, "hostname", "NAME", control.DefaultNodeName, "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; the default is unique per process, a fixed name must differ between the workers on a host")
 			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
@@ -144,6 +148,17 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return usagef("worker", "--group-tx must be between 0 and 32")
 	case f.flushers < 0 || f.flushers > 16:
 		return usagef("worker", "--flushers must be between 0 and 16")
+	case f.stallAfter <= 0:
+		return usagef("worker", "--stall-after must be positive")
+	}
+	budget := tasks.DefaultMemoryBudget()
+	if f.memBudget != "" {
+		if budget, err = parseSize(f.memBudget); err != nil {
+			return usagef("worker", "invalid --memory-budget %q: %v", f.memBudget, err)
+		}
+		if budget < 16<<20 {
+			return usagef("worker", "--memory-budget must be at least 16MiB")
+		}
 	}
 	if !f.demo {
 		return usagef("worker", "no tasks to serve: this binary only has the demo tasks (--demo); build your own binary for your tasks (docs/example)")
@@ -246,12 +261,16 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		LogArguments:     f.logArguments,
 		Observer:         observer(ctl),
 		ResultSerializer: f.resultSer,
+		MemoryBudget:     budget,
+		StallAfter:       f.stallAfter,
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
 	gogc := workerGCPercent()
+	memLimit := workerMemoryLimit(budget)
 	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
+		zap.Int64("memory_budget", budget), zap.Int64("go_memory_limit", memLimit),
 		zap.Strings("queues", strings.Split(f.queues, ",")))
 
 	var wg sync.WaitGroup
@@ -335,7 +354,7 @@ func serveHTTP(ctx context.Context, ln net.Listener, metrics *prometheus.Registr
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if !ready() {
-			http.Error(w, "not ready: not consuming", http.StatusServiceUnavailable)
+			http.Error(w, "not ready: not consuming, the database does not answer, or stalled (every slot held without progress)", http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = w.Write([]byte("ready\n"))

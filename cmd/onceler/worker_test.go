@@ -188,3 +188,17 @@ func (s *stack) sendQuorumTask(t *testing.T, c call) *proc {
 	b, _ := json.Marshal(c.Args)
 	return start(t, "python quorum sender", s.env, testenv.Python(t), "-c", quorumSendPy, s.queue, c.Task, string(b))
 }
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{"256MiB": 256 << 20, "2GiB": 2 << 30, "512Mi": 512 << 20, "1.5GiB": 3 << 29,
+		"100MB": 100e6, "1048576": 1 << 20, " 64 MiB ": 64 << 20} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "MiB", "12XB", "-5MiB", "0"} {
+		if _, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) accepted", in)
+		}
+	}
+}

@@ -209,6 +209,9 @@ func (w *Worker) Signal(sig syscall.Signal) error {
 	return nil
 }
 
+// PID is the worker's process id.
+func (w *Worker) PID() int { return w.cmd.Process.Pid }
+
 // Kill ends the process with SIGKILL (after SIGCONT, should it be stopped)
 // and waits for it.
 func (w *Worker) Kill() {

@@ -1,0 +1,205 @@
+package tasks
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// blockArgs are the arguments of t.block: Pad makes a message as large as
+// a test needs.
+type blockArgs struct {
+	Pad string `json:"pad"`
+}
+
+// blockRegistry registers t.block, a pure task that waits until release
+// is closed, and counts its runs in started.
+func blockRegistry(t *testing.T, release <-chan struct{}, started chan<- string) *Registry {
+	t.Helper()
+	r := NewRegistry()
+	if err := Register(r, Task[blockArgs]{Name: "t.block", Run: func(ctx context.Context, c *Call, _ blockArgs) (any, error) {
+		started <- c.TaskID
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		return "ok", nil
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func (e *env) publishBlock(id string, pad int, replyTo string, eta time.Time) {
+	e.t.Helper()
+	m := &celeryproto.Message{Task: "t.block", ID: id, Kwargs: map[string]any{"pad": strings.Repeat("p", pad)},
+		ReplyTo: replyTo, ETA: eta}
+	e.publish(m)
+}
+
+// TestMemoryBudgetHoldsDeliveriesBeforeDecoding: deliveries that do not fit
+// the budget wait undecoded (and the prefetch window closes) until the
+// ones running release their charge; then every one runs.
+func TestMemoryBudgetHoldsDeliveriesBeforeDecoding(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	started := make(chan string, 100)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 8, 32
+	cfg.MemoryBudget = 64 << 20 // bodies up to 8 MiB, decoded values up to 16 MiB
+	r := e.start(blockRegistry(t, release, started), cfg)
+	w := r.w
+	replyTo, replies := e.replyQueue()
+	const n = 8
+	for i := range n {
+		e.publishBlock(taskID(i), 5<<20, replyTo, time.Time{}) // about 21 MiB each before decoding, 10 MiB decoded
+	}
+	waitFor(t, "deliveries waiting for memory", 10*time.Second, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.waiting) > 0
+	})
+	time.Sleep(500 * time.Millisecond)
+	w.mu.Lock()
+	used, waiting, running := w.memUsed, len(w.waiting), len(w.active)
+	w.mu.Unlock()
+	if used > cfg.MemoryBudget {
+		t.Errorf("charged %d bytes, above the budget %d", used, cfg.MemoryBudget)
+	}
+	if running+waiting > n || running == n || running == 0 {
+		t.Errorf("%d running, %d waiting for memory, of %d", running, waiting, n)
+	}
+	if p := w.consumer.Prefetch(); p > n {
+		t.Errorf("prefetch in force %d while deliveries wait for memory", p)
+	}
+	close(release)
+	res := results(t, replies, n, 30*time.Second)
+	for i := range n {
+		if r := res[taskID(i)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+			t.Errorf("task %d answered %v, want one SUCCESS", i, r)
+		}
+	}
+	waitFor(t, "charges released", 5*time.Second, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.memUsed == 0 && len(w.charged) == 0
+	})
+}
+
+// TestMessageLargerThanBudgetRefused: a message whose decoding would need
+// more than the whole budget is quarantined, undecoded, with the reason,
+// and its caller answered once.
+func TestMessageLargerThanBudgetRefused(t *testing.T) {
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.MemoryBudget = 64 << 20
+	e.start(blockRegistry(t, make(chan struct{}), make(chan string, 10)), cfg)
+	replyTo, replies := e.replyQueue()
+	// 600 KiB of YAML: its parser takes about 160 times that, 96 MiB.
+	body := "[[], {pad: " + strings.Repeat("a", 600<<10) + "}, {}]"
+	id := taskID(1)
+	e.publishRaw(&celeryproto.Publishing{ContentType: celeryproto.ContentTypeYAML, ContentEncoding: "utf-8", Body: []byte(body),
+		Headers: map[string]any{"task": "t.block", "id": id, "lang": "py"}, ReplyTo: replyTo, CorrelationID: id})
+	var got []amqp091.Delivery
+	waitFor(t, "quarantined", 10*time.Second, func() bool {
+		got = append(got, e.quarantined()...)
+		return len(got) > 0
+	})
+	reason := fmt.Sprint(got[0].Headers[HeaderDecodeReason])
+	if got[0].Headers[HeaderReason] != ReasonUndecodable || !strings.Contains(reason, "memory budget") {
+		t.Errorf("quarantined as %v (%s), want undecodable for the memory budget", got[0].Headers[HeaderReason], reason)
+	}
+	if r := results(t, replies, 1, 10*time.Second)[id]; len(r) != 1 || r[0]["status"] != "FAILURE" {
+		t.Errorf("answered %v, want one FAILURE", r)
+	}
+}
+
+// TestETAHeldBoundedByBytes: deliveries held for their ETA take at most
+// half the budget; the others go back to the end of the queue, and a task
+// due now still runs.
+func TestETAHeldBoundedByBytes(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 100)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = 64 << 20
+	r := e.start(blockRegistry(t, release, started), cfg)
+	w := r.w
+	replyTo, replies := e.replyQueue()
+	later := time.Now().Add(time.Hour)
+	for i := range 30 {
+		e.publishBlock(taskID(i), 2<<20, "", later) // about 4 MiB each once decoded
+	}
+	e.publishBlock(taskID(100), 10, replyTo, time.Time{})
+	if r := results(t, replies, 1, 20*time.Second)[taskID(100)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+		t.Errorf("task due now answered %v, want SUCCESS", r)
+	}
+	waitFor(t, "deliveries sent back for the ETA share", 10*time.Second, func() bool {
+		return counterValue(w.m.etaRequeued) > 0
+	})
+	w.mu.Lock()
+	var held int64
+	for j := range w.held {
+		held += j.charge
+	}
+	nheld := len(w.held)
+	w.mu.Unlock()
+	if held > cfg.MemoryBudget/2+int64(cfg.Concurrency)*(5<<20) || nheld == 0 || nheld >= 30 {
+		t.Errorf("%d deliveries held for their ETA, %d bytes charged; want some, within half the budget", nheld, held)
+	}
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestStalledNotReady: with every slot held by tasks that do not finish,
+// the worker reports not ready after StallAfter, and ready again once a
+// delivery is settled.
+func TestStalledNotReady(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	started := make(chan string, 10)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 8
+	cfg.StallAfter = 700 * time.Millisecond
+	r := e.start(blockRegistry(t, release, started), cfg)
+	replyTo, replies := e.replyQueue()
+	e.publishBlock(taskID(1), 10, replyTo, time.Time{})
+	<-started
+	time.Sleep(1500 * time.Millisecond)
+	if !r.w.Ready() {
+		t.Fatal("not ready with one task of two running")
+	}
+	e.publishBlock(taskID(2), 10, replyTo, time.Time{})
+	<-started
+	if !r.w.Ready() {
+		t.Error("not ready right after the slots filled")
+	}
+	waitFor(t, "not ready", 5*time.Second, func() bool { return !r.w.Ready() })
+	if gaugeValue(r.w.m.stalled) != 1 {
+		t.Error("onceler_stalled is not 1")
+	}
+	close(release)
+	waitFor(t, "ready again", 5*time.Second, r.w.Ready)
+	results(t, replies, 2, 10*time.Second)
+}
+
+// gaugeValue reads a Prometheus gauge.
+func gaugeValue(g prometheus.Gauge) float64 {
+	var m dto.Metric
+	if err := g.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetGauge().GetValue()
+}
