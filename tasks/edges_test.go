@@ -15,7 +15,7 @@ import (
 	"github.com/onceler/onceler/idempotency"
 )
 
-// The tests of this file are an adversarial review of the guarantee:
+// The tests of this file hold the guarantee at its edges:
 // inputs, task behaviours and timings that leave a message unanswered,
 // answered with its outcome unknown, or dropped.
 
@@ -36,7 +36,7 @@ func collect(replies <-chan map[string]any, n int, timeout time.Duration) map[st
 	return out
 }
 
-// TestReviewCommitRefusedByTriggerAnswered: a same-database task whose
+// TestCommitRefusedByTriggerAnswered: a same-database task whose
 // transaction is refused at COMMIT by a deferred constraint trigger of the
 // task's own table (a business rule raising its own SQLSTATE, here class
 // "OB", as applications do) is refused every time: nothing commits and the
@@ -44,7 +44,7 @@ func collect(replies <-chan map[string]any, n int, timeout time.Duration) map[st
 // within seconds, alone and in a transaction group, and the innocent
 // members of the group must be answered too. The worker takes any commit
 // error outside IsDefinite's classes for an outage and retries it for ever.
-func TestReviewCommitRefusedByTriggerAnswered(t *testing.T) {
+func TestCommitRefusedByTriggerAnswered(t *testing.T) {
 	for _, group := range []int{0, 8} {
 		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) { commitRefusedByTrigger(t, group) })
 	}
@@ -110,7 +110,7 @@ END $$`,
 	}
 }
 
-// TestReviewChainedCommitSettled: a same-database task that sends "INSERT
+// TestChainedCommitSettled: a same-database task that sends "INSERT
 // ...; COMMIT AND CHAIN" in one statement string (or "...; COMMIT; BEGIN")
 // slips past endsTx, which reads the first word only, and is not found out
 // when it returns, since its connection is in a (new) transaction again.
@@ -118,7 +118,7 @@ END $$`,
 // FAILURE and the message acknowledged with the claim left "claimed" for
 // ever (no later delivery): the effect happened, nobody is told, the
 // record says it is still running.
-func TestReviewChainedCommitSettled(t *testing.T) {
+func TestChainedCommitSettled(t *testing.T) {
 	e := newEnv(t)
 	pool := testenvPool(t)
 	ctx := context.Background()
@@ -157,13 +157,13 @@ func TestReviewChainedCommitSettled(t *testing.T) {
 	}
 }
 
-// TestReviewChainedRollbackAnswered: a same-database task that sends
+// TestChainedRollbackAnswered: a same-database task that sends
 // "...; ROLLBACK AND CHAIN" in one statement string and returns nil rolls
 // back its claim unseen (its connection is in a transaction again); the
 // worker's completion finds no claim (ErrFenced), takes that for trouble
 // with the record and runs the task again every 2 s, for ever: the caller
 // is never answered.
-func TestReviewChainedRollbackAnswered(t *testing.T) {
+func TestChainedRollbackAnswered(t *testing.T) {
 	e := newEnv(t)
 	pool := testenvPool(t)
 	ctx := context.Background()
@@ -189,7 +189,7 @@ func TestReviewChainedRollbackAnswered(t *testing.T) {
 	}
 }
 
-// TestReviewSlowClaimNotDropped: a first claim that waits on the record's
+// TestSlowClaimNotDropped: a first claim that waits on the record's
 // row lock longer than the lease (a person resolving, a purge batch, a
 // slow database) is written with a lease counted from the statement's
 // start, lapsed on arrival. The renewal before the run finds it lapsed and
@@ -198,7 +198,7 @@ func TestReviewChainedRollbackAnswered(t *testing.T) {
 // under PolicySkip the operation is skipped (the caller told
 // OperationSkipped) though no one ever ran it; under PolicyHold it is held
 // for a person though it certainly never happened.
-func TestReviewSlowClaimNotDropped(t *testing.T) {
+func TestSlowClaimNotDropped(t *testing.T) {
 	for _, pol := range []Policy{PolicySkip, PolicyHold} {
 		t.Run(pol.String(), func(t *testing.T) { slowClaim(t, pol) })
 	}
@@ -250,14 +250,14 @@ func slowClaim(t *testing.T, pol Policy) {
 	}
 }
 
-// TestReviewLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback
+// TestLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback
 // retry whose LookupTimeout is the lease (accepted: only a timeout beyond
 // the lease is cut to half of it) and an outside system that does not
 // answer. The lookup runs out at the very end of the takeover's lease, the
 // renewal before the run finds it lapsed, the delivery forgets its token,
 // finds its own takeover stale, takes it over again, looks up again, ...
 // for ever: never answered, never run, never held.
-func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
+func TestLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	const lease = 600 * time.Millisecond
@@ -289,7 +289,7 @@ func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 	}
 }
 
-// TestReviewLookupResultUnstorableSettled: a lookup that finds the
+// TestLookupResultUnstorableSettled: a lookup that finds the
 // operation done, with a result the database refuses (a number beyond
 // PostgreSQL's numeric range). The completion after the lookup fails with a
 // definite error, which the worker takes for a refusal of the message: the
@@ -297,7 +297,7 @@ func TestReviewLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 // and the takeover's claim is left "claimed" (no later delivery: it stays
 // so), though the lookup said the effect happened. An outside task's own
 // unstorable result is held instead (ResultNotStored).
-func TestReviewLookupResultUnstorableSettled(t *testing.T) {
+func TestLookupResultUnstorableSettled(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	var runs atomic.Int32
