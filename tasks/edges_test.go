@@ -40,10 +40,9 @@ func collect(replies <-chan map[string]any, n int, timeout time.Duration) map[st
 // transaction is refused at COMMIT by a deferred constraint trigger of the
 // task's own table (a business rule raising its own SQLSTATE, here class
 // "OB", as applications do) is refused every time: nothing commits and the
-// same run will be refused again. It must be answered (the task's failure)
+// same run would be refused again. It is answered (the task's failure)
 // within seconds, alone and in a transaction group, and the innocent
-// members of the group must be answered too. The worker takes any commit
-// error outside IsDefinite's classes for an outage and retries it for ever.
+// members of the group are answered too.
 func TestCommitRefusedByTriggerAnswered(t *testing.T) {
 	for _, group := range []int{0, 8} {
 		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) { commitRefusedByTrigger(t, group) })
@@ -111,13 +110,9 @@ END $$`,
 }
 
 // TestChainedCommitSettled: a same-database task that sends "INSERT
-// ...; COMMIT AND CHAIN" in one statement string (or "...; COMMIT; BEGIN")
-// slips past endsTx, which reads the first word only, and is not found out
-// when it returns, since its connection is in a (new) transaction again.
-// Its claim and effect committed. When it then fails, the caller is told
-// FAILURE and the message acknowledged with the claim left "claimed" for
-// ever (no later delivery): the effect happened, nobody is told, the
-// record says it is still running.
+// ...; COMMIT AND CHAIN" in one statement string, then fails, is refused
+// the statement (ErrTxManaged): nothing of it commits, the caller is told
+// FAILURE, and no claim is left behind.
 func TestChainedCommitSettled(t *testing.T) {
 	e := newEnv(t)
 	pool := testenvPool(t)
@@ -152,17 +147,15 @@ func TestChainedCommitSettled(t *testing.T) {
 	if err == nil && rec.Status == idempotency.StatusClaimed {
 		t.Errorf("message answered and acknowledged with its operation's claim left %q (effects committed: %d)", rec.Status, effects)
 	}
-	if rs := res[taskID(1)]; effects > 0 && len(rs) == 1 && rs[0]["status"] == "FAILURE" && (err != nil || rec.Status != idempotency.StatusHeld) {
-		t.Errorf("caller told FAILURE while the task's effect committed, and the operation is not held")
+	if rs := res[taskID(1)]; len(rs) != 1 || rs[0]["status"] != "FAILURE" || effects != 0 {
+		t.Errorf("answered %v with %d effects, want one FAILURE and none", rs, effects)
 	}
 }
 
 // TestChainedRollbackAnswered: a same-database task that sends
-// "...; ROLLBACK AND CHAIN" in one statement string and returns nil rolls
-// back its claim unseen (its connection is in a transaction again); the
-// worker's completion finds no claim (ErrFenced), takes that for trouble
-// with the record and runs the task again every 2 s, for ever: the caller
-// is never answered.
+// "...; ROLLBACK AND CHAIN" in one statement string and returns nil is
+// answered within seconds, as a task failure: it is never run again and
+// again as if the record were away.
 func TestChainedRollbackAnswered(t *testing.T) {
 	e := newEnv(t)
 	pool := testenvPool(t)
@@ -189,15 +182,12 @@ func TestChainedRollbackAnswered(t *testing.T) {
 	}
 }
 
-// TestSlowClaimNotDropped: a first claim that waits on the record's
-// row lock longer than the lease (a person resolving, a purge batch, a
-// slow database) is written with a lease counted from the statement's
-// start, lapsed on arrival. The renewal before the run finds it lapsed and
-// defers the delivery, which then forgets its token, claims anew, finds
-// its own never-run claim stale and hands it to the stale-claim policy:
-// under PolicySkip the operation is skipped (the caller told
-// OperationSkipped) though no one ever ran it; under PolicyHold it is held
-// for a person though it certainly never happened.
+// TestSlowClaimNotDropped: a first claim that waits on the record's row
+// lock longer than the lease (a person resolving, a purge batch, a slow
+// database) arrives with its lease lapsed. The renewal before the run finds
+// it lapsed and the delivery looks again later with the same token: it
+// finds the claim its own and runs the task, once. It is never handed to
+// the skip or hold policy, which would settle an operation nobody ran.
 func TestSlowClaimNotDropped(t *testing.T) {
 	for _, pol := range []Policy{PolicySkip, PolicyHold} {
 		t.Run(pol.String(), func(t *testing.T) { slowClaim(t, pol) })
@@ -250,13 +240,10 @@ func slowClaim(t *testing.T, pol Policy) {
 	}
 }
 
-// TestLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback
-// retry whose LookupTimeout is the lease (accepted: only a timeout beyond
-// the lease is cut to half of it) and an outside system that does not
-// answer. The lookup runs out at the very end of the takeover's lease, the
-// renewal before the run finds it lapsed, the delivery forgets its token,
-// finds its own takeover stale, takes it over again, looks up again, ...
-// for ever: never answered, never run, never held.
+// TestLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback retry,
+// a LookupTimeout as long as the lease (cut to half of it) and an outside
+// system that does not answer: the lookup runs out, the fallback runs the
+// task under a lease the database still holds, and the caller is answered.
 func TestLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -289,14 +276,11 @@ func TestLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 	}
 }
 
-// TestLookupResultUnstorableSettled: a lookup that finds the
-// operation done, with a result the database refuses (a number beyond
-// PostgreSQL's numeric range). The completion after the lookup fails with a
-// definite error, which the worker takes for a refusal of the message: the
-// caller is told RecordRefused, the message quarantined and acknowledged,
-// and the takeover's claim is left "claimed" (no later delivery: it stays
-// so), though the lookup said the effect happened. An outside task's own
-// unstorable result is held instead (ResultNotStored).
+// TestLookupResultUnstorableSettled: a lookup that finds the operation
+// done, with a result the database refuses (a number beyond PostgreSQL's
+// numeric range): the operation is held for a person (the reason says what
+// the lookup found), the caller told OperationHeld, and no claim is left
+// behind.
 func TestLookupResultUnstorableSettled(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -323,7 +307,10 @@ func TestLookupResultUnstorableSettled(t *testing.T) {
 	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	rec, err := e.store.Get(ctx, "rv.found", "op-1")
 	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, err)
-	if err == nil && rec.Status == idempotency.StatusClaimed {
-		t.Errorf("message answered and acknowledged with its operation's claim left %q", rec.Status)
+	if err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("record %v (%v), want held", rec.Status, err)
+	}
+	if rs := res[taskID(1)]; len(rs) != 1 || rs[0]["status"] != "FAILURE" || runs.Load() != 0 {
+		t.Errorf("answered %v after %d runs, want one FAILURE and none", rs, runs.Load())
 	}
 }
