@@ -406,16 +406,13 @@ func TestQuarantineRetry(t *testing.T) {
 // results collects n results from a reply channel, by task id.
 func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
 	t.Helper()
-	out := make(map[string][]map[string]any)
-	deadline := time.After(timeout)
-	for got := 0; got < n; got++ {
-		select {
-		case r := <-replies:
-			id, _ := r["task_id"].(string)
-			out[id] = append(out[id], r)
-		case <-deadline:
-			t.Fatalf("got %d of %d results in %s", got, n, timeout)
-		}
+	out := collect(replies, n, timeout)
+	got := 0
+	for _, rs := range out {
+		got += len(rs)
+	}
+	if got < n {
+		t.Fatalf("got %d of %d results in %s", got, n, timeout)
 	}
 	return out
 }
