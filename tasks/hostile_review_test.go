@@ -1,0 +1,147 @@
+package tasks
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// Reproductions from the adversarial review of the hostile-input change
+// (issue 28). Each test fails on the code it was written against.
+
+// TestReviewXZMessageRunsUnderSmallBudget: a small, ordinary task message
+// that a Celery producer compressed with lzma (task_compression="lzma",
+// kombu's header "application/x-lzma") runs under a memory budget of
+// 128 MiB, the default on a machine or container of 512 MiB. The estimate
+// charges every xz body the largest dictionary (64 MiB) whatever the body
+// declares, plus twice the body limit and the decoded-values limit: 128 MiB
+// and more, past the whole budget, so every such message is quarantined as
+// undecodable without being decoded.
+func TestReviewXZMessageRunsUnderSmallBudget(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 10)
+	cfg := e.config()
+	cfg.MemoryBudget = 128 << 20
+	e.start(blockRegistry(t, release, started), cfg)
+	replyTo, replies := e.replyQueue()
+	id := taskID(1)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: id, Kwargs: map[string]any{"pad": "x"},
+		ReplyTo: replyTo}, celeryproto.EncodeOptions{Compression: "lzma"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Body) > 1024 {
+		t.Fatalf("compressed body of %d bytes, want a small one", len(p.Body))
+	}
+	e.publishRaw(p)
+	r := results(t, replies, 1, 15*time.Second)[id]
+	if len(r) != 1 || r[0]["status"] != "SUCCESS" {
+		var why []string
+		for _, q := range e.quarantined() {
+			why = append(why, fmt.Sprintf("%v: %v", q.Headers[HeaderReason], q.Headers[HeaderDecodeReason]))
+		}
+		t.Fatalf("a %d-byte lzma message under a 128 MiB budget answered %v (quarantined: %v), want one SUCCESS",
+			len(p.Body), r, why)
+	}
+}
+
+// TestReviewDueTaskNotStarvedByHeldETA: deliveries held for their ETA take
+// up to half the budget, as designed; a task due now that needs more than
+// the other half before decoding (here an lzma-compressed one: its estimate
+// is about 160 MiB under a 256 MiB budget) then waits for memory that only
+// the held deliveries would free, that is until their ETA, an hour later.
+// Nothing behind it is decoded meanwhile (the window is capped), so the
+// queue stops. The held deliveries are not sent back to make room.
+func TestReviewDueTaskNotStarvedByHeldETA(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 100)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = 256 << 20
+	r := e.start(blockRegistry(t, release, started), cfg)
+	w := r.w
+	later := time.Now().Add(time.Hour)
+	const n = 28 // about 4 MiB each once decoded: 112 MiB, under half the budget
+	for i := range n {
+		e.publishBlock(taskID(i), 2<<20, "", later)
+	}
+	waitFor(t, "ETA deliveries held", 20*time.Second, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.held) == n
+	})
+	replyTo, replies := e.replyQueue()
+	id := taskID(100)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: id, Kwargs: map[string]any{"pad": "x"},
+		ReplyTo: replyTo}, celeryproto.EncodeOptions{Compression: "lzma"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publishRaw(p)
+	plain := taskID(101)
+	e.publishBlock(plain, 10, replyTo, time.Time{})
+	got := map[string][]map[string]any{}
+	deadline := time.After(15 * time.Second)
+	for len(got) < 2 {
+		select {
+		case m := <-replies:
+			id, _ := m["task_id"].(string)
+			got[id] = append(got[id], m)
+		case <-deadline:
+			w.mu.Lock()
+			held, waiting, used := len(w.held), len(w.waiting), w.memUsed
+			w.mu.Unlock()
+			t.Fatalf("after 15 s the due tasks answered %v; %d deliveries held for their ETA, %d waiting for memory, "+
+				"%d of %d bytes charged", got, held, waiting, used, cfg.MemoryBudget)
+		}
+	}
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReviewFullReplyQueueDoesNotRerunTask: a producer names as reply_to a
+// queue that refuses every publish (x-max-length 0, overflow
+// reject-publish: the broker nacks). The worker retries the result 20
+// times, then gives the delivery back unanswered; the broker redelivers it
+// and a task without a record runs again, and so on for ever. Each give
+// back counts as a delivery settled, so readiness never sees the loop.
+// Celery's worker publishes the result once (lost) and acknowledges.
+func TestReviewFullReplyQueueDoesNotRerunTask(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[blockArgs]{Name: "t.count", Run: func(context.Context, *Call, blockArgs) (any, error) {
+		runs.Add(1)
+		return "ok", nil
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	e.start(r, cfg)
+	full := testenv.Name("full")
+	if _, err := e.ch.QueueDeclare(full, false, true, false, false, amqp091.Table{
+		"x-max-length": int32(0), "x-overflow": "reject-publish"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = e.ch.QueueDelete(full, false, false, false) })
+	e.publish(&celeryproto.Message{Task: "t.count", ID: taskID(1), Kwargs: map[string]any{"pad": "x"}, ReplyTo: full})
+	time.Sleep(25 * time.Second)
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("task ran %d times in 25 s, want once (its reply queue refuses every publish)", n)
+	}
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
