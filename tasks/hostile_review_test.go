@@ -3,12 +3,14 @@ package tasks
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -143,5 +145,63 @@ func TestReviewFullReplyQueueDoesNotRerunTask(t *testing.T) {
 	}
 	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestReviewQuorumWindowCapBoundsIntake: on a quorum queue the prefetch
+// window is per consumer, and a change restarts the consumers: the new
+// ones get a full window of their own while the old ones' deliveries are
+// still held. The memory window cap, set to the deliveries held while
+// some wait for memory, thus lets in as many again at each change instead
+// of none: the worker takes more deliveries (whole bodies, in memory,
+// uncharged) than its prefetch window while it is short of memory.
+func TestReviewQuorumWindowCapBoundsIntake(t *testing.T) {
+	e := newEnv(t)
+	q := e.queue + "_qq"
+	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = e.ch.QueueDelete(q, false, false, false)
+		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
+	})
+	release := make(chan struct{})
+	started := make(chan string, 200)
+	cfg := e.config()
+	cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
+	cfg.Concurrency, cfg.Prefetch = 1, 8
+	cfg.MemoryBudget = 64 << 20 // bodies up to 8 MiB, decoded values up to 16 MiB
+	r := e.start(blockRegistry(t, release, started), cfg)
+	defer close(release)
+	w := r.w
+	const n = 60
+	for i := range n {
+		p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: taskID(i),
+			Kwargs: map[string]any{"pad": strings.Repeat("p", 1<<20)}}, celeryproto.EncodeOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.ch.PublishWithContext(context.Background(), "", q, false, false, amqp091.Publishing{
+			ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: amqp091.Table(p.Headers),
+			Body: p.Body, DeliveryMode: 2}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	most, waited := 0, false
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		w.mu.Lock()
+		held := len(w.reserved) + len(w.active)
+		waited = waited || len(w.waiting) > 0
+		w.mu.Unlock()
+		most = max(most, held)
+		time.Sleep(5 * time.Millisecond)
+	}
+	if !waited {
+		t.Fatal("no delivery waited for memory: the test did not reach the cap")
+	}
+	if most > cfg.Prefetch {
+		t.Errorf("the worker held up to %d deliveries of about 1 MiB while short of memory, more than its prefetch window of %d",
+			most, cfg.Prefetch)
 	}
 }
