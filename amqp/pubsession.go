@@ -132,7 +132,35 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 // concurrent publish unconfirmed. On the side channel the refusal is this
 // publish's alone, and a *RefusedError. Once a publish to the exchange is
 // confirmed, the next ones go on the shared channel.
+// missingExchangeLooks and missingExchangeGrace: a missing exchange is
+// looked at this often, this far apart, before it is a refusal: an
+// application may declare it a moment later, or declare it again after a
+// broker restart took it (not durable).
+const (
+	missingExchangeLooks = 4
+	missingExchangeGrace = 500 * time.Millisecond
+)
+
+// publishFirst is the first publish to exchange name on this connection
+// (publishFirstOnce), with a missing exchange looked at again a few times
+// before it counts as refused.
 func (s *pubSession) publishFirst(ctx context.Context, name, key string, pub amqp091.Publishing, o PublishOptions) error {
+	for look := 1; ; look++ {
+		err := s.publishFirstOnce(ctx, name, key, pub, o)
+		if look >= missingExchangeLooks || !errors.Is(err, ErrNotFound) {
+			return err
+		}
+		t := time.NewTimer(missingExchangeGrace)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
+}
+
+func (s *pubSession) publishFirstOnce(ctx context.Context, name, key string, pub amqp091.Publishing, o PublishOptions) error {
 	ch, err := s.conn.Channel()
 	if err != nil {
 		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {

@@ -51,8 +51,10 @@ func CeleryQuorumQueue(name string) QueueSpec {
 	return q
 }
 
-// isQuorum reports whether q is a quorum queue: Quorum, or x-queue-type
+// IsQuorum reports whether q is a quorum queue: Quorum, or x-queue-type
 // quorum among its arguments.
+func (q QueueSpec) IsQuorum() bool { return q.isQuorum() }
+
 func (q QueueSpec) isQuorum() bool {
 	t, _ := q.Args["x-queue-type"].(string)
 	return q.Quorum || t == "quorum"

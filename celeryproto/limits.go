@@ -159,6 +159,11 @@ func (dec *Decoder) Estimate(d *Delivery) int64 {
 			state = stateBrotli
 		case CompressionXZ:
 			state = maxXZDict
+			if dict, total, err := xzSizes(d.Body, dec.limits.MaxBodyBytes); err == nil {
+				// As the body declares them (the decoder checks the
+				// declarations before it decompresses).
+				state, size = int64(dict), min(size, int64(total))
+			}
 		case CompressionZstd:
 			state = int64(max(limit+1<<20, maxXZDict))
 			var h zstd.Header

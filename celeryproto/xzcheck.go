@@ -18,52 +18,60 @@ var errXZ = errors.New("xz")
 // exactly one stream, every block's LZMA2 dictionary at most maxXZDict, and
 // the uncompressed sizes the index declares at most limit in total.
 func checkXZ(body []byte, limit int) error {
+	_, _, err := xzSizes(body, limit)
+	return err
+}
+
+// xzSizes is checkXZ, returning also the largest dictionary the blocks
+// declare and the uncompressed size the index declares, in bytes.
+func xzSizes(body []byte, limit int) (dict, total uint64, err error) {
 	const hdr = 12
 	if len(body) < 2*hdr || string(body[:6]) != "\xfd7zXZ\x00" || string(body[len(body)-2:]) != "YZ" {
-		return fmt.Errorf("%w: not a single xz stream", errXZ)
+		return 0, 0, fmt.Errorf("%w: not a single xz stream", errXZ)
 	}
 	footer := body[len(body)-hdr:]
 	indexSize := (int(binary.LittleEndian.Uint32(footer[4:8])) + 1) * 4
 	indexStart := len(body) - hdr - indexSize
 	if indexStart < hdr {
-		return fmt.Errorf("%w: bad index size", errXZ)
+		return 0, 0, fmt.Errorf("%w: bad index size", errXZ)
 	}
 	idx := body[indexStart : len(body)-hdr]
 	if idx[0] != 0 {
-		return fmt.Errorf("%w: bad index indicator", errXZ)
+		return 0, 0, fmt.Errorf("%w: bad index indicator", errXZ)
 	}
 	pos := 1
 	records, ok := xzVarint(idx, &pos)
 	if !ok || records > uint64(len(idx)) {
-		return fmt.Errorf("%w: bad index", errXZ)
+		return 0, 0, fmt.Errorf("%w: bad index", errXZ)
 	}
 	// The check after each block: its size by the stream flags' check type
 	// (none, CRC32, CRC64, SHA-256 and the reserved ones).
 	checkSize := [16]int{0, 4, 4, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 64, 64, 64}[body[7]&0x0f]
 	blockStart := hdr
-	var total uint64
 	for range records {
 		unpadded, ok1 := xzVarint(idx, &pos)
 		uncompressed, ok2 := xzVarint(idx, &pos)
 		if !ok1 || !ok2 || unpadded > uint64(len(body)) {
-			return fmt.Errorf("%w: bad index record", errXZ)
+			return 0, 0, fmt.Errorf("%w: bad index record", errXZ)
 		}
 		total += uncompressed
 		if total > uint64(limit) {
-			return decodeErr(ErrTooLarge, nil, "xz body declares more than %d bytes", limit)
+			return 0, 0, decodeErr(ErrTooLarge, nil, "xz body declares more than %d bytes", limit)
 		}
-		if err := checkXZBlock(body, blockStart, indexStart, unpadded, checkSize); err != nil {
-			return err
+		d, err := checkXZBlock(body, blockStart, indexStart, unpadded, checkSize)
+		if err != nil {
+			return 0, 0, err
 		}
+		dict = max(dict, d)
 		blockStart += int((unpadded + 3) &^ 3)
 		if blockStart > indexStart {
-			return fmt.Errorf("%w: blocks overrun the index", errXZ)
+			return 0, 0, fmt.Errorf("%w: blocks overrun the index", errXZ)
 		}
 	}
 	if blockStart != indexStart {
-		return fmt.Errorf("%w: not a single xz stream", errXZ)
+		return 0, 0, fmt.Errorf("%w: not a single xz stream", errXZ)
 	}
-	return nil
+	return dict, total, nil
 }
 
 // checkXZBlock checks the block at start (before end): its LZMA2
@@ -71,13 +79,13 @@ func checkXZ(body []byte, limit int) error {
 // decompressing, end where the index says the block ends (unpadded: header,
 // compressed data and check), so that no block hides inside another one
 // where the walk by the index would not see its dictionary.
-func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) error {
+func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) (dict uint64, err error) {
 	if start >= end {
-		return fmt.Errorf("%w: block outside the stream", errXZ)
+		return 0, fmt.Errorf("%w: block outside the stream", errXZ)
 	}
 	size := (int(body[start]) + 1) * 4
 	if body[start] == 0 || start+size > end {
-		return fmt.Errorf("%w: bad block header", errXZ)
+		return 0, fmt.Errorf("%w: bad block header", errXZ)
 	}
 	h := body[start : start+size]
 	flags := h[1]
@@ -85,7 +93,7 @@ func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) e
 	for _, bit := range []byte{0x40, 0x80} {
 		if flags&bit != 0 {
 			if _, ok := xzVarint(h, &pos); !ok {
-				return fmt.Errorf("%w: bad block header", errXZ)
+				return 0, fmt.Errorf("%w: bad block header", errXZ)
 			}
 		}
 	}
@@ -94,40 +102,40 @@ func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) e
 		id, ok1 := xzVarint(h, &pos)
 		n, ok2 := xzVarint(h, &pos)
 		if !ok1 || !ok2 || uint64(len(h)-pos) < n {
-			return fmt.Errorf("%w: bad filter flags", errXZ)
+			return 0, fmt.Errorf("%w: bad filter flags", errXZ)
 		}
 		if id == 0x21 && n == 1 {
-			if dict := xzDictSize(h[pos]); dict > maxXZDict {
-				return decodeErr(ErrTooLarge, nil, "xz body declares a %d-byte dictionary (limit %d)", dict, maxXZDict)
+			if dict = xzDictSize(h[pos]); dict > maxXZDict {
+				return 0, decodeErr(ErrTooLarge, nil, "xz body declares a %d-byte dictionary (limit %d)", dict, maxXZDict)
 			}
 		}
 		last = id
 		pos += int(n)
 	}
 	if last != 0x21 {
-		return fmt.Errorf("%w: the last filter is not LZMA2", errXZ)
+		return 0, fmt.Errorf("%w: the last filter is not LZMA2", errXZ)
 	}
 	p := start + size
 	for {
 		if p >= end {
-			return fmt.Errorf("%w: LZMA2 data runs past its block", errXZ)
+			return 0, fmt.Errorf("%w: LZMA2 data runs past its block", errXZ)
 		}
 		c := body[p]
 		p++
 		switch {
 		case c == 0x00: // end of the LZMA2 data
 			if uint64(p-start+checkSize) != unpadded {
-				return fmt.Errorf("%w: a block's size differs from the index", errXZ)
+				return 0, fmt.Errorf("%w: a block's size differs from the index", errXZ)
 			}
-			return nil
+			return dict, nil
 		case c == 0x01 || c == 0x02: // uncompressed chunk: 2-byte size - 1
 			if p+2 > end {
-				return fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
+				return 0, fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
 			}
 			p += 2 + int(binary.BigEndian.Uint16(body[p:])) + 1
 		case c >= 0x80: // LZMA chunk: unpacked size, packed size - 1, properties from 0xC0
 			if p+4 > end {
-				return fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
+				return 0, fmt.Errorf("%w: bad LZMA2 chunk", errXZ)
 			}
 			packed := int(binary.BigEndian.Uint16(body[p+2:])) + 1
 			p += 4 + packed
@@ -135,7 +143,7 @@ func checkXZBlock(body []byte, start, end int, unpadded uint64, checkSize int) e
 				p++
 			}
 		default:
-			return fmt.Errorf("%w: bad LZMA2 control byte %#x", errXZ, c)
+			return 0, fmt.Errorf("%w: bad LZMA2 control byte %#x", errXZ, c)
 		}
 	}
 }

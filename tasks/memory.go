@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	rtmetrics "runtime/metrics"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -175,7 +176,47 @@ func (w *Worker) admit(j *job) {
 	}
 	w.waiting = append(w.waiting, j)
 	w.m.memWaiting.Set(float64(len(w.waiting)))
+	w.admitWaiting()
 	w.flowChanged()
+}
+
+// evictHeld sends deliveries held for their ETA, those due latest first,
+// back to their queue until the budget, once their charges are released,
+// has room for need more bytes: each is handed to the task goroutines
+// marked to be republished (j.rehold), which acknowledges it and releases
+// its charge. Deliveries already on their way back count as freed. w.mu is
+// held.
+func (w *Worker) evictHeld(need int64) {
+	freed := int64(0)
+	for _, h := range w.charged {
+		if h.evicted {
+			freed += h.charge
+		}
+	}
+	if w.memUsed-freed+need <= w.cfg.MemoryBudget || len(w.held) == 0 {
+		return
+	}
+	held := make([]*job, 0, len(w.held))
+	for h := range w.held {
+		if _, timed := w.timers[h]; timed && h.msg != nil {
+			held = append(held, h)
+		}
+	}
+	slices.SortFunc(held, func(a, b *job) int { return b.msg.ETA.Compare(a.msg.ETA) })
+	for _, h := range held {
+		if w.memUsed-freed+need <= w.cfg.MemoryBudget {
+			break
+		}
+		w.timers[h].Stop()
+		delete(w.timers, h)
+		delete(w.held, h)
+		w.scheduled--
+		w.m.scheduled.Dec()
+		w.m.etaRequeued.Inc()
+		h.rehold, h.evicted = true, true
+		freed += h.charge
+		w.enqueue(h)
+	}
 }
 
 // fits reports whether n more bytes fit the budget; anything fits when
@@ -221,11 +262,15 @@ func indexOf(js []*job, j *job) int {
 }
 
 // admitWaiting hands over the waiting deliveries that now fit, in order of
-// arrival. w.mu is held.
+// arrival. When the first does not fit and deliveries held for their ETA
+// hold the memory it needs, those due latest go back to the end of their
+// queue (republished, then acknowledged) to make room: a delivery due now
+// never waits for one due later. w.mu is held.
 func (w *Worker) admitWaiting() {
 	for len(w.waiting) > 0 {
 		j := w.waiting[0]
 		if !j.d.Stale() && !w.fits(j.need) {
+			w.evictHeld(j.need)
 			break
 		}
 		w.waiting = w.waiting[1:]
@@ -323,6 +368,17 @@ func (w *Worker) windowLimit() int {
 // 50 ms (a change restarts the consumers of quorum queues), until ctx is
 // done.
 func (w *Worker) flow(ctx context.Context) {
+	for _, q := range w.cfg.Queues {
+		if q.IsQuorum() {
+			// A quorum queue counts its window per consumer, and a change
+			// of it restarts the consumers, whose new window comes on top
+			// of the deliveries still held: a cap would let more in, not
+			// fewer. The window stays Config.Prefetch; the deliveries past
+			// the budget wait undecoded.
+			<-ctx.Done()
+			return
+		}
+	}
 	applied := 0
 	for {
 		select {

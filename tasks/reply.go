@@ -89,7 +89,12 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 		if err == nil {
 			return true
 		}
-		if amqp.IsPermanent(err) {
+		// A result the broker keeps refusing with a negative confirm (its
+		// reply queue full with reject-publish, say) is lost as Celery's
+		// worker loses it: sent, and the delivery goes on, rather than run
+		// again and again.
+		nackedOut := errors.Is(err, amqp.ErrNacked) && attempt >= 5
+		if amqp.IsPermanent(err) || nackedOut {
 			// The reply address (or the result) is refused for what it is:
 			// the caller cannot be answered. Said once; the delivery goes on.
 			w.log.Error("result refused by the broker; the caller cannot be answered", w.fields(j,

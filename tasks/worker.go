@@ -113,6 +113,9 @@ type job struct {
 	// rehold: held for its ETA longer than Config.MaxHold allows; when the
 	// hold ends before the ETA, the delivery is republished and acknowledged.
 	rehold bool
+	// evicted: held for its ETA, it is on its way back to its queue to make
+	// room in the memory budget for a delivery due now.
+	evicted bool
 	// abandoned: the task did not return by its hard time limit and runs on
 	// unwatched; its outcome is unknown.
 	abandoned bool
