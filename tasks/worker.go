@@ -27,6 +27,7 @@ type Worker struct {
 	ownStore bool
 	consumer *amqp.Consumer
 	pub      *amqp.Publisher
+	backend  resultBackend // nil: rpc://
 	dec      *celeryproto.Decoder
 	m        *metrics
 	started  time.Time // guarded by mu: Stats reads it
@@ -168,6 +169,10 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		return nil, err
 	}
 	w.m = m
+	if w.backend, err = newBackend(&w.cfg); err != nil {
+		w.closeStore()
+		return nil, err
+	}
 	tag := cfg.Hostname
 	w.consumer = amqp.NewConsumer(cfg.Broker, amqp.ConsumerConfig{Queues: cfg.Queues, Prefetch: cfg.Prefetch, Tag: tag,
 		DrainTimeout: cfg.Grace + 10*time.Second})
@@ -195,6 +200,8 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.running.Store(false)
 	defer w.closeStore()
 	defer func() { _ = w.pub.Close() }()
+	defer w.closeBackend()
+	w.checkBackend(ctx)
 	w.mu.Lock() // Stats reads it from remote-control goroutines
 	w.started = time.Now()
 	w.mu.Unlock()

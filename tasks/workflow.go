@@ -405,7 +405,7 @@ func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exce
 		}
 		for _, t := range targets {
 			id, replyTo := t.TaskID(), t.ReplyTo()
-			if id == "" || replyTo == "" {
+			if id == "" || (replyTo == "" && w.backend == nil) {
 				continue
 			}
 			r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: traceback}

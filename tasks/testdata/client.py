@@ -5,16 +5,19 @@ Run with the system Python that has Celery 5.2 (/usr/bin/python3):
     client.py '<spec json>'
 
 spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
+       "backend": result backend URL (default "rpc://"),
        "serializer": "json"|"msgpack"|"yaml",
        "accept": [...], "result_accept": [...] (accept_content and
        result_accept_content; default all three, and json),
        "calls": [{"task": name, "args": [...], "kwargs": {...},
                   "headers": {...}, "ignore_result": bool,
                   "after_previous": bool,
-                  "options": {apply_async options}}]}
+                  "options": {apply_async options}}
+                 or {"group": [calls], "after_previous": bool}]}
 
 A call with "after_previous" is sent only once the results of every call
-before it have arrived (ordering a test's messages). A call with
+before it have arrived (ordering a test's messages). A "group" call sends
+its calls as one Celery group and waits for GroupResult.get(). A call with
 "ignore_result" is sent with that option and its result is then waited for
 through a new AsyncResult of its id (the one send_task returns gives None
 at once), to see what the worker still reports: only a failure or a retry.
@@ -25,12 +28,12 @@ Prints one JSON object: {"results": [...]} with, for each call in order,
 import json
 import sys
 
-from celery import Celery
+from celery import Celery, group
 
 
 def main():
     spec = json.loads(sys.argv[1])
-    app = Celery("onceler_client", broker=spec["broker"], backend="rpc://")
+    app = Celery("onceler_client", broker=spec["broker"], backend=spec.get("backend", "rpc://"))
     app.conf.task_default_queue = spec["queue"]
     app.conf.task_protocol = spec.get("protocol", 2)
     ser = spec.get("serializer", "json")
@@ -44,7 +47,7 @@ def main():
 
     def collect():
         for r in sent[len(out):]:
-            if r.ignored:
+            if getattr(r, "ignored", False):
                 r = app.AsyncResult(r.id)
             try:
                 out.append({"id": r.id, "ok": r.get(timeout=timeout)})
@@ -53,9 +56,7 @@ def main():
                             "exc_module": type(e).__module__,
                             "message": str(e.args[0]) if e.args else str(e)})
 
-    for c in spec["calls"]:
-        if c.get("after_previous"):
-            collect()
+    def options(c):
         opts = {"queue": spec["queue"]}
         if c.get("headers"):
             opts["headers"] = c["headers"]
@@ -63,8 +64,18 @@ def main():
             opts["ignore_result"] = True
         # countdown, expires, time_limit, soft_time_limit, ...
         opts.update(c.get("options") or {})
+        return opts
+
+    for c in spec["calls"]:
+        if c.get("after_previous"):
+            collect()
+        if "group" in c:
+            sigs = [app.signature(m["task"], args=m.get("args", []), kwargs=m.get("kwargs", {}),
+                                  **options(m)) for m in c["group"]]
+            sent.append(group(sigs).apply_async())
+            continue
         sent.append(app.send_task(c["task"], args=c.get("args", []),
-                                  kwargs=c.get("kwargs", {}), **opts))
+                                  kwargs=c.get("kwargs", {}), **options(c)))
     collect()
     print(json.dumps({"results": out}))
 
