@@ -6,6 +6,7 @@ Run with the system Python that has Celery 5.2 (/usr/bin/python3):
 
 spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
        "backend": result backend URL (default "rpc://"),
+       "announce_sent": bool (print SENT to stderr once every call is sent),
        "serializer": "json"|"msgpack"|"yaml",
        "accept": [...], "result_accept": [...] (accept_content and
        result_accept_content; default all three, and json),
@@ -76,6 +77,8 @@ def main():
             continue
         sent.append(app.send_task(c["task"], args=c.get("args", []),
                                   kwargs=c.get("kwargs", {}), **options(c)))
+    if spec.get("announce_sent"):
+        print("SENT", file=sys.stderr, flush=True)
     collect()
     print(json.dumps({"results": out}))
 
