@@ -117,7 +117,8 @@ func redactURL(raw string) string {
 	if len(q) > 0 {
 		u.RawQuery = q.Encode()
 	}
-	return u.String()
+	// url.URL escapes the stars.
+	return strings.ReplaceAll(u.String(), "%2A%2A%2A%2A", "****")
 }
 
 // storeResult writes r to the result backend before the delivery is

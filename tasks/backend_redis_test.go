@@ -276,7 +276,7 @@ func TestResultBackendURL(t *testing.T) {
 			t.Errorf("%q: refusal %q: want one line naming the schemes, no password", raw, msg)
 		}
 	}
-	if got := redactURL("redis://:s3cret@cache:6379/0"); got != "redis://:%2A%2A%2A%2A@cache:6379/0" && got != "redis://:****@cache:6379/0" {
+	if got := redactURL("redis://:s3cret@cache:6379/0"); got != "redis://:****@cache:6379/0" {
 		t.Errorf("redactURL: %q", got)
 	}
 }
