@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -162,6 +164,39 @@ func (w *Worker) storeResult(ctx context.Context, j *job, r *celeryproto.Result)
 			w.giveBack(j)
 			return false
 		}
+	}
+}
+
+// markStarted reports STARTED for the delivery j's task when
+// Config.TrackStarted is set: to the result backend, or to the caller's
+// reply queue (rpc://), as Celery's worker with task_track_started. One
+// attempt, bounded: the outcome comes later whatever happens to it.
+func (w *Worker) markStarted(ctx context.Context, j *job) {
+	if !w.cfg.TrackStarted || j.msg == nil {
+		return
+	}
+	r := &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateStarted, Serializer: w.cfg.ResultSerializer,
+		Value: map[string]any{"pid": int64(os.Getpid()), "hostname": w.cfg.Hostname}}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	var err error
+	switch {
+	case w.backend != nil:
+		var meta []byte
+		if _, meta, err = celeryproto.EncodeMeta(r, w.metaRequest(j, r.TaskID), time.Now()); err == nil {
+			err = w.backend.put(ctx, r.TaskID, meta)
+		}
+	case j.msg.ReplyTo != "":
+		var pub *celeryproto.Publishing
+		if pub, err = celeryproto.EncodeResult(r); err == nil {
+			if len(pub.CorrelationID) > maxShortString {
+				pub.CorrelationID = ""
+			}
+			err = w.pub.Publish(ctx, "", j.msg.ReplyTo, pub, amqp.PublishOptions{})
+		}
+	}
+	if err != nil {
+		w.log.Warn("STARTED not reported", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
 	}
 }
 

@@ -344,3 +344,69 @@ func TestRedisStoreKeepsSuccess(t *testing.T) {
 		}
 	}
 }
+
+// TestTrackStarted: with Config.TrackStarted the caller sees STARTED
+// ({"pid", "hostname"}) while the task runs, then its outcome: in Redis
+// (the meta, published) and on the reply queue (rpc://).
+func TestTrackStarted(t *testing.T) {
+	addr := redisAddr(t)
+	for _, backend := range []string{"redis", "rpc"} {
+		t.Run(backend, func(t *testing.T) {
+			e := newEnv(t)
+			release := make(chan struct{})
+			reg := NewRegistry()
+			if err := Register(reg, Task[addArgs]{Name: "t.block", Run: func(ctx context.Context, _ *Call, a addArgs) (any, error) {
+				select {
+				case <-release:
+				case <-ctx.Done():
+				}
+				return a.X + a.Y, nil
+			}}); err != nil {
+				t.Fatal(err)
+			}
+			cfg := e.config()
+			cfg.TrackStarted = true
+			if backend == "redis" {
+				cfg.ResultBackend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
+			}
+			e.start(reg, cfg)
+			id := testenv.Name("started")
+			c := redisClient(t, addr, redisTestDB)
+			replyTo, replies := e.replyQueue()
+			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.block", ID: id, Args: []any{int64(2), int64(3)}, ReplyTo: replyTo})
+			var states []string
+			if backend == "redis" {
+				waitFor(t, "STARTED in Redis", 10*time.Second, func() bool {
+					b, err := c.Get(context.Background(), TaskKeyPrefix+id).Bytes()
+					return err == nil && strings.Contains(string(b), `"STARTED"`)
+				})
+				m := taskMeta(t, c, id)
+				res, _ := m["result"].(map[string]any)
+				if res["hostname"] != cfg.Hostname || res["pid"] != float64(os.Getpid()) || m["date_done"] != nil {
+					t.Errorf("STARTED meta: %v", m)
+				}
+				close(release)
+				waitFor(t, "SUCCESS in Redis", 10*time.Second, func() bool { return taskMeta(t, c, id)["status"] == "SUCCESS" })
+				return
+			}
+			for range 2 {
+				select {
+				case r := <-replies:
+					states = append(states, fmt.Sprint(r["status"]))
+					if r["status"] == "STARTED" {
+						res, _ := r["result"].(map[string]any)
+						if res["hostname"] != cfg.Hostname {
+							t.Errorf("STARTED result: %v", r)
+						}
+						close(release)
+					}
+				case <-time.After(10 * time.Second):
+					t.Fatalf("replies so far %v", states)
+				}
+			}
+			if fmt.Sprint(states) != "[STARTED SUCCESS]" {
+				t.Errorf("replies %v, want STARTED then SUCCESS", states)
+			}
+		})
+	}
+}

@@ -106,6 +106,11 @@ type Config struct {
 	// ResultExtended stores the request beside the result (name, args,
 	// kwargs, worker, retries, queue), as Celery's result_extended.
 	ResultExtended bool
+	// TrackStarted reports STARTED (result {"pid", "hostname"}) when a task
+	// starts running, as Celery's task_track_started: a worker setting
+	// (Celery's messages do not carry it). One attempt: a write that fails
+	// is logged and the task runs anyway.
+	TrackStarted bool
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool

@@ -44,6 +44,7 @@ type workerFlags struct {
 	resultBE     string
 	resultExp    time.Duration
 	resultExt    bool
+	trackStarted bool
 	logLevel     string
 	logFormat    string
 	logArguments bool
@@ -95,6 +96,7 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.String(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS) or redis+socket:///path (Celery's Redis backend)")
 			fs.Duration(&f.resultExp, "result-expires", tasks.DefaultResultExpires, "how long the Redis backend keeps a result, as Celery's result_expires; 0 keeps it until deleted")
 			fs.Bool(&f.resultExt, "result-extended", "store the task's name, args, kwargs, worker, retries and queue with its result, as Celery's result_extended")
+			fs.Bool(&f.trackStarted, "track-started", "report STARTED to the caller when a task starts running, as Celery's task_track_started")
 			f.defineLog(fs)
 			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
 			fs.Bool(&f.demo, "demo", "register the demo tasks and create their tables (schema onceler_demo); implies --migrate")
@@ -261,6 +263,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		ResultBackend:    f.resultBE,
 		ResultExpires:    resultExpires(f.resultExp),
 		ResultExtended:   f.resultExt,
+		TrackStarted:     f.trackStarted,
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
