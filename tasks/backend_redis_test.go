@@ -410,3 +410,55 @@ func TestTrackStarted(t *testing.T) {
 		})
 	}
 }
+
+// TestWorkflowsWithRedis: chains, links, errbacks and groups sent by real
+// Celery 5.2.6 with the Redis result backend over Go tasks, with a Python
+// Celery worker (the same backend) serving a step of a mixed chain: every
+// caller is answered from Redis; a failure carried along a chain reaches
+// chain.get(); a chord, whose parts onceler refuses, fails its caller with
+// NotImplementedError instead of leaving it waiting.
+func TestWorkflowsWithRedis(t *testing.T) {
+	addr := redisAddr(t)
+	e := newEnv(t)
+	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
+	pyq := testenv.Name("pyq")
+	rec := &callRecorder{}
+	cfg := e.config()
+	cfg.Routes = map[string]string{"py.mul": pyq, "py.kind": pyq}
+	cfg.ResultBackend = e.backend
+	e.start(workflowRegistry(t, rec), cfg)
+	e.pythonWorker(pyq)
+	res := e.workflows(pyq, "chain_go", "chain_mixed", "chain_py_first", "chain_group", "chain_group_fail", "chain_bad_args",
+		"chain_fail", "link", "link_error", "group", "chord", "chord2")
+	for name, want := range map[string]string{
+		"chain_go":       `113`,
+		"chain_mixed":    `130`,
+		"chain_py_first": `10`,
+		"chain_group":    `[13, 23]`,
+		"group":          `[2, 4, 9]`,
+	} {
+		if got := string(res[name].OK); got != want {
+			t.Errorf("%s: got %s (%+v), want %s", name, got, res[name], want)
+		}
+	}
+	for name, want := range map[string]string{"chain_group_fail": "ValueError", "chain_bad_args": "TypeError",
+		"chain_fail": "ValueError", "chord": "NotImplementedError", "chord2": "NotImplementedError"} {
+		if r := res[name]; r.ExcType != want {
+			t.Errorf("%s: %+v, want %s", name, r, want)
+		}
+	}
+	var link struct{ Result int64 }
+	if err := json.Unmarshal(res["link"].OK, &link); err != nil || link.Result != 3 {
+		t.Errorf("link: %s %v", res["link"].OK, err)
+	}
+	var linkErr struct {
+		ID      string
+		ExcType string `json:"exc_type"`
+	}
+	if err := json.Unmarshal(res["link_error"].OK, &linkErr); err != nil || linkErr.ExcType != "ValueError" {
+		t.Errorf("link_error: %s %v", res["link_error"].OK, err)
+	}
+	waitFor(t, "callback and errback", 10*time.Second, func() bool {
+		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0
+	})
+}

@@ -34,6 +34,9 @@ type env struct {
 	schema string
 	conn   *amqp091.Connection
 	ch     *amqp091.Channel
+	// backend is the result backend of the Python side (wf.py); "" is
+	// rpc://.
+	backend string
 }
 
 func newEnv(t *testing.T) *env {
