@@ -7,6 +7,8 @@ Run with the system Python that has Celery 5.2 (/usr/bin/python3):
 spec: {"broker": url, "queue": name, "protocol": 1|2, "timeout": seconds,
        "backend": result backend URL (default "rpc://"),
        "announce_sent": bool (print SENT to stderr once every call is sent),
+       "retry_connection_errors": bool (a get() that raises ConnectionError
+       is asked again until the timeout),
        "serializer": "json"|"msgpack"|"yaml",
        "accept": [...], "result_accept": [...] (accept_content and
        result_accept_content; default all three, and json),
@@ -28,6 +30,7 @@ Prints one JSON object: {"results": [...]} with, for each call in order,
 """
 import json
 import sys
+import time
 
 from celery import Celery, group
 
@@ -46,12 +49,26 @@ def main():
     sent = []
     out = []
 
+    def get(r):
+        # With "retry_connection_errors", a get() that meets the result
+        # backend down (Celery 5.2's Redis get() raises ConnectionError
+        # then) is asked again, as an application would, until timeout.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return r.get(timeout=timeout)
+            except Exception as e:
+                if not spec.get("retry_connection_errors") or type(e).__name__ != "ConnectionError" \
+                        or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     def collect():
         for r in sent[len(out):]:
             if getattr(r, "ignored", False):
                 r = app.AsyncResult(r.id)
             try:
-                out.append({"id": r.id, "ok": r.get(timeout=timeout)})
+                out.append({"id": r.id, "ok": get(r)})
             except Exception as e:  # report the class the client built
                 out.append({"id": r.id, "exc_type": type(e).__name__,
                             "exc_module": type(e).__module__,
