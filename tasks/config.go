@@ -110,6 +110,25 @@ type Config struct {
 	// "json" (the default), "msgpack" or "yaml", as Celery's
 	// result_serializer; the callers' result_accept_content must take it.
 	ResultSerializer string
+	// ResultBackend is where results go, as Celery's result_backend: the
+	// URL the callers use. "" or "rpc://" (the default): to each caller's
+	// reply queue. "redis://[[user]:password@]host[:port][/db]",
+	// "rediss://..." (TLS) or "redis+socket:///path": the celery-task-meta-
+	// keys of Celery's Redis backend. Other schemes are refused by
+	// NewWorker (see BackendSchemes).
+	ResultBackend string
+	// ResultExpires is how long a result is kept by a backend that expires
+	// them (Redis), as Celery's result_expires. Default 1 day; negative:
+	// kept until deleted.
+	ResultExpires time.Duration
+	// ResultExtended stores the request beside the result (name, args,
+	// kwargs, worker, retries, queue), as Celery's result_extended.
+	ResultExtended bool
+	// TrackStarted reports STARTED (result {"pid", "hostname"}) when a task
+	// starts running, as Celery's task_track_started: a worker setting
+	// (Celery's messages do not carry it). One attempt: a write that fails
+	// is logged and the task runs anyway.
+	TrackStarted bool
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool
@@ -170,6 +189,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.ResultSerializer == "" {
 		c.ResultSerializer = "json"
+	}
+	if c.ResultExpires == 0 {
+		c.ResultExpires = DefaultResultExpires
 	}
 	if !slices.Contains(celeryproto.Serializers, c.ResultSerializer) {
 		return fmt.Errorf("tasks: result serializer %q: use %s", c.ResultSerializer, strings.Join(celeryproto.Serializers, ", "))

@@ -34,6 +34,9 @@ type env struct {
 	schema string
 	conn   *amqp091.Connection
 	ch     *amqp091.Channel
+	// backend is the result backend of the Python side (wf.py); "" is
+	// rpc://.
+	backend string
 }
 
 func newEnv(t *testing.T) *env {
@@ -159,7 +162,7 @@ type pyResult struct {
 }
 
 type pyCall struct {
-	Task    string         `json:"task"`
+	Task    string         `json:"task,omitempty"`
 	Args    []any          `json:"args,omitempty"`
 	Kwargs  map[string]any `json:"kwargs,omitempty"`
 	Headers map[string]any `json:"headers,omitempty"`
@@ -170,6 +173,9 @@ type pyCall struct {
 	// AfterPrevious sends the call only after the results of the calls
 	// before it have arrived.
 	AfterPrevious bool `json:"after_previous,omitempty"`
+	// Group sends these calls as one Celery group (Task is then empty) and
+	// reports GroupResult.get().
+	Group []pyCall `json:"group,omitempty"`
 }
 
 // python sends calls with real Celery and returns what AsyncResult.get gave.

@@ -53,8 +53,9 @@ func final(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 }
 
-// publishResult sends a result to the caller's reply queue with a confirm,
-// retrying while the worker runs. It reports whether the delivery may now be
+// publishResult sends a result to the caller's reply queue with a confirm
+// (rpc://) or stores it in the result backend (storeResult), retrying
+// while the worker runs. It reports whether the delivery may now be
 // acknowledged (false: leave it unacknowledged).
 func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Result) bool {
 	return w.publishResultTo(ctx, j, j.msg.ReplyTo, r)
@@ -63,6 +64,10 @@ func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Resul
 // publishResultTo is publishResult to the reply queue replyTo (a chain
 // step's, when a failure is carried along the chain).
 func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r *celeryproto.Result) bool {
+	if w.backend != nil {
+		// A result backend keeps results by task id, whatever reply_to.
+		return w.storeResult(ctx, j, r)
+	}
 	if replyTo == "" {
 		return true
 	}
@@ -152,7 +157,7 @@ func (w *Worker) quarantineUndecodable(ctx context.Context, j *job, cause error)
 	if id == "" {
 		id = d.CorrelationID
 	}
-	if id != "" && d.ReplyTo != "" {
+	if id != "" && (d.ReplyTo != "" || w.backend != nil) {
 		exc := &celeryproto.Exception{Type: "DecodeError", Module: "kombu.exceptions", Message: cause.Error()}
 		if errors.Is(cause, celeryproto.ErrPickle) {
 			exc.Type = "ContentDisallowed"

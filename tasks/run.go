@@ -347,6 +347,7 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 	if w.wantEvents() {
 		w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-started"})
 	}
+	w.markStarted(ctx, j)
 	defer func() {
 		w.mu.Lock()
 		delete(w.active, j)

@@ -28,6 +28,7 @@ type Worker struct {
 	consumer *amqp.Consumer
 	pub      *amqp.Publisher
 	dec      *memDecoder
+	backend  resultBackend // nil: rpc://
 	m        *metrics
 	started  time.Time // guarded by mu: Stats reads it
 
@@ -194,6 +195,10 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	}
 	w.m = m
 	m.memBudget.Set(float64(cfg.MemoryBudget))
+	if w.backend, err = newBackend(&w.cfg); err != nil {
+		w.closeStore()
+		return nil, err
+	}
 	tag := cfg.Hostname
 	w.consumer = amqp.NewConsumer(cfg.Broker, amqp.ConsumerConfig{Queues: cfg.Queues, Prefetch: cfg.Prefetch, Tag: tag,
 		DrainTimeout: cfg.Grace + 10*time.Second})
@@ -221,6 +226,8 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.running.Store(false)
 	defer w.closeStore()
 	defer func() { _ = w.pub.Close() }()
+	defer w.closeBackend()
+	w.checkBackend(ctx)
 	w.mu.Lock() // Stats reads it from remote-control goroutines
 	w.started = time.Now()
 	w.mu.Unlock()

@@ -25,8 +25,8 @@ import (
 const ReasonPublishRefused = "publish_refused"
 
 // ReasonUnsupported is the quarantine reason of a message whose workflow
-// onceler cannot carry out: a chord part (chord counters need a result
-// backend other than rpc) or a chain, link or errback step that is itself a
+// onceler cannot carry out: a chord part (onceler keeps no chord
+// counters) or a chain, link or errback step that is itself a
 // group, chain or chord.
 const ReasonUnsupported = "unsupported_workflow"
 
@@ -44,7 +44,7 @@ type step struct {
 // out, or "" when it can.
 func unsupportedWorkflow(m *celeryproto.Message) string {
 	if m.Chord != nil {
-		return "chord parts are not supported: chord counters need a result backend other than rpc, which onceler does not have"
+		return "chord parts are not supported: onceler keeps no chord counters (with rpc:// Celery has none either)"
 	}
 	for _, l := range []struct {
 		name string
@@ -405,7 +405,7 @@ func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exce
 		}
 		for _, t := range targets {
 			id, replyTo := t.TaskID(), t.ReplyTo()
-			if id == "" || replyTo == "" {
+			if id == "" || (replyTo == "" && w.backend == nil) {
 				continue
 			}
 			r := &celeryproto.Result{TaskID: id, Status: celeryproto.StateFailure, Exception: exc, Traceback: traceback}

@@ -109,7 +109,8 @@ func (e *env) pythonWorker(pyq string) {
 }
 
 func (e *env) wfEnv(pyq string) []string {
-	return []string{"ONCELER_WF_BROKER=" + e.url, "ONCELER_WF_GOQ=" + e.queue, "ONCELER_WF_PYQ=" + pyq}
+	return []string{"ONCELER_WF_BROKER=" + e.url, "ONCELER_WF_GOQ=" + e.queue, "ONCELER_WF_PYQ=" + pyq,
+		"ONCELER_WF_BACKEND=" + e.backend}
 }
 
 // testWriter sends a process's output to the test log.

@@ -41,6 +41,10 @@ type workerFlags struct {
 	hostname     string
 	httpAddr     string
 	resultSer    string
+	resultBE     string
+	resultExp    time.Duration
+	resultExt    bool
+	trackStarted bool
 	logLevel     string
 	logFormat    string
 	logArguments bool
@@ -93,6 +97,10 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
 			fs.String(&f.resultSer, "result-serializer", "NAME", "json", "serializer of the results sent to callers, as Celery's result_serializer: json, msgpack or yaml (the callers' result_accept_content must take it)")
+			fs.String(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS) or redis+socket:///path (Celery's Redis backend)")
+			fs.Duration(&f.resultExp, "result-expires", tasks.DefaultResultExpires, "how long the Redis backend keeps a result, as Celery's result_expires; 0 keeps it until deleted")
+			fs.Bool(&f.resultExt, "result-extended", "store the task's name, args, kwargs, worker, retries and queue with its result, as Celery's result_extended")
+			fs.Bool(&f.trackStarted, "track-started", "report STARTED to the caller when a task starts running, as Celery's task_track_started")
 			f.defineLog(fs)
 			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
 			fs.Bool(&f.demo, "demo", "register the demo tasks and create their tables (schema onceler_demo); implies --migrate")
@@ -176,6 +184,12 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	if !slices.Contains(celeryproto.Serializers, f.resultSer) {
 		return usagef("worker", "invalid --result-serializer %q: use %s", f.resultSer, strings.Join(celeryproto.Serializers, ", "))
+	}
+	if err := tasks.CheckResultBackend(f.resultBE); err != nil {
+		return usagef("worker", "invalid --result-backend: %v", err)
+	}
+	if f.resultExp < 0 {
+		return usagef("worker", "--result-expires must not be negative")
 	}
 	if f.httpAddr != "" {
 		_, port, err := net.SplitHostPort(f.httpAddr)
@@ -263,6 +277,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		ResultSerializer: f.resultSer,
 		MemoryBudget:     budget,
 		StallAfter:       f.stallAfter,
+		ResultBackend:    f.resultBE,
+		ResultExpires:    resultExpires(f.resultExp),
+		ResultExtended:   f.resultExt,
+		TrackStarted:     f.trackStarted,
 	})
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
@@ -271,6 +289,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	memLimit := workerMemoryLimit(budget)
 	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
 		zap.Int64("memory_budget", budget), zap.Int64("go_memory_limit", memLimit),
+		zap.String("result_backend", tasks.RedactResultBackend(f.resultBE)),
 		zap.Strings("queues", strings.Split(f.queues, ",")))
 
 	var wg sync.WaitGroup
@@ -421,4 +440,13 @@ func workerGCPercent() int {
 	}
 	debug.SetGCPercent(workerGOGC)
 	return workerGOGC
+}
+
+// resultExpires is tasks.Config.ResultExpires of --result-expires: 0 (keep
+// until deleted) is a negative duration there, whose zero is the default.
+func resultExpires(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }

@@ -9,7 +9,8 @@ and, run as a script, the client:
     wf.py scenario [scenario ...]
 
 Environment: ONCELER_WF_BROKER (broker URL), ONCELER_WF_GOQ (queue of the
-Go tasks t.*), ONCELER_WF_PYQ (queue of the Python task py.mul).
+Go tasks t.*), ONCELER_WF_PYQ (queue of the Python task py.mul),
+ONCELER_WF_BACKEND (result backend URL, default rpc://).
 
 A scenario may also be a JSON call spec (see call): {"name", "task", "args",
 "kwargs", "options", "ready_at"}.
@@ -27,7 +28,7 @@ from celery import Celery, chain, chord, group
 GOQ = os.environ["ONCELER_WF_GOQ"]
 PYQ = os.environ["ONCELER_WF_PYQ"]
 
-app = Celery("wf", broker=os.environ["ONCELER_WF_BROKER"], backend="rpc://")
+app = Celery("wf", broker=os.environ["ONCELER_WF_BROKER"], backend=os.environ.get("ONCELER_WF_BACKEND") or "rpc://")
 app.conf.task_default_queue = GOQ
 app.conf.task_routes = {"py.*": {"queue": PYQ}, "t.*": {"queue": GOQ}}
 app.conf.accept_content = ["json", "msgpack"]
@@ -95,6 +96,8 @@ def run(name):
         return group(s("t.add", 1, 1), s("t.add", 2, 2), s("py.mul", 3, 3)).apply_async().get(timeout=TIMEOUT)
     if name == "chord":
         return chord([s("t.add", 1, 1)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
+    if name == "chord2":
+        return chord([s("t.add", 1, 1), s("t.add", 2, 2)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
     if name == "eta_flood":
         # 40 tasks with a countdown, then 10 immediate ones behind them.
         start = time.monotonic()
