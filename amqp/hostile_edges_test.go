@@ -9,18 +9,13 @@ import (
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// Reproductions from the adversarial review of the hostile-input change
-// (issue 28). Each test fails on the code it was written against.
-
-// TestReviewExchangeDeclaredMomentLaterNotPermanent: an exchange that is
+// TestExchangeDeclaredMomentLaterNotPermanent: an exchange that is
 // missing for a moment (a non-durable exchange after a broker restart,
-// until its owner reconnects and declares it again; an application that
-// declares its exchange when it starts, after the worker) is a state of
-// the broker, not a refusal of what the publish asks. The first 404 is
-// classified permanent (a *RefusedError) at once, with no second look, so
-// the worker quarantines the message and answers its caller FAILURE
-// PublishRefused, although the same publish succeeds 300 ms later.
-func TestReviewExchangeDeclaredMomentLaterNotPermanent(t *testing.T) {
+// until its owner declares it again; an application that declares its
+// exchange when it starts, after the worker) is a state of the broker, not
+// a refusal of what the publish asks: the publish is looked at again, and
+// succeeds once the exchange is there 300 ms later.
+func TestExchangeDeclaredMomentLaterNotPermanent(t *testing.T) {
 	_, q, p, ctx := declaredQueue(t, "onceler_amqp_lateex", 20*time.Second)
 	ex := testenv.Name("onceler_amqp_lateex_x")
 	conn, err := amqp091.Dial(testenv.AMQPURL(t))

@@ -15,18 +15,15 @@ import (
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// Reproductions from the adversarial review of the hostile-input change
-// (issue 28). Each test fails on the code it was written against.
+// Hostile input at the edges of the memory budget and the broker's
+// answers: ordinary messages must still run, and nothing may loop.
 
-// TestReviewXZMessageRunsUnderSmallBudget: a small, ordinary task message
-// that a Celery producer compressed with lzma (task_compression="lzma",
-// kombu's header "application/x-lzma") runs under a memory budget of
-// 128 MiB, the default on a machine or container of 512 MiB. The estimate
-// charges every xz body the largest dictionary (64 MiB) whatever the body
-// declares, plus twice the body limit and the decoded-values limit: 128 MiB
-// and more, past the whole budget, so every such message is quarantined as
-// undecodable without being decoded.
-func TestReviewXZMessageRunsUnderSmallBudget(t *testing.T) {
+// TestXZMessageRunsUnderSmallBudget: a small, ordinary task message that a
+// Celery producer compressed with lzma (task_compression="lzma", kombu's
+// header "application/x-lzma") runs under a memory budget of 128 MiB, the
+// default on a machine or container of 512 MiB: its estimate counts the
+// dictionary and the size the body declares, not the largest allowed.
+func TestXZMessageRunsUnderSmallBudget(t *testing.T) {
 	e := newEnv(t)
 	release := make(chan struct{})
 	close(release)
@@ -56,14 +53,12 @@ func TestReviewXZMessageRunsUnderSmallBudget(t *testing.T) {
 	}
 }
 
-// TestReviewDueTaskNotStarvedByHeldETA: deliveries held for their ETA take
-// up to half the budget, as designed; a task due now that needs more than
-// the other half before decoding (here an lzma-compressed one: its estimate
-// is about 160 MiB under a 256 MiB budget) then waits for memory that only
-// the held deliveries would free, that is until their ETA, an hour later.
-// Nothing behind it is decoded meanwhile (the window is capped), so the
-// queue stops. The held deliveries are not sent back to make room.
-func TestReviewDueTaskNotStarvedByHeldETA(t *testing.T) {
+// TestDueTaskNotStarvedByHeldETA: deliveries held for their ETA take up
+// to half the budget; a task due now that needs more than the other half
+// before decoding (an lzma-compressed one, estimated near 160 MiB under a
+// 256 MiB budget) gets it: the held deliveries due latest go back to their
+// queue to make room, and the tasks due now run within seconds.
+func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
 	e := newEnv(t)
 	release := make(chan struct{})
 	close(release)
@@ -113,14 +108,12 @@ func TestReviewDueTaskNotStarvedByHeldETA(t *testing.T) {
 	}
 }
 
-// TestReviewFullReplyQueueDoesNotRerunTask: a producer names as reply_to a
+// TestFullReplyQueueDoesNotRerunTask: a producer names as reply_to a
 // queue that refuses every publish (x-max-length 0, overflow
-// reject-publish: the broker nacks). The worker retries the result 20
-// times, then gives the delivery back unanswered; the broker redelivers it
-// and a task without a record runs again, and so on for ever. Each give
-// back counts as a delivery settled, so readiness never sees the loop.
-// Celery's worker publishes the result once (lost) and acknowledges.
-func TestReviewFullReplyQueueDoesNotRerunTask(t *testing.T) {
+// reject-publish: the broker nacks). As Celery's worker, the worker sends
+// the result (lost) and acknowledges: the task runs once, not again and
+// again.
+func TestFullReplyQueueDoesNotRerunTask(t *testing.T) {
 	e := newEnv(t)
 	var runs atomic.Int32
 	r := NewRegistry()
@@ -148,14 +141,11 @@ func TestReviewFullReplyQueueDoesNotRerunTask(t *testing.T) {
 	}
 }
 
-// TestReviewQuorumWindowCapBoundsIntake: on a quorum queue the prefetch
-// window is per consumer, and a change restarts the consumers: the new
-// ones get a full window of their own while the old ones' deliveries are
-// still held. The memory window cap, set to the deliveries held while
-// some wait for memory, thus lets in as many again at each change instead
-// of none: the worker takes more deliveries (whole bodies, in memory,
-// uncharged) than its prefetch window while it is short of memory.
-func TestReviewQuorumWindowCapBoundsIntake(t *testing.T) {
+// TestQuorumWindowCapBoundsIntake: on a quorum queue the prefetch window
+// is per consumer, and a change restarts the consumers with a full window
+// of their own: the worker does not cap it there, and holds no more
+// deliveries than its prefetch window while it is short of memory.
+func TestQuorumWindowCapBoundsIntake(t *testing.T) {
 	e := newEnv(t)
 	q := e.queue + "_qq"
 	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
