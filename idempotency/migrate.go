@@ -3,6 +3,7 @@ package idempotency
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"sort"
@@ -106,6 +107,69 @@ func (s *Store) Migrate(ctx context.Context) error {
 	}
 	if n > 0 {
 		s.log.Info("idempotency schema migrated", zap.Int("applied", n))
+	}
+	return nil
+}
+
+// ErrSchemaNotCurrent reports a record schema that is missing or lacks
+// migrations this binary needs (see SchemaError).
+var ErrSchemaNotCurrent = errors.New("idempotency: record schema not current")
+
+// SchemaError reports a record schema that does not exist or is older than
+// the binary: the store cannot serve until Migrate runs.
+type SchemaError struct {
+	Schema string // the schema's name
+	Have   int    // the highest version applied; 0 when the schema is missing
+	Want   int    // the highest version this binary knows
+}
+
+func (e *SchemaError) Error() string {
+	if e.Have == 0 {
+		return fmt.Sprintf("idempotency: record schema %q does not exist (this binary needs version %d)", e.Schema, e.Want)
+	}
+	return fmt.Sprintf("idempotency: record schema %q is at version %d, older than this binary's %d", e.Schema, e.Have, e.Want)
+}
+
+// Unwrap lets errors.Is match ErrSchemaNotCurrent.
+func (e *SchemaError) Unwrap() error { return ErrSchemaNotCurrent }
+
+// CheckSchema returns a *SchemaError when the schema is missing or lacks a
+// migration this binary embeds, nil when every one is applied (a newer
+// schema, migrated by a newer binary, is accepted), or the error that kept
+// it from looking.
+func (s *Store) CheckSchema(ctx context.Context) error {
+	ms, err := Migrations()
+	if err != nil {
+		return err
+	}
+	want := 0
+	if len(ms) > 0 {
+		want = ms[len(ms)-1].Version
+	}
+	var table *string
+	if err := s.pool.QueryRow(ctx, `SELECT to_regclass($1)::text`, s.schema+".migrations").Scan(&table); err != nil {
+		return fmt.Errorf("check record schema %q: %w", s.name, err)
+	}
+	if table == nil {
+		return &SchemaError{Schema: s.name, Want: want}
+	}
+	rows, err := s.pool.Query(ctx, `SELECT version FROM `+s.schema+`.migrations`)
+	if err != nil {
+		return fmt.Errorf("check record schema %q: %w", s.name, err)
+	}
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return fmt.Errorf("check record schema %q: %w", s.name, err)
+	}
+	applied, have := map[int]bool{}, 0
+	for _, v := range versions {
+		applied[int(v)] = true
+		have = max(have, int(v))
+	}
+	for _, m := range ms {
+		if !applied[m.Version] {
+			return &SchemaError{Schema: s.name, Have: have, Want: want}
+		}
 	}
 	return nil
 }

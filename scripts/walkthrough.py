@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import time
 
 from celery import Celery
 import psycopg2
@@ -134,9 +135,31 @@ class Walk:
         self.effects(["gateway calls for order-2", "gateway charges for order-2"])
 
 
+def consumers(app, queue):
+    """The consumers of queue, by a passive declare (0: no such queue)."""
+    with app.connection_for_write() as conn:
+        try:
+            _, _, count = conn.default_channel.queue_declare(queue=queue, passive=True)
+        except conn.channel_errors:
+            return 0
+        return count
+
+
+def require_worker(app, queue, wait=5.0):
+    """Exits at once, in one line, when no worker consumes queue: the results
+    would never come."""
+    deadline = time.monotonic() + wait
+    while consumers(app, queue) == 0:
+        if time.monotonic() >= deadline:
+            sys.exit("walkthrough: no worker is consuming queue %s: start 'onceler worker --demo' "
+                     "(with the same ONCELER_BROKER_URL and --queues) first" % queue)
+        time.sleep(0.5)
+
+
 def main():
     opts = parse_args()
     w = Walk(opts)
+    require_worker(w.app, opts.queue)
     try:
         getattr(w, opts.part)()
     finally:

@@ -412,6 +412,9 @@ func (w *Worker) deferDelivery(j *job, leaseUntil time.Time) {
 	if until := time.Until(leaseUntil) + 10*time.Millisecond; !leaseUntil.IsZero() && until > 0 && until < delay {
 		delay = until
 	}
+	if time.Since(j.received) > w.cfg.Lease {
+		w.warnStall(stallInFlight, "operation claimed by another delivery still in progress; delivery kept until that claim ends or its lease lapses", j, zap.Time("lease_until", leaseUntil))
+	}
 	j.checks++
 	j.waiting = true
 	w.later(j, delay)
@@ -456,7 +459,11 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 		w.giveBack(j)
 		return
 	}
-	w.log.Warn("record unavailable; delivery kept and retried later", w.fields(j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))...)
+	if schemaMissing(err) {
+		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+	} else {
+		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+	}
 	j.checks++
 	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))
 }

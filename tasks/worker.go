@@ -50,6 +50,7 @@ type Worker struct {
 	busy       atomic.Int32
 	settled    atomic.Int64
 	stalledNow atomic.Bool
+	stalls     stallWarn // warnings about deliveries held without progress
 
 	ran       atomic.Bool // Run was called
 	running   atomic.Bool // Run is running
@@ -227,6 +228,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer w.closeStore()
 	defer func() { _ = w.pub.Close() }()
 	defer w.closeBackend()
+	if err := w.checkSchema(ctx); err != nil {
+		return err
+	}
 	w.checkBackend(ctx)
 	w.mu.Lock() // Stats reads it from remote-control goroutines
 	w.started = time.Now()
@@ -509,5 +513,28 @@ func (w *Worker) crash(point string, j *job) {
 			zap.String("task_id", j.msg.ID))
 		_ = w.log.Sync()
 		w.kill()
+	}
+}
+
+// checkSchema refuses to start on a record schema that is missing or older
+// than the binary: every claim would fail and the deliveries would wait.
+// An error that keeps it from looking (the database away) is logged and the
+// worker starts: it waits for the record as it does later.
+func (w *Worker) checkSchema(ctx context.Context) error {
+	if w.store == nil {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err := w.store.CheckSchema(cctx)
+	var se *idempotency.SchemaError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &se):
+		return fmt.Errorf("tasks: %w: apply it with 'onceler migrate --schema %s' (or the worker's --migrate, or idempotency.Store.Migrate) before starting", err, se.Schema)
+	default:
+		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip(err.Error(), maxLogField)))
+		return nil
 	}
 }

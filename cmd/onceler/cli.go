@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/debug"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -80,12 +82,48 @@ func (a *app) run(ctx context.Context, args []string) error {
 		}
 		a.mainUsage(a.stdout)
 		return nil
+	case "version", "-version", "--version":
+		if len(args) > 1 {
+			return usagef("", "version takes no arguments")
+		}
+		fmt.Fprintln(a.stdout, versionLine())
+		return nil
 	}
 	c := lookupCommand(name)
 	if c == nil {
 		return usagef("", "unknown command %q", name)
 	}
 	return a.runCommand(ctx, c, args[1:])
+}
+
+// versionLine is the module version and the VCS revision the binary was
+// built from, as its build info records them.
+func versionLine() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "onceler (no build info)"
+	}
+	return formatVersion(bi)
+}
+
+func formatVersion(bi *debug.BuildInfo) string {
+	line := "onceler " + bi.Main.Version
+	settings := map[string]string{}
+	for _, s := range bi.Settings {
+		settings[s.Key] = s.Value
+	}
+	if rev := settings["vcs.revision"]; rev != "" {
+		line += " revision " + rev
+		if settings["vcs.modified"] == "true" {
+			line += " (modified)"
+		}
+		if t := settings["vcs.time"]; t != "" {
+			line += " " + t
+		}
+	} else {
+		line += " (no VCS revision recorded)"
+	}
+	return line + " " + bi.GoVersion
 }
 
 func lookupCommand(name string) *command {
@@ -109,6 +147,7 @@ func mainHelp() string {
 	for _, c := range commands() {
 		fmt.Fprintf(&b, "  %-11s %s\n", c.name, c.summary)
 	}
+	fmt.Fprintf(&b, "  %-11s %s\n", "version", "print the module version and VCS revision (also --version)")
 	b.WriteString("\nRun 'onceler COMMAND --help' for the flags of a command. Every flag can be\n")
 	b.WriteString("set with an environment variable ONCELER_<FLAG> (upper case, '-' as '_');\n")
 	b.WriteString("a flag on the command line wins over the environment.\n")
@@ -139,12 +178,17 @@ type flagSet struct {
 	cmd   *command
 	metas map[string]string // flag name -> value placeholder in help
 	order []string
+	// noEnv: flags read from the command line only (switches that decide
+	// what is destroyed must never come from a forgotten export).
+	noEnv map[string]bool
+	// alias: flag name -> the flag it is another name of.
+	alias map[string]string
 }
 
 func newFlagSet(c *command) *flagSet {
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	return &flagSet{fs: fs, cmd: c, metas: map[string]string{}}
+	return &flagSet{fs: fs, cmd: c, metas: map[string]string{}, noEnv: map[string]bool{}, alias: map[string]string{}}
 }
 
 // envName is the environment variable of a flag: ONCELER_ and the flag name
@@ -174,17 +218,48 @@ func (f *flagSet) Bool(p *bool, name string, usage string) {
 }
 
 func (f *flagSet) Duration(p *time.Duration, name string, def time.Duration, usage string) {
-	f.fs.DurationVar(p, name, def, usage)
+	*p = def
+	f.fs.Var((*durationValue)(p), name, usage)
 	f.add(name, "DURATION")
+}
+
+// CommandLineOnly marks a flag as read from the command line only, never
+// from its environment variable.
+func (f *flagSet) CommandLineOnly(name string) { f.noEnv[name] = true }
+
+// Alias defines name as another name of the flag target, listed in help
+// under target.
+func (f *flagSet) Alias(name, target string) {
+	fl := f.fs.Lookup(target)
+	f.fs.Var(fl.Value, name, "same as --"+target)
+	f.alias[name] = target
+}
+
+// durationValue is a time.Duration flag whose error says what a duration
+// looks like.
+type durationValue time.Duration
+
+func (d *durationValue) String() string { return (*time.Duration)(d).String() }
+
+func (d *durationValue) Set(s string) error {
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		if _, nerr := strconv.ParseFloat(s, 64); nerr == nil {
+			return fmt.Errorf("a duration needs a unit: %ss, %sm or %sh (ns, us, ms, s, m, h)", s, s, s)
+		}
+		return errors.New("not a duration: use a number and a unit, such as 5s, 2m or 1h30m")
+	}
+	*d = durationValue(v)
+	return nil
 }
 
 // applyEnv sets each flag from its environment variable, when set, before the
 // command line is parsed, so the command line wins.
 func (f *flagSet) applyEnv(getenv func(string) string) error {
-	for _, name := range f.order {
+	for _, name := range f.allNames() {
 		env := envName(name)
 		v := getenv(env)
-		if v == "" {
+		if v == "" || f.noEnv[f.target(name)] {
 			continue
 		}
 		if err := f.fs.Set(name, v); err != nil {
@@ -192,6 +267,42 @@ func (f *flagSet) applyEnv(getenv func(string) string) error {
 		}
 	}
 	return nil
+}
+
+// allNames is every flag name, aliases first: a flag's own variable wins
+// over its alias's.
+func (f *flagSet) allNames() []string {
+	var names []string
+	for a := range f.alias {
+		names = append(names, a)
+	}
+	sort.Strings(names)
+	return append(names, f.order...)
+}
+
+// target is the flag that name stands for.
+func (f *flagSet) target(name string) string {
+	if t, ok := f.alias[name]; ok {
+		return t
+	}
+	return name
+}
+
+// aliasOf is the alias of the flag name, or "".
+func (f *flagSet) aliasOf(name string) string {
+	for a, t := range f.alias {
+		if t == name {
+			return a
+		}
+	}
+	return ""
+}
+
+// ignoredEnv reports whether the environment sets the variable of a
+// command-line only flag (for an error that says why it was not taken).
+func (f *flagSet) ignoredEnv(getenv func(string) string, name string) (string, bool) {
+	env := envName(name)
+	return env, f.noEnv[name] && getenv(env) != ""
 }
 
 // parse reads flags anywhere among the positional arguments (so that
@@ -203,7 +314,7 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 			if errors.Is(err, flag.ErrHelp) {
 				return nil, err
 			}
-			return nil, usagef(f.cmd.name, "%v", cleanFlagErr(err))
+			return nil, usagef(f.cmd.name, "%s", f.suggest(cleanFlagErr(err)))
 		}
 		rest := f.fs.Args()
 		if len(rest) == 0 {
@@ -215,6 +326,47 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 		pos = append(pos, rest[0])
 		args = rest[1:]
 	}
+}
+
+// suggest adds to an unknown-flag message the nearest known flag, when one
+// is near enough to be a typo.
+func (f *flagSet) suggest(msg string) string {
+	name, ok := strings.CutPrefix(msg, "unknown flag --")
+	if !ok {
+		return msg
+	}
+	best, dist := "", 0
+	f.fs.VisitAll(func(fl *flag.Flag) {
+		d := editDistance(name, fl.Name)
+		if best == "" || d < dist || (d == dist && fl.Name < best) {
+			best, dist = fl.Name, d
+		}
+	})
+	if best != "" && (dist <= max(2, len(name)/3) || strings.HasPrefix(best, name) || strings.HasPrefix(name, best)) {
+		return msg + "; did you mean --" + best + "?"
+	}
+	return msg
+}
+
+// editDistance is the Levenshtein distance between a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
 
 func cleanFlagErr(err error) string {
@@ -249,6 +401,15 @@ func (f *flagSet) help() string {
 			b.WriteString("        " + line + "\n")
 		}
 		meta := "env " + envName(name)
+		if f.noEnv[name] {
+			meta = "command line only"
+		}
+		if a := f.aliasOf(name); a != "" {
+			meta = "alias --" + a + "; " + meta
+			if !f.noEnv[name] {
+				meta += " or " + envName(a)
+			}
+		}
 		if fl.DefValue != "" && fl.DefValue != "false" && fl.DefValue != "0" && fl.DefValue != "0s" {
 			meta += ", default " + fl.DefValue
 		}

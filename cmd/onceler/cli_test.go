@@ -64,7 +64,7 @@ func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
 		}
 	}
 	r := runBin(t, nil, "purge", "--help")
-	for _, want := range []string{"Usage: onceler purge [flags]", "--older-than DURATION", "(env ONCELER_OLDER_THAN)", "--dry-run", "(env ONCELER_BATCH_SIZE, default 1000)"} {
+	for _, want := range []string{"Usage: onceler purge [flags]", "--older-than DURATION", "--older-than DURATION\n        delete records last updated before now minus this, e.g. 720h or 30d\n        (required)\n        (command line only)", "--dry-run", "(env ONCELER_BATCH_SIZE, default 1000)"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Fatalf("purge --help misses %q:\n%s", want, r.stdout)
 		}

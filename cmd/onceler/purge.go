@@ -31,6 +31,7 @@ status, and deletes nothing.`,
 			)
 			d.define(fs)
 			fs.String(&olderThan, "older-than", "DURATION", "", "delete records last updated before now minus this, e.g. 720h or 30d (required)")
+			fs.CommandLineOnly("older-than")
 			fs.Int(&batch, "batch-size", 1000, "records deleted per transaction")
 			fs.Bool(&dryRun, "dry-run", "only count what would be deleted")
 			return func(ctx context.Context, args []string) error {
@@ -38,6 +39,9 @@ status, and deletes nothing.`,
 					return usagef("purge", "unexpected argument %q", args[0])
 				}
 				if olderThan == "" {
+					if env, set := fs.ignoredEnv(a.getenv, "older-than"); set {
+						return usagef("purge", "--older-than is required on the command line, e.g. --older-than 30d (%s is ignored: what purge deletes is never taken from the environment)", env)
+					}
 					return usagef("purge", "--older-than is required, e.g. --older-than 30d")
 				}
 				dur, err := parseSince("purge", "--older-than", olderThan)

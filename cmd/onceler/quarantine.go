@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -37,16 +38,18 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			var (
 				b      brokerFlags
-				queue  string
+				queues string
 				reason string
 				all    bool
 				limit  int
 				asJSON bool
 			)
 			b.define(fs)
-			fs.String(&queue, "queue", "NAME", "celery", "the consumed queue whose quarantine (<queue>.quarantine) to use")
+			fs.String(&queues, "queues", "LIST", "celery", "comma-separated consumed queues whose quarantines (<queue>.quarantine) to use, as the worker's --queues")
+			fs.Alias("queue", "queues")
 			fs.String(&reason, "reason", "REASON", "", "only messages quarantined for this reason: "+strings.Join(tasks.Reasons, ", "))
 			fs.Bool(&all, "all", "requeue or drop every message (that matches --reason)")
+			fs.CommandLineOnly("all")
 			fs.Int(&limit, "limit", 0, "look at most at this many messages; 0: all")
 			fs.Bool(&asJSON, "json", "list: print JSON")
 			return func(ctx context.Context, args []string) error {
@@ -61,6 +64,9 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 					}
 				case "requeue", "drop":
 					if len(ids) == 0 && !all {
+						if env, set := fs.ignoredEnv(a.getenv, "all"); set {
+							return usagef("quarantine", "%s needs task ids or --all on the command line (%s is ignored: --all is never taken from the environment)", action, env)
+						}
 						return usagef("quarantine", "%s needs task ids or --all", action)
 					}
 					if len(ids) > 0 && all {
@@ -69,8 +75,14 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 				default:
 					return usagef("quarantine", "unknown action %q: use list, requeue or drop", action)
 				}
-				if strings.TrimSpace(queue) == "" {
-					return usagef("quarantine", "--queue is empty")
+				var names []string
+				for _, n := range strings.Split(queues, ",") {
+					if n = strings.TrimSpace(n); n != "" {
+						names = append(names, n)
+					}
+				}
+				if len(names) == 0 {
+					return usagef("quarantine", "--queues names no queue")
 				}
 				if limit < 0 {
 					return usagef("quarantine", "--limit must not be negative")
@@ -78,12 +90,11 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 				if reason != "" && !slices.Contains(tasks.Reasons, reason) {
 					return usagef("quarantine", "unknown --reason %q: use %s", reason, strings.Join(tasks.Reasons, ", "))
 				}
-				q := &quarantine{a: a, b: b, queue: queue, qname: queue + ".quarantine", reason: reason,
-					ids: map[string]bool{}, all: all, limit: limit, asJSON: asJSON}
+				q := &quarantine{a: a, b: b, reason: reason, ids: map[string]bool{}, all: all, limit: limit, asJSON: asJSON}
 				for _, id := range ids {
 					q.ids[id] = true
 				}
-				return q.run(ctx, action)
+				return q.runAll(ctx, action, names)
 			}
 		},
 	}
@@ -138,7 +149,36 @@ func describe(d *amqp.Delivery, fallbackQueue string) quarantined {
 	return m
 }
 
-func (q *quarantine) run(ctx context.Context, action string) error {
+// runAll runs the action on the quarantine of each queue in turn.
+func (q *quarantine) runAll(ctx context.Context, action string, queues []string) error {
+	var listed []quarantined
+	for _, name := range queues {
+		q.queue, q.qname = name, name+".quarantine"
+		ms, err := q.run(ctx, action)
+		if err != nil {
+			return err
+		}
+		listed = append(listed, ms...)
+	}
+	if action == "list" && q.asJSON {
+		if listed == nil {
+			listed = []quarantined{}
+		}
+		return writeJSON(q.a.stdout, listed)
+	}
+	if len(q.ids) > 0 {
+		missing := make([]string, 0, len(q.ids))
+		for id := range q.ids {
+			missing = append(missing, id)
+		}
+		sort.Strings(missing)
+		return fmt.Errorf("not found in %s.quarantine: %s", strings.Join(queues, ".quarantine, "), strings.Join(missing, ", "))
+	}
+	return nil
+}
+
+// run acts on the quarantine of q.queue; it returns the messages listed.
+func (q *quarantine) run(ctx context.Context, action string) ([]quarantined, error) {
 	cfg := q.b.config("onceler quarantine")
 	pub := amqp.NewPublisher(cfg)
 	defer func() { _ = pub.Close() }()
@@ -146,11 +186,13 @@ func (q *quarantine) run(ctx context.Context, action string) error {
 	err := pub.Declare(pctx, amqp.QueueSpec{Name: q.qname, Exchange: amqp.DefaultExchange, Passive: true})
 	cancel()
 	if errors.Is(err, amqp.ErrNotFound) {
-		fmt.Fprintf(q.a.stdout, "no queue %s: nothing was ever quarantined from %s\n", q.qname, q.queue)
-		return nil
+		if !q.asJSON || action != "list" {
+			fmt.Fprintf(q.a.stdout, "no queue %s: nothing was ever quarantined from %s\n", q.qname, q.queue)
+		}
+		return nil, nil
 	}
 	if err != nil {
-		return brokerError("quarantine", cfg, err)
+		return nil, brokerError("quarantine", cfg, err)
 	}
 	var listed []quarantined
 	moved := 0
@@ -181,29 +223,18 @@ func (q *quarantine) run(ctx context.Context, action string) error {
 	})
 	if err != nil {
 		if moved > 0 {
-			return fmt.Errorf("%s stopped after %d message(s): %s", action, moved, oneLine(err))
+			return nil, fmt.Errorf("%s stopped after %d message(s): %s", action, moved, oneLine(err))
 		}
-		return brokerError("quarantine", cfg, err)
+		return nil, brokerError("quarantine", cfg, err)
 	}
 	if action == "list" {
-		if q.asJSON {
-			if listed == nil {
-				listed = []quarantined{}
-			}
-			return writeJSON(q.a.stdout, listed)
+		if !q.asJSON {
+			printQuarantined(q.a.stdout, q.qname, listed, seen, q.limit > 0 && seen == q.limit)
 		}
-		printQuarantined(q.a.stdout, q.qname, listed, seen, q.limit > 0 && seen == q.limit)
-		return nil
+		return listed, nil
 	}
 	fmt.Fprintf(q.a.stdout, "%s %d of %d message(s) in %s\n", pastTense(action), moved, seen, q.qname)
-	if len(q.ids) > 0 {
-		missing := make([]string, 0, len(q.ids))
-		for id := range q.ids {
-			missing = append(missing, id)
-		}
-		return fmt.Errorf("not found in %s: %s", q.qname, strings.Join(missing, ", "))
-	}
-	return nil
+	return nil, nil
 }
 
 func pastTense(action string) string {

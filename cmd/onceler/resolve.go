@@ -80,6 +80,8 @@ the outside system whether the effect happened, then:
 			fs.Bool(&completed, "completed", "the operation happened: mark the record completed")
 			fs.String(&result, "result", "JSON", "", "with --completed: the result duplicates are answered with (JSON)")
 			fs.Bool(&retry, "retry", "the operation did not happen: release the record and republish its stored message")
+			fs.CommandLineOnly("completed")
+			fs.CommandLineOnly("retry")
 			return func(ctx context.Context, args []string) error {
 				if len(args) != 2 {
 					return usagef("resolve", "want TASK and KEY, got %d argument(s)", len(args))

@@ -218,6 +218,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 			return fmt.Errorf("migrate the record schema %q: %s", f.db.schema, oneLine(err))
 		}
 	}
+	if !f.noRecord {
+		if err := checkSchema(ctx, store, f.db.schema); err != nil {
+			return err
+		}
+	}
 
 	reg := tasks.NewRegistry()
 	if f.demo {
@@ -449,4 +454,23 @@ func resultExpires(d time.Duration) time.Duration {
 		return -1
 	}
 	return d
+}
+
+// checkSchema refuses a record schema that is missing or older than the
+// binary, in one line naming the command that applies it.
+func checkSchema(ctx context.Context, store *idempotency.Store, schema string) error {
+	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	err := store.CheckSchema(cctx)
+	var se *idempotency.SchemaError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &se) && se.Have == 0:
+		return fmt.Errorf("the record schema %q does not exist: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate", schema)
+	case errors.As(err, &se):
+		return fmt.Errorf("the record schema %q is at version %d, this binary needs %d: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate", schema, se.Have, se.Want)
+	default:
+		return fmt.Errorf("check the record schema %q: %s", schema, oneLine(err))
+	}
 }
