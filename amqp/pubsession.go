@@ -76,13 +76,7 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 	}
 	dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, o.Mandatory, false, pub)
 	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
-			return errNotSent
-		}
-		return err
+		return s.publishErr(ctx, err)
 	}
 	if w != nil {
 		s.mu.Lock()
@@ -132,6 +126,19 @@ func (s *pubSession) publish(ctx context.Context, exchange, key string, pub amqp
 // concurrent publish unconfirmed. On the side channel the refusal is this
 // publish's alone, and a *RefusedError. Once a publish to the exchange is
 // confirmed, the next ones go on the shared channel.
+// publishErr is what the caller acts on when a publish call failed: the
+// caller's context ended, errNotSent (the connection is gone: nothing was
+// written), or err.
+func (s *pubSession) publishErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
+		return errNotSent
+	}
+	return err
+}
+
 // missingExchangeLooks and missingExchangeGrace: a missing exchange is
 // looked at this often, this far apart, before it is a refusal: an
 // application may declare it a moment later, or declare it again after a
@@ -188,13 +195,7 @@ func (s *pubSession) publishFirstOnce(ctx context.Context, name, key string, pub
 	}
 	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, name, key, o.Mandatory, false, pub)
 	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if errors.Is(err, amqp091.ErrClosed) || s.isDead() {
-			return errNotSent
-		}
-		return err
+		return s.publishErr(ctx, err)
 	}
 	select {
 	case <-dc.Done():

@@ -47,14 +47,7 @@ func EncodeMeta(r *Result, req *MetaRequest, now time.Time) (contentType string,
 	if r == nil || r.TaskID == "" || r.Status == "" {
 		return "", nil, fmt.Errorf("celeryproto: encode meta: task id and status are required")
 	}
-	var result any = r.Value
-	if e := r.Exception; e != nil {
-		msg := []any{}
-		if e.Message != "" {
-			msg = []any{e.Message}
-		}
-		result = map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
-	}
+	result := r.resultValue()
 	var tb, done any
 	if r.Traceback != "" {
 		tb = r.Traceback

@@ -103,16 +103,23 @@ func appendException(b []byte, e *Exception) []byte {
 	return append(b, '}')
 }
 
+// resultValue is the result field of r as Celery writes it: the value, or
+// for a failure the exception as exc_type, exc_message and exc_module.
+func (r *Result) resultValue() any {
+	e := r.Exception
+	if e == nil {
+		return r.Value
+	}
+	msg := []any{}
+	if e.Message != "" {
+		msg = []any{e.Message}
+	}
+	return map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
+}
+
 // encodeResultAs writes r's body with r.Serializer (msgpack or yaml).
 func encodeResultAs(r *Result) (*Publishing, error) {
-	var result any = r.Value
-	if e := r.Exception; e != nil {
-		msg := []any{}
-		if e.Message != "" {
-			msg = []any{e.Message}
-		}
-		result = map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
-	}
+	result := r.resultValue()
 	var tb any
 	if r.Traceback != "" {
 		tb = r.Traceback
