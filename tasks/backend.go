@@ -17,7 +17,7 @@ import (
 
 // BackendSchemes are the result backend URL schemes a worker takes
 // (Config.ResultBackend).
-var BackendSchemes = []string{"rpc://", "redis://", "rediss://", "redis+socket://"}
+var BackendSchemes = []string{"rpc://", "redis://", "rediss://", "redis+socket://", "django-db+postgresql://"}
 
 // DefaultResultExpires is Config.ResultExpires's default: one day, as
 // Celery's result_expires.
@@ -67,6 +67,12 @@ func newBackend(cfg *Config) (resultBackend, error) {
 		b, err := newRedisBackend(raw, cfg)
 		if err != nil {
 			return nil, err // not a typed nil in the interface
+		}
+		return b, nil
+	case s == "django-db+postgresql" || s == "django-db+postgres":
+		b, err := newDjangoBackend(raw, cfg)
+		if err != nil {
+			return nil, err
 		}
 		return b, nil
 	case strings.HasPrefix(s, "db+"):

@@ -39,8 +39,8 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 		{[]string{"worker", "--demo", "--http-addr", "nonsense"}, nil, `invalid --http-addr "nonsense"`},
 		{[]string{"purge", "--older-than", "213504d"}, nil, `invalid --older-than "213504d": at most 36500d`},
 		{[]string{"worker", "--demo", "--result-backend", "db+postgresql://app:secret@db/app"}, nil,
-			"invalid --result-backend: tasks: result backend: Celery's SQLAlchemy backend (db+postgresql://) stores results as pickles, which onceler never writes (use rpc://, redis://, rediss://, redis+socket://)"},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_RESULT_BACKEND": "mongodb://app:secret@m/r"}, `unsupported scheme "mongodb" (use rpc://, redis://, rediss://, redis+socket://)`},
+			"invalid --result-backend: tasks: result backend: Celery's SQLAlchemy backend (db+postgresql://) stores results as pickles, which onceler never writes (use rpc://, redis://, rediss://, redis+socket://, django-db+postgresql://)"},
+		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_RESULT_BACKEND": "mongodb://app:secret@m/r"}, `unsupported scheme "mongodb" (use rpc://, redis://, rediss://, redis+socket://, django-db+postgresql://)`},
 		{[]string{"worker", "--demo", "--result-backend", "redis://:secret@cache/zero"}, nil, `Redis database "zero" is not a number`},
 		{[]string{"worker", "--demo", "--result-expires", "-1s"}, nil, "--result-expires must not be negative"},
 	}

@@ -97,7 +97,7 @@ kill -9) the first time that point is reached, for crash tests.`,
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
 			fs.String(&f.resultSer, "result-serializer", "NAME", "json", "serializer of the results sent to callers, as Celery's result_serializer: json, msgpack or yaml (the callers' result_accept_content must take it)")
-			fs.String(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS) or redis+socket:///path (Celery's Redis backend)")
+			fs.String(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS), redis+socket:///path (Celery's Redis backend) or django-db+postgresql://user:password@host/db (django-celery-results' tables)")
 			fs.Duration(&f.resultExp, "result-expires", tasks.DefaultResultExpires, "how long the Redis backend keeps a result, as Celery's result_expires; 0 keeps it until deleted")
 			fs.Bool(&f.resultExt, "result-extended", "store the task's name, args, kwargs, worker, retries and queue with its result, as Celery's result_extended")
 			fs.Bool(&f.trackStarted, "track-started", "report STARTED to the caller when a task starts running, as Celery's task_track_started")

@@ -1,0 +1,318 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// djangoApp is a throwaway Django project whose django-celery-results
+// tables live in a schema of the test database, created by Django's own
+// migrations.
+type djangoApp struct {
+	t       *testing.T
+	schema  string
+	pool    *pgxpool.Pool
+	env     []string // PYTHONPATH and DJANGO_SETTINGS_MODULE
+	backend string   // the worker's django-db+postgresql:// URL
+}
+
+// newDjangoApp writes the project's settings (INSTALLED_APPS =
+// ['django_celery_results'], PostgreSQL with search_path set to a fresh
+// schema) and runs `python3 -m django migrate` on it. migrate: false leaves
+// the schema without the tables.
+func newDjangoApp(t *testing.T, migrate bool) *djangoApp {
+	t.Helper()
+	py := testenv.Python(t)
+	if _, err := os.Stat("/usr/lib/python3/dist-packages/django_celery_results/__init__.py"); err != nil {
+		testenv.Unavailable(t, "python3-django-celery-results not installed")
+	}
+	raw := testenv.DatabaseURL(t)
+	pool := testenv.Pool(t)
+	a := &djangoApp{t: t, schema: testenv.Schema(t, pool), pool: pool}
+	pc, err := pgconn.ParseConfig(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	settings := fmt.Sprintf(`SECRET_KEY = "onceler-test"
+USE_TZ = True
+INSTALLED_APPS = ["django_celery_results"]
+DATABASES = {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": %q, "USER": %q,
+    "PASSWORD": %q, "HOST": %q, "PORT": %d, "OPTIONS": {"options": "-c search_path=%s"}}}
+CELERY_RESULT_BACKEND = "django-db"
+`, pc.Database, pc.User, pc.Password, pc.Host, pc.Port, a.schema)
+	if err := os.WriteFile(filepath.Join(dir, "onceler_django_settings.py"), []byte(settings), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a.env = append(os.Environ(), "PYTHONPATH="+dir, "DJANGO_SETTINGS_MODULE=onceler_django_settings")
+	if migrate {
+		ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, py, "-m", "django", "migrate", "--settings=onceler_django_settings", "django_celery_results")
+		cmd.Env = a.env
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("django migrate: %v\n%s", err, out)
+		}
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("search_path", a.schema)
+	u.RawQuery = q.Encode()
+	a.backend = "django-db+" + u.String()
+	return a
+}
+
+// python runs django_client.py with args under the project's settings.
+func (a *djangoApp) python(args ...string) []byte {
+	a.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, testenv.Python(a.t), append([]string{filepath.Join("testdata", "django_client.py")}, args...)...)
+	cmd.Env = a.env
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr string
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			stderr = string(ee.Stderr)
+		}
+		a.t.Fatalf("django_client.py: %v\n%s", err, stderr)
+	}
+	return out
+}
+
+// calls sends calls with real Celery whose result backend is "django-db".
+func (a *djangoApp) calls(e *env, calls ...pyCall) []pyResult {
+	a.t.Helper()
+	spec, _ := json.Marshal(map[string]any{"protocol": 2, "serializer": "json", "backend": "django-db",
+		"broker": e.url, "queue": e.queue, "timeout": 30, "calls": calls})
+	out := a.python(string(spec))
+	var res struct{ Results []pyResult }
+	if err := json.Unmarshal(out, &res); err != nil || len(res.Results) != len(calls) {
+		a.t.Fatalf("django_client.py output %q: %v", out, err)
+	}
+	return res.Results
+}
+
+// djangoRow is a django_celery_results_taskresult row; NULL is "<nil>".
+type djangoRow struct {
+	Status, ContentType, ContentEncoding, Result, Meta, Traceback string
+	TaskName, TaskArgs, TaskKwargs, Worker, PeriodicTaskName      string
+	DateDone, DateCreated                                         time.Time
+}
+
+func (a *djangoApp) row(taskID string) djangoRow {
+	a.t.Helper()
+	var r djangoRow
+	var res, meta, tb, name, args, kwargs, worker, periodic *string
+	err := a.pool.QueryRow(context.Background(), `SELECT status, content_type, content_encoding, result, meta, traceback,
+		task_name, task_args, task_kwargs, worker, periodic_task_name, date_done, date_created
+		FROM `+pgx.Identifier{a.schema, DjangoTaskTable}.Sanitize()+` WHERE task_id = $1`, taskID).Scan(
+		&r.Status, &r.ContentType, &r.ContentEncoding, &res, &meta, &tb, &name, &args, &kwargs, &worker, &periodic,
+		&r.DateDone, &r.DateCreated)
+	if err != nil {
+		a.t.Fatalf("row of %s: %v", taskID, err)
+	}
+	str := func(p *string) string {
+		if p == nil {
+			return "<nil>"
+		}
+		return *p
+	}
+	r.Result, r.Meta, r.Traceback, r.TaskName = str(res), str(meta), str(tb), str(name)
+	r.TaskArgs, r.TaskKwargs, r.Worker, r.PeriodicTaskName = str(args), str(kwargs), str(worker), str(periodic)
+	return r
+}
+
+// TestDjangoBackendCelery: with --result-backend django-db+postgresql://,
+// real Celery callers configured with CELERY_RESULT_BACKEND = "django-db"
+// get their results from a onceler worker: delay().get(), a failure raised
+// as the task's exception type, and a group; the rows are
+// django-celery-results' (with result_extended: task name, argsrepr,
+// kwargsrepr, worker, traceback).
+func TestDjangoBackendCelery(t *testing.T) {
+	a := newDjangoApp(t, true)
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.ResultBackend = a.backend
+	cfg.ResultExtended = true
+	e.start(djangoRegistry(t), cfg)
+
+	members := make([]pyCall, 10)
+	for i := range members {
+		members[i] = pyCall{Task: "t.add", Args: []any{i, 100}}
+	}
+	start := time.Now()
+	res := a.calls(e,
+		pyCall{Task: "t.add", Args: []any{2, 3}},
+		pyCall{Task: "t.fail", Args: []any{0, "acc-7"}},
+		pyCall{Task: "t.add", Args: []any{1, 1}, Kwargs: map[string]any{}},
+		pyCall{Group: members},
+	)
+	if string(res[0].OK) != "5" {
+		t.Errorf("delay().get(): %+v", res[0])
+	}
+	if r := res[1]; r.ExcType != "KeyError" || r.ExcModule != "builtins" || r.Message != "no such account: acc-7" {
+		t.Errorf("failure: %+v, want KeyError", r)
+	}
+	if string(res[3].OK) != "[100, 101, 102, 103, 104, 105, 106, 107, 108, 109]" {
+		t.Errorf("group: %s", res[3].OK)
+	}
+
+	r := a.row(res[0].ID)
+	if r.Status != "SUCCESS" || r.ContentType != "application/json" || r.ContentEncoding != "utf-8" ||
+		r.Result != "5" || r.Meta != `{"children": []}` || r.Traceback != "<nil>" {
+		t.Errorf("SUCCESS row: %+v", r)
+	}
+	if r.TaskName != "t.add" || r.TaskArgs != `"(2, 3)"` || r.TaskKwargs != `"{}"` || r.Worker != cfg.Hostname ||
+		r.PeriodicTaskName != "<nil>" {
+		t.Errorf("extended columns: %+v", r)
+	}
+	if r.DateDone.Before(start.Add(-time.Second)) || r.DateDone.After(time.Now()) || r.DateCreated.After(r.DateDone) {
+		t.Errorf("dates: created %s done %s (test started %s)", r.DateCreated, r.DateDone, start)
+	}
+	r = a.row(res[1].ID)
+	if r.Status != "FAILURE" || r.Result != `{"exc_type": "KeyError", "exc_message": ["no such account: acc-7"], "exc_module": "builtins"}` ||
+		!strings.Contains(r.Traceback, "KeyError") || r.TaskArgs != `"(0, 'acc-7')"` {
+		t.Errorf("FAILURE row: %+v", r)
+	}
+}
+
+func djangoRegistry(t *testing.T) *Registry {
+	t.Helper()
+	reg := NewRegistry()
+	for _, err := range []error{
+		Register(reg, Task[addArgs]{Name: "t.add", Run: func(_ context.Context, _ *Call, a addArgs) (any, error) {
+			return a.X + a.Y, nil
+		}}),
+		Register(reg, Task[flakyArgs]{Name: "t.fail", Run: func(_ context.Context, _ *Call, a flakyArgs) (any, error) {
+			return nil, KeyError("no such account: " + a.Op)
+		}}),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return reg
+}
+
+// TestDjangoBackendRows: the rows the backend writes for a SUCCESS and a
+// FAILURE (without result_extended) are those django-celery-results'
+// own DatabaseBackend writes for the same results (content type, encoding,
+// result and meta text, NULL traceback and request columns); a SUCCESS is
+// never replaced, anything else is.
+func TestDjangoBackendRows(t *testing.T) {
+	a := newDjangoApp(t, true)
+	b, err := newDjangoBackend(a.backend, &Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = b.close() }()
+	ctx := context.Background()
+	if err := b.ping(ctx); err != nil {
+		t.Fatalf("ping: %v", err)
+	}
+	value := map[string]any{"total": int64(12), "note": "café \"ok\"", "items": []any{1.5, nil, true}}
+	put := func(r *celeryproto.Result) {
+		t.Helper()
+		r.Serializer = "json"
+		_, meta, err := celeryproto.EncodeMeta(r, nil, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := b.put(ctx, r.TaskID, meta); err != nil {
+			t.Fatalf("put %s: %v", r.Status, err)
+		}
+	}
+	goOK, goFail, pyOK, pyFail := testenv.Name("ok"), testenv.Name("fail"), testenv.Name("pyok"), testenv.Name("pyfail")
+	put(&celeryproto.Result{TaskID: goOK, Status: celeryproto.StateSuccess, Value: value})
+	put(&celeryproto.Result{TaskID: goFail, Status: celeryproto.StateFailure, Traceback: "Traceback (most recent call last):\n",
+		Exception: &celeryproto.Exception{Type: "KeyError", Module: "builtins", Message: "no such"}})
+	stored, _ := json.Marshal([][]any{{pyOK, "SUCCESS", value}, {pyFail, "FAILURE", []string{"KeyError", "no such"}}})
+	a.python("store", string(stored))
+
+	for _, p := range [][2]string{{goOK, pyOK}, {goFail, pyFail}} {
+		g, py := a.row(p[0]), a.row(p[1])
+		g.DateDone, g.DateCreated, py.DateDone, py.DateCreated = time.Time{}, time.Time{}, time.Time{}, time.Time{}
+		if g != py {
+			t.Errorf("row differs from django-celery-results':\n onceler %+v\n python  %+v", g, py)
+		}
+	}
+
+	// A late FAILURE does not replace the SUCCESS; a SUCCESS replaces a
+	// STARTED.
+	put(&celeryproto.Result{TaskID: goOK, Status: celeryproto.StateFailure,
+		Exception: &celeryproto.Exception{Type: "ValueError", Module: "builtins", Message: "late"}})
+	if r := a.row(goOK); r.Status != "SUCCESS" || !strings.Contains(r.Result, "café") && !strings.Contains(r.Result, `caf\u00e9`) {
+		t.Errorf("SUCCESS replaced: %+v", r)
+	}
+	started := testenv.Name("started")
+	put(&celeryproto.Result{TaskID: started, Status: celeryproto.StateStarted, Value: map[string]any{"pid": int64(1)}})
+	put(&celeryproto.Result{TaskID: started, Status: celeryproto.StateSuccess, Value: "done"})
+	if r := a.row(started); r.Status != "SUCCESS" || r.Result != `"done"` {
+		t.Errorf("STARTED then SUCCESS: %+v", r)
+	}
+}
+
+// TestDjangoBackendMissingTable: without the Django application's
+// migrations the backend's check at start is one line that names the table
+// and what to do, never the password; onceler creates nothing.
+func TestDjangoBackendMissingTable(t *testing.T) {
+	a := newDjangoApp(t, false)
+	u, err := url.Parse(strings.TrimPrefix(a.backend, "django-db+"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.UserPassword(u.User.Username(), "s3cret-pw")
+	for _, scheme := range []string{"django-db+postgresql", "django-db+postgres"} {
+		u.Scheme = strings.TrimPrefix(scheme, "django-db+")
+		raw := "django-db+" + u.String()
+		if err := CheckResultBackend(raw); err != nil {
+			t.Fatalf("%s refused: %v", scheme, err)
+		}
+		be, err := newBackend(&Config{ResultBackend: raw})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = be.ping(context.Background())
+		_ = be.close()
+		if err == nil || !strings.Contains(err.Error(), "table django_celery_results_taskresult does not exist") ||
+			!strings.Contains(err.Error(), "migrate django_celery_results") || strings.Contains(err.Error(), "s3cret") ||
+			strings.Contains(err.Error(), "\n") {
+			t.Errorf("%s ping: %v", scheme, err)
+		}
+		if s := be.String(); strings.Contains(s, "s3cret") || !strings.HasPrefix(s, scheme+"://") {
+			t.Errorf("String() %q", s)
+		}
+	}
+	var n int
+	if err := a.pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_tables WHERE schemaname = $1", a.schema).Scan(&n); err != nil || n != 0 {
+		t.Errorf("tables in the schema: %d (%v), want none", n, err)
+	}
+	if err := CheckResultBackend("django-db+postgresql://app:pw@db/app"); err != nil {
+		t.Errorf("valid URL refused: %v", err)
+	}
+	if _, err := newBackend(&Config{ResultBackend: "django-db+postgresql://app:pw@db/app", ResultSerializer: "msgpack"}); err == nil ||
+		!errors.Is(err, ErrBackendURL) {
+		t.Errorf("msgpack with django-db: %v", err)
+	}
+}
