@@ -38,7 +38,7 @@ type djangoApp struct {
 // the schema without the tables.
 func newDjangoApp(t *testing.T, migrate bool) *djangoApp {
 	t.Helper()
-	py := testenv.Python(t)
+	testenv.Python(t)
 	if _, err := os.Stat("/usr/lib/python3/dist-packages/django_celery_results/__init__.py"); err != nil {
 		testenv.Unavailable(t, "python3-django-celery-results not installed")
 	}
@@ -62,13 +62,7 @@ CELERY_RESULT_BACKEND = "django-db"
 	}
 	a.env = append(os.Environ(), "PYTHONPATH="+dir, "DJANGO_SETTINGS_MODULE=onceler_django_settings")
 	if migrate {
-		ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, py, "-m", "django", "migrate", "--settings=onceler_django_settings", "django_celery_results")
-		cmd.Env = a.env
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("django migrate: %v\n%s", err, out)
-		}
+		a.migrate()
 	}
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -79,6 +73,19 @@ CELERY_RESULT_BACKEND = "django-db"
 	u.RawQuery = q.Encode()
 	a.backend = "django-db+" + u.String()
 	return a
+}
+
+// migrate creates the django-celery-results tables with Django's own
+// migrations.
+func (a *djangoApp) migrate() {
+	a.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, testenv.Python(a.t), "-m", "django", "migrate", "--settings=onceler_django_settings", "django_celery_results")
+	cmd.Env = a.env
+	if out, err := cmd.CombinedOutput(); err != nil {
+		a.t.Fatalf("django migrate: %v\n%s", err, out)
+	}
 }
 
 // python runs django_client.py with args under the project's settings.
@@ -315,4 +322,58 @@ func TestDjangoBackendMissingTable(t *testing.T) {
 		!errors.Is(err, ErrBackendURL) {
 		t.Errorf("msgpack with django-db: %v", err)
 	}
+}
+
+// TestDjangoBackendHeldUntilMigrated: while the Django tables are missing
+// the result is not lost nor the message acknowledged: the worker retries,
+// and once the application migrates, the row appears and the message is
+// settled.
+func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
+	a := newDjangoApp(t, false)
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.ResultBackend = a.backend
+	e.start(djangoRegistry(t), cfg)
+	id := testenv.Name("held")
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: id, Args: []any{int64(20), int64(22)}})
+	time.Sleep(1500 * time.Millisecond) // several write attempts fail meanwhile
+	if n := unacked(t, e.queue); n != 1 {
+		t.Errorf("unacknowledged while the table is missing: %d, want the held delivery", n)
+	}
+	a.migrate()
+	var status, result string
+	waitFor(t, "the row after migrate", 30*time.Second, func() bool {
+		err := a.pool.QueryRow(context.Background(), "SELECT status, result FROM "+
+			pgx.Identifier{a.schema, DjangoTaskTable}.Sanitize()+" WHERE task_id = $1", id).Scan(&status, &result)
+		return err == nil
+	})
+	if status != "SUCCESS" || result != "42" {
+		t.Errorf("row: %s %s", status, result)
+	}
+	waitFor(t, "the delivery settled", 10*time.Second, func() bool { return unacked(t, e.queue) == 0 })
+	if n := e.queueDepth(e.queue); n != 0 {
+		t.Errorf("queue depth %d after the result landed", n)
+	}
+}
+
+// unacked is the number of unacknowledged messages of queue, from
+// rabbitmqctl.
+func unacked(t *testing.T, queue string) int {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "list_queues", "-q", "--no-table-headers", "name", "messages_unacknowledged").Output()
+	if err != nil {
+		testenv.Unavailable(t, "rabbitmqctl: %v", err)
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == queue {
+			var n int
+			if _, err := fmt.Sscan(f[1], &n); err != nil {
+				t.Fatalf("rabbitmqctl line %q", line)
+			}
+			return n
+		}
+	}
+	t.Fatalf("queue %s not listed by rabbitmqctl", queue)
+	return 0
 }
