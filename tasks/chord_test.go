@@ -195,3 +195,40 @@ func TestChordPartEntry(t *testing.T) {
 		t.Errorf("decoded %+v %v, repr %s", p, err, p.ExceptionRepr())
 	}
 }
+
+// TestRedisChordFinisher: of a chord's parts, the one that completes the
+// header publishes the body; its redelivery (it died before the body went
+// out) publishes it again, a redelivery of another part never does, and
+// once the chord is done nothing does.
+func TestRedisChordFinisher(t *testing.T) {
+	addr := redisAddr(t)
+	b, err := newRedisBackend(fmt.Sprintf("redis://%s/%d", addr, redisTestDB), &Config{ResultExpires: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = b.close() }()
+	ctx := context.Background()
+	gid := testenv.Name("chord")
+	if err := b.c.Set(ctx, GroupKeyPrefix+gid+".s", 2, time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	part := func(id string, index int, want bool) {
+		t.Helper()
+		entry := fmt.Appendf(nil, `[1, %q, "SUCCESS", %d]`, id, index)
+		fire, joined, err := b.chordPart(ctx, gid, id, &index, entry)
+		if err != nil || fire != want {
+			t.Fatalf("part %s: fire %v, %v; want %v", id, fire, err, want)
+		}
+		if fire && (len(joined) != 2 || !strings.Contains(string(joined[0]), `"a"`)) {
+			t.Fatalf("joined %q, want a's entry first", joined)
+		}
+	}
+	part("b", 1, false) // the second part finishes first
+	part("a", 0, true)  // completes the header
+	part("b", 1, false) // a redelivery of the other part
+	part("a", 0, true)  // the finisher's redelivery, before the chord is done
+	if err := b.chordDone(ctx, gid); err != nil {
+		t.Fatal(err)
+	}
+	part("a", 0, false) // after it
+}
