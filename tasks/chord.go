@@ -77,7 +77,9 @@ func (w *Worker) chordPartReturn(ctx context.Context, j *job, r *celeryproto.Res
 	if !fire {
 		return true
 	}
-	w.crash(CrashChordJoined, j)
+	if j.h != nil {
+		w.crash(CrashChordJoined, j)
+	}
 	results := make([]any, 0, len(joined))
 	var failed *celeryproto.ChordPart
 	for _, e := range joined {
