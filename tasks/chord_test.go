@@ -81,7 +81,9 @@ func chordRegistry(t *testing.T, rec *callRecorder, g *gate) *Registry {
 // result backend, their header parts run by a onceler worker: the worker
 // that ends the header publishes the body with the results in header
 // order, to a Go body (t.xsum) or to a Python body run by a real Celery
-// worker on another queue (py.xsum), and chord.get() has its result; a
+// worker on another queue (py.xsum), and chord.get() has its result; the
+// body goes out in the serializer the parts came in (msgpack: bytes stay
+// bytes); a
 // failed part gives the body's result ChordError (chord.get() raises the
 // part's error first, as in Celery) and its
 // errback is called with the body's task id; the chord counters are gone
@@ -97,8 +99,8 @@ func TestChordsWithRedis(t *testing.T) {
 	cfg.ResultBackend = e.backend
 	e.start(chordRegistry(t, rec, &gate{}), cfg)
 	e.pythonWorker(pyq)
-	res := e.workflows(pyq, "chord_go_body", "chord_py_body", "chord_fail")
-	for name, want := range map[string]string{"chord_go_body": `30`, "chord_py_body": `12`} {
+	res := e.workflows(pyq, "chord_go_body", "chord_py_body", "chord_msgpack", "chord_fail")
+	for name, want := range map[string]string{"chord_go_body": `30`, "chord_py_body": `12`, "chord_msgpack": `[[2], "bytes", [0, 255]]`} {
 		if got := string(res[name].OK); got != want {
 			t.Errorf("%s: got %s (%+v), want %s", name, got, res[name], want)
 		}

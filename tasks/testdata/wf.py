@@ -110,6 +110,10 @@ def run(name):
     if name == "chord_py_body":
         # add(1, 1), add(2, 2), add(3, 3) in Go, summed by py.xsum in Python: 12
         return chord([s("t.add", i, i) for i in range(1, 4)], s("py.xsum")).apply_async().get(timeout=TIMEOUT)
+    if name == "chord_msgpack":
+        # parts sent in msgpack; the Go worker sends the Python body
+        # kind([2], b"\x00\xff") on in msgpack too: the bytes stay bytes
+        return chord([s("t.add", 1, 1)], s("py.kind", b"\x00\xff")).apply_async(serializer="msgpack").get(timeout=TIMEOUT)
     if name == "chord_fail":
         body = s("t.xsum")
         body.link_error(s("t.record", "chord-errback"))
