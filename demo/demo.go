@@ -24,6 +24,8 @@
 //     its retry count is below failures, then returns {"op", "attempts"}. Key
 //     op; no outside effect, so its stale-claim policy is retry.
 //   - demo.fail(message): always fails with Python ValueError(message).
+//   - demo.xsum(numbers): the sum of a list of numbers. Pure; the body of a
+//     chord of demo.add parts, which gets their results as its list.
 //
 // The simulated outside systems write in their own transactions, never in the
 // record's, and every call to them is logged.
@@ -54,11 +56,12 @@ const (
 	TaskSleep  = "demo.sleep"
 	TaskFlaky  = "demo.flaky"
 	TaskFail   = "demo.fail"
+	TaskXsum   = "demo.xsum"
 )
 
 // Names lists every demo task name.
 func Names() []string {
-	return []string{TaskAdd, TaskCredit, TaskCharge, TaskEmail, TaskSleep, TaskFlaky, TaskFail}
+	return []string{TaskAdd, TaskCredit, TaskCharge, TaskEmail, TaskSleep, TaskFlaky, TaskFail, TaskXsum}
 }
 
 // Option configures Register.
@@ -119,6 +122,11 @@ type FlakyArgs struct {
 // FailArgs are the arguments of demo.fail.
 type FailArgs struct {
 	Message string `celery:"message"`
+}
+
+// XsumArgs are the arguments of demo.xsum.
+type XsumArgs struct {
+	Numbers []float64 `celery:"numbers"`
 }
 
 // ChargeReference is the reference demo.payments.charge gives the gateway.
@@ -192,6 +200,11 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Mode: tasks.ModePure,
 			Run:  d.fail,
 		}),
+		tasks.Register(reg, tasks.Task[XsumArgs]{
+			Name: TaskXsum,
+			Mode: tasks.ModePure,
+			Run:  d.xsum,
+		}),
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("register demo tasks: %w", err)
@@ -206,6 +219,14 @@ type demo struct {
 
 func (d *demo) add(_ context.Context, _ *tasks.Call, a AddArgs) (any, error) {
 	return number(a.X + a.Y), nil
+}
+
+func (d *demo) xsum(_ context.Context, _ *tasks.Call, a XsumArgs) (any, error) {
+	var sum float64
+	for _, n := range a.Numbers {
+		sum += n
+	}
+	return number(sum), nil
 }
 
 // number returns an integral float as an integer, so 2 + 3 answers 5, not 5.0.

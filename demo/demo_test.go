@@ -87,6 +87,19 @@ func TestAdd(t *testing.T) {
 	}
 }
 
+func TestXsum(t *testing.T) {
+	d := &demo{}
+	for _, c := range []struct {
+		in   []float64
+		want any
+	}{{[]float64{3, 7, 11}, int64(21)}, {nil, int64(0)}, {[]float64{0.5, 1}, 1.5}} {
+		got, err := d.xsum(context.Background(), &tasks.Call{}, XsumArgs{Numbers: c.in})
+		if err != nil || got != c.want {
+			t.Errorf("xsum(%v) = %v (%T), %v; want %v", c.in, got, got, err, c.want)
+		}
+	}
+}
+
 func TestCreditWritesInTheGivenTransaction(t *testing.T) {
 	d := newDemo(t)
 	ctx := context.Background()

@@ -15,6 +15,13 @@
 //     count, so only their results, records and queue are checked), with
 //     the record (the guarantee must hold) and with --no-record (the
 //     duplicate must show).
+//   - TestReplayDemoRedis: the same with the workers' results in Redis
+//     (--result-backend redis://, database 9): every caller's result is
+//     read from its celery-task-meta-<id> key.
+//   - TestChordsRedisKill: real Celery chords of demo.add parts and a
+//     demo.xsum body over two workers, one killed before its ack or when
+//     it completed a chord (crash point chord_joined): each body published
+//     once, with its sum.
 //   - TestReplaySkipPolicy: the same for replay.audit (policy skip); the
 //     replay package's TestOwnBinary does it for replay.notify (retry).
 //   - TestPythonProducerDuplicates: real Python Celery (testdata/producer.py)

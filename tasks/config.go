@@ -212,6 +212,9 @@ const (
 	CrashAfterEffect = "after_effect"
 	// CrashBeforeAck: after completion and the result publish, before the ack.
 	CrashBeforeAck = "before_ack"
+	// CrashChordJoined: a chord header part completed its chord (Redis
+	// result backend), before the chord's body is published.
+	CrashChordJoined = "chord_joined"
 )
 
 // CrashConfig makes the process kill itself with SIGKILL the first time a
@@ -224,10 +227,11 @@ type CrashConfig struct {
 
 func (c CrashConfig) validate() error {
 	switch c.At {
-	case "", CrashAfterClaim, CrashAfterEffect, CrashBeforeAck:
+	case "", CrashAfterClaim, CrashAfterEffect, CrashBeforeAck, CrashChordJoined:
 		return nil
 	}
-	return fmt.Errorf("tasks: unknown crash point %q (want %s, %s or %s)", c.At, CrashAfterClaim, CrashAfterEffect, CrashBeforeAck)
+	return fmt.Errorf("tasks: unknown crash point %q (want %s, %s, %s or %s)", c.At, CrashAfterClaim, CrashAfterEffect,
+		CrashBeforeAck, CrashChordJoined)
 }
 
 // FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK.

@@ -148,7 +148,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		return false
 	}
 	j.args = args
-	if why := unsupportedWorkflow(msg); why != "" {
+	if why := w.workflowRefusal(msg); why != "" {
 		w.refuseWorkflow(ctx, j, why)
 		return false
 	}

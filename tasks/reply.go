@@ -65,8 +65,10 @@ func (w *Worker) publishResult(ctx context.Context, j *job, r *celeryproto.Resul
 // step's, when a failure is carried along the chain).
 func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r *celeryproto.Result) bool {
 	if w.backend != nil {
-		// A result backend keeps results by task id, whatever reply_to.
-		return w.storeResult(ctx, j, r)
+		// A result backend keeps results by task id, whatever reply_to; a
+		// chord header part then joins its chord (Celery's mark_as_done and
+		// mark_as_failure call on_chord_part_return after the store).
+		return w.storeResult(ctx, j, r) && w.chordPartReturn(ctx, j, r)
 	}
 	if replyTo == "" {
 		return true
@@ -116,14 +118,19 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 }
 
 func (w *Worker) replySuccess(ctx context.Context, j *job, res []byte) bool {
-	if j.msg.IgnoreResult {
+	if j.msg.IgnoreResult && j.msg.Chord == nil {
 		return true
 	}
 	v, err := jsonValue(res)
 	if err != nil {
 		w.log.Error("stored result is not JSON", w.fields(j, zap.Error(err))...)
 	}
-	return w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateSuccess, Value: v})
+	r := &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateSuccess, Value: v}
+	if j.msg.IgnoreResult {
+		// Not stored, but a chord part still joins its chord, as in Celery.
+		return w.chordPartReturn(ctx, j, r)
+	}
+	return w.publishResult(ctx, j, r)
 }
 
 // replyFailure tells the caller FAILURE. The ignore_result option of a call

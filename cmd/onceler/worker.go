@@ -76,8 +76,8 @@ A second signal ends the process at once.
 
 This binary serves the demo tasks (--demo); build your own binary to serve
 your own tasks (see docs/example). ONCELER_CRASH_AT=after_claim|after_effect|
-before_ack with ONCELER_CRASH_TASK=<task> makes the process die abruptly (as
-kill -9) the first time that point is reached, for crash tests.`,
+before_ack|chord_joined with ONCELER_CRASH_TASK=<task> makes the process die
+abruptly (as kill -9) the first time that point is reached, for crash tests.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			f := &workerFlags{}
 			f.db.define(fs)
@@ -173,10 +173,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	crash := tasks.CrashConfig{At: a.getenv("ONCELER_CRASH_AT"), Task: a.getenv("ONCELER_CRASH_TASK")}
 	switch crash.At {
-	case "", tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck:
+	case "", tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined:
 	default:
-		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s or %s", crash.At,
-			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck)
+		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s, %s or %s", crash.At,
+			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined)
 	}
 	node, err := control.NodeName(f.hostname)
 	if err != nil {

@@ -31,6 +31,7 @@ type scenario struct {
 	Events    bool // remote control and task events on, a monitor reading them (-monitor)
 	Round     int  // the pair's round, for (f) and its (b) twins
 	N         int  // messages, when not -n
+	Redis     bool // results to the Redis result backend (-redis)
 }
 
 var scenarios = []scenario{
@@ -38,6 +39,7 @@ var scenarios = []scenario{
 	{ID: "b", Title: "onceler, outside no-op, ignore_result", Kind: "worker", Task: taskOutside, Latency: true},
 	{ID: "b'", Title: "onceler, same-database insert, ignore_result", Kind: "worker", Task: taskSameDB, Latency: true},
 	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
+	{ID: "c-redis", Title: "(c) with results to Redis (--result-backend redis://)", Kind: "worker", Task: taskOutside, Redis: true},
 	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
 	{ID: "e", Title: "Python Celery 5.2.6 prefork, same claim + completion", Kind: "python", Task: taskOutside},
 	{ID: "f", Title: "(b) with remote control and task events on, a monitor's queue bound to celeryev", Kind: "worker", Task: taskOutside, Events: true},
@@ -221,7 +223,7 @@ func (b *bench) names(sc scenario, suffix string) (queue, schema string) {
 		suffix = fmt.Sprintf("-r%d", sc.Round) + suffix
 	}
 	id := strings.ReplaceAll(sc.ID, "'", "2")
-	return "onceler-bench-" + b.runID + "-" + id + suffix, "bench_" + b.runID + "_" + id + strings.ReplaceAll(suffix, "-", "_")
+	return "onceler-bench-" + b.runID + "-" + id + suffix, "bench_" + b.runID + "_" + strings.ReplaceAll(id+suffix, "-", "_")
 }
 
 func (b *bench) drain(ctx context.Context, sc scenario) row {
@@ -256,7 +258,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				return err
 			}
 		}
-		spec := msgSpec{Task: sc.Task, N: r.n, RunID: b.runID + sc.ID, ReplyTo: reply, Ignore: reply == "",
+		spec := msgSpec{Task: sc.Task, N: r.n, RunID: b.runID + sc.ID, ReplyTo: reply, Ignore: reply == "" && !sc.Redis,
 			DupEvery: sc.DupEvery, DupGap: 4 * b.o.prefetch}
 		msgs, ops, err := spec.build()
 		if err != nil {
@@ -294,6 +296,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		default:
 			job := b.consumerJob(sc.Kind, queue, schema, r.n)
 			job.Events = sc.Events
+			if sc.Redis {
+				job.ResultBackend = b.o.redisURL
+			}
 			if sc.ID == b.o.profiled && sc.Round <= 1 {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 			}
@@ -335,7 +340,10 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			return err
 		}
 		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
-		return b.verify(ctx, sc, queue, schema, reply, ops)
+		if err := b.verify(ctx, sc, queue, schema, reply, ops); err != nil || !sc.Redis {
+			return err
+		}
+		return verifyRedis(ctx, b.o.redisURL, msgs)
 	}()
 	r.drainError = err
 	return r

@@ -57,6 +57,8 @@ type childJob struct {
 	Procs       int    // GOMAXPROCS; 0: the runtime's default
 	DoneFile    string // when set, the commit time of each task is written there
 	Events      bool   // remote control on, task events on (Celery's -E)
+
+	ResultBackend string // the worker's result backend ("": rpc://)
 }
 
 // childResult is what the child reports.
@@ -250,6 +252,8 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		Metrics:     metrics,
 		Grace:       10 * time.Second,
 		Observer:    taskObs,
+
+		ResultBackend: job.ResultBackend,
 	})
 	if err != nil {
 		return res, fmt.Errorf("worker: %w", err)

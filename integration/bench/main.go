@@ -13,6 +13,7 @@
 //	(b)  the onceler worker, outside-system no-op task: claim, then completion; ignore_result
 //	(b') the same with a same-database task that inserts one row
 //	(c)  (b) with results published to reply_to
+//	(c-redis) (b) with results written to Redis (-redis, Celery's Redis result backend)
 //	(d)  (b) with 20% duplicate deliveries
 //	(e)  a Python Celery 5.2.6 prefork worker (concurrency = cores, acks_late)
 //	     doing the same claim and completion with psycopg2
@@ -64,6 +65,7 @@ type options struct {
 	memProfile    string
 	timeout       time.Duration
 	debug         bool
+	redisURL      string
 }
 
 func main() {
@@ -99,7 +101,8 @@ func run() error {
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
-	fs.StringVar(&o.only, "scenarios", "a,b,b',c,d,e,f", "scenarios to run, comma-separated")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',c,c-redis,d,e,f", "scenarios to run, comma-separated")
+	fs.StringVar(&o.redisURL, "redis", envOr("ONCELER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"), "Redis result backend of (c-redis); its results are deleted after the run")
 	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.StringVar(&o.monitor, "monitor", monitorAfter, "how (f)'s events monitor reads them: "+monitorAfter+" (its queue bound during the run, read once the worker is done, as by a monitor on another machine), "+
 		monitorLive+" (consumed during the run, on the same cores), "+monitorNone+" (no queue: the broker drops them, as when no Flower is connected)")

@@ -48,7 +48,9 @@
 // processes. Messages are Celery protocol 2, built by celeryproto.EncodeTask
 // as a Python producer with the rpc result backend sends them (reply_to the
 // test's reply queue, correlation id the task id); results are collected from
-// the reply queue by correlation id.
+// the reply queue by correlation id, or with Target.ResultBackend (a redis://
+// URL the workers get as ONCELER_RESULT_BACKEND) read from Redis, one per
+// task id.
 //
 //   - repeated: three operations, each message (same task id) delivered three
 //     times in a row. Without the record each delivery runs: three effects.

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
@@ -51,6 +52,10 @@ type Config struct {
 	// DurableReplies declares the reply queue durable, so that results
 	// survive a broker restart (Celery's own reply queue does not).
 	DurableReplies bool
+	// ResultBackend is the workers' result backend (ONCELER_RESULT_BACKEND),
+	// a redis:// URL; results are then read from Redis (Replies gives the
+	// one stored result of a task id). Default: rpc://, the reply queue.
+	ResultBackend string
 }
 
 // Env is one test's isolated world: its own queue (and quarantine queue),
@@ -79,6 +84,9 @@ type Env struct {
 	inspect *amqp091.Channel
 	replyCh *amqp091.Channel
 	wg      sync.WaitGroup // the reply collector
+
+	redisOnce sync.Once
+	redis     *redis.Client // results with Config.ResultBackend
 
 	mu      sync.Mutex
 	replies map[string][]Reply
@@ -387,8 +395,12 @@ func (e *Env) PublishRaw(ctx context.Context, exchange, routingKey string, p *ce
 	return nil
 }
 
-// Replies returns the results received so far for a task id.
+// Replies returns the results received so far for a task id; with a
+// Redis result backend, the one stored result.
 func (e *Env) Replies(id string) []Reply {
+	if e.cfg.ResultBackend != "" {
+		return e.storedReplies(id)
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return append([]Reply(nil), e.replies[id]...)
@@ -404,6 +416,9 @@ func (e *Env) ReplyCount() int {
 // WaitReplies waits until each id has at least n replies, and reports
 // whether they all did within timeout.
 func (e *Env) WaitReplies(ids []string, n int, timeout time.Duration) bool {
+	if e.cfg.ResultBackend != "" {
+		return e.waitStored(ids, timeout)
+	}
 	return Eventually(timeout, func() bool {
 		e.mu.Lock()
 		defer e.mu.Unlock()

@@ -55,7 +55,7 @@ func (r *runner) check() {
 				}
 				continue
 			}
-			if len(reps) < r.sends {
+			if len(reps) < r.e.repliesPer(r.sends) {
 				t.Errorf("operation %s task %s: %d results, want %d (one per delivery)", op, id, len(reps), r.sends)
 			}
 			for _, rep := range reps {
@@ -193,7 +193,7 @@ func (r *runner) resolveHeld(ctx context.Context, want Expectation) {
 		if err := r.e.PublishRaw(ctx, exchange, routingKey, p); err != nil {
 			t.Fatalf("republish held message: %v", err)
 		}
-		if !r.e.WaitReplies([]string{p.CorrelationID}, before+1, time.Minute) {
+		if !r.e.WaitReplies([]string{p.CorrelationID}, before+1, time.Minute) || !r.e.answeredAgain(p.CorrelationID, time.Minute) {
 			t.Errorf("operation %s: the replayed held message got no result", op)
 		}
 		t.Logf("operation %s held before its effect: resolved retry, replayed, answered %v", op, r.e.Replies(p.CorrelationID))

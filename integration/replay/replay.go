@@ -56,6 +56,10 @@ type Target struct {
 	// Operations is the number of distinct operations of ScenarioMany.
 	// Default 60.
 	Operations int
+	// ResultBackend is the workers' result backend, a redis:// URL
+	// (Config.ResultBackend): every caller's result is then read from
+	// Redis, one per task id. Default: rpc://.
+	ResultBackend string
 	// Scenarios limits the run to these scenarios. Default: all.
 	Scenarios []Scenario
 }
@@ -153,7 +157,8 @@ func Run(t *testing.T, target Target) {
 	for _, s := range scenarios {
 		t.Run(string(s), func(t *testing.T) {
 			r := &runner{t: t, tg: target, s: s, prefix: fmt.Sprintf("%s-%s", run, s), start: time.Now()}
-			r.e = NewEnv(t, Config{Binary: target.Binary, Command: target.Command, Env: target.Env, Lease: target.Lease})
+			r.e = NewEnv(t, Config{Binary: target.Binary, Command: target.Command, Env: target.Env, Lease: target.Lease,
+				ResultBackend: target.ResultBackend})
 			if !setup && target.Setup != nil {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()

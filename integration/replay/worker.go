@@ -101,6 +101,9 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 	if o.CrashAt != "" {
 		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
 	}
+	if e.cfg.ResultBackend != "" {
+		env = append(env, "ONCELER_RESULT_BACKEND="+e.cfg.ResultBackend)
+	}
 	env = append(env, e.cfg.Env...)
 	env = append(env, o.Env...)
 	cmd := exec.Command(e.cfg.Binary, e.cfg.Command...)

@@ -41,6 +41,11 @@ def mul(x, y):
     return x * y
 
 
+@app.task(name="py.xsum")
+def xsum(numbers):
+    return sum(numbers)
+
+
 @app.task(name="py.kind")
 def kind(x, b):
     """x, and what b arrived as: its type's name and, for bytes, its values."""
@@ -98,6 +103,42 @@ def run(name):
         return chord([s("t.add", 1, 1)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
     if name == "chord2":
         return chord([s("t.add", 1, 1), s("t.add", 2, 2)], s("t.add", 0)).apply_async().get(timeout=TIMEOUT)
+    if name == "chord_go_body":
+        # add(i, i) for i in 1..5 in Go, joined by the Go worker that ends
+        # the header, summed by t.xsum in Go: 30
+        return chord([s("t.add", i, i) for i in range(1, 6)], s("t.xsum")).apply_async().get(timeout=TIMEOUT)
+    if name == "chord_py_body":
+        # add(1, 1), add(2, 2), add(3, 3) in Go, summed by py.xsum in Python: 12
+        return chord([s("t.add", i, i) for i in range(1, 4)], s("py.xsum")).apply_async().get(timeout=TIMEOUT)
+    if name == "chord_msgpack":
+        # parts sent in msgpack; the Go worker sends the Python body
+        # kind([2], b"\x00\xff") on in msgpack too: the bytes stay bytes
+        return chord([s("t.add", 1, 1)], s("py.kind", b"\x00\xff")).apply_async(serializer="msgpack").get(timeout=TIMEOUT)
+    if name == "chord_fail":
+        body = s("t.xsum")
+        body.link_error(s("t.record", "chord-errback"))
+        r = chord([s("t.add", 1, 1), s("t.fail", 0, "part boom")], body).apply_async()
+        try:
+            r.get(timeout=TIMEOUT)  # raises the header's error, as Celery's get() does
+        except Exception as e:
+            header = type(e).__name__
+        # the body's own result, as the backend stores it
+        deadline = time.monotonic() + TIMEOUT
+        meta = app.backend.get_task_meta(r.id)
+        while meta["status"] != "FAILURE" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            meta = app.backend.get_task_meta(r.id)
+        e = app.backend.exception_to_python(meta["result"])
+        return {"id": r.id, "header_exc_type": header, "exc_type": type(e).__name__,
+                "exc_module": type(e).__module__, "message": str(e.args[0]) if e.args else str(e)}
+    if name == "chord_gate":
+        # five chords of two t.gate parts each, which finish together on
+        # two workers; each body t.record runs once
+        rs = [chord([s("t.gate", "g%d" % i), s("t.gate", "g%d" % i)], s("t.record", "chord-gate")).apply_async()
+              for i in range(5)]
+        for r in rs:
+            r.get(timeout=TIMEOUT)
+        return [r.id for r in rs]
     if name == "eta_flood":
         # 40 tasks with a countdown, then 10 immediate ones behind them.
         start = time.monotonic()
