@@ -377,3 +377,68 @@ func unacked(t *testing.T, queue string) int {
 	t.Fatalf("queue %s not listed by rabbitmqctl", queue)
 	return 0
 }
+
+// TestDjangoBackendChords: chords sent by real Celery 5.2.6 callers whose
+// result backend is django-db (their apply_chord makes the
+// django_celery_results_chordcounter row), the header parts run by a
+// onceler worker: the part that ends the header publishes the Go body
+// t.xsum with the results in header order, and chord.get() has its sum; a
+// failed part gives the body's result ChordError and its errback is called
+// with the body's task id; no chord counter row is left.
+func TestDjangoBackendChords(t *testing.T) {
+	a := newDjangoApp(t, true)
+	e := newEnv(t)
+	e.backend = "django-db"
+	rec := &callRecorder{}
+	cfg := e.config()
+	cfg.ResultBackend = a.backend
+	e.start(chordRegistry(t, rec, &gate{}), cfg)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, testenv.Python(t), filepath.Join("testdata", "wf.py"), "chord_go_body", "chord_fail")
+	cmd.Env = append(a.env, e.wfEnv(testenv.Name("pyq"))...)
+	out, err := cmd.Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			t.Fatalf("wf.py: %v\n%s", err, ee.Stderr)
+		}
+		t.Fatalf("wf.py: %v", err)
+	}
+	var res map[string]pyResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("wf.py output %q: %v", out, err)
+	}
+	if got := string(res["chord_go_body"].OK); got != "30" {
+		t.Errorf("chord_go_body: got %s (%+v), want 30", got, res["chord_go_body"])
+	}
+	var failed struct {
+		ID          string
+		HeaderError string `json:"header_exc_type"`
+		ExcType     string `json:"exc_type"`
+		ExcModule   string `json:"exc_module"`
+		Message     string
+	}
+	if err := json.Unmarshal(res["chord_fail"].OK, &failed); err != nil {
+		t.Fatalf("chord_fail: %+v: %v", res["chord_fail"], err)
+	}
+	if failed.HeaderError != "ValueError" || failed.ExcType != "ChordError" || failed.ExcModule != "celery.exceptions" ||
+		!strings.HasPrefix(failed.Message, "Dependency ") || !strings.HasSuffix(failed.Message, ` raised ValueError('part boom')`) {
+		t.Errorf("chord_fail: %+v, want celery.exceptions.ChordError Dependency <id> raised ValueError('part boom')", failed)
+	}
+	waitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
+	if got := rec.byTag("chord-errback"); len(got) != 1 || got[0].Value != failed.ID {
+		t.Errorf("chord errback calls %+v, want one with the body's id %s", got, failed.ID)
+	}
+	if r := a.row(failed.ID); r.Status != "FAILURE" || !strings.Contains(r.Result, `"exc_type": "ChordError"`) {
+		t.Errorf("chord body row: %+v", r)
+	}
+	var left int
+	if err := a.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{a.schema, DjangoChordTable}.Sanitize()).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 0 {
+		t.Errorf("%d chord counter rows left", left)
+	}
+}

@@ -10,7 +10,8 @@ and, run as a script, the client:
 
 Environment: ONCELER_WF_BROKER (broker URL), ONCELER_WF_GOQ (queue of the
 Go tasks t.*), ONCELER_WF_PYQ (queue of the Python task py.mul),
-ONCELER_WF_BACKEND (result backend URL, default rpc://).
+ONCELER_WF_BACKEND (result backend URL, default rpc://; "django-db" with
+DJANGO_SETTINGS_MODULE naming the Django settings).
 
 A scenario may also be a JSON call spec (see call): {"name", "task", "args",
 "kwargs", "options", "ready_at"}.
@@ -24,6 +25,11 @@ import sys
 import time
 
 from celery import Celery, chain, chord, group
+
+if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    import django
+
+    django.setup()
 
 GOQ = os.environ["ONCELER_WF_GOQ"]
 PYQ = os.environ["ONCELER_WF_PYQ"]
