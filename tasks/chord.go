@@ -11,7 +11,8 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 )
 
-// chordBackend is a result backend that keeps chord counters (Redis), as
+// chordBackend is a result backend that keeps chord counters (Redis,
+// django-db), as
 // Celery's backends with on_chord_part_return.
 type chordBackend interface {
 	// chordPart adds a header part's join entry to its chord (group gid,
