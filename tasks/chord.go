@@ -12,8 +12,7 @@ import (
 )
 
 // chordBackend is a result backend that keeps chord counters (Redis,
-// django-db), as
-// Celery's backends with on_chord_part_return.
+// django-db), as Celery's backends with on_chord_part_return.
 type chordBackend interface {
 	// chordPart adds a header part's join entry to its chord (group gid,
 	// position index; nil: after the others) and reports whether this part
