@@ -262,11 +262,15 @@
 // step of a chain, a link callback, an errback) is published as its
 // members, each with the result (or the failed id) prepended, group_id =
 // the group's id and group_index; when a chain fails before such a group,
-// its members' callers get the FAILURE too. Chord parts are refused (the
-// chord counter needs a result backend other than rpc, which onceler does
-// not have), and so are steps that are chains or chords, and a group
-// followed by more chain steps (Celery makes that a chord): before the task
-// runs, the caller and the rest of the chain get FAILURE
+// its members' callers get the FAILURE too. Chord parts are joined as
+// Celery's Redis and django-celery-results backends join them (with
+// Config.ResultBackend redis:// or django-db+postgresql://; see
+// docs/result-backends.md): the part that completes the header publishes
+// the body once, with the results in header order, or gives its errbacks a
+// ChordError. With rpc:// chord parts are refused, as in Celery, and so are
+// chord bodies that are not a plain task signature, steps that are chains
+// or chords, and a group followed by more chain steps (Celery makes that a
+// chord): before the task runs, the caller and the rest of the chain get FAILURE
 // NotImplementedError with the reason, errbacks are published, and the
 // message is quarantined (ReasonUnsupported). Bad arguments fail along the
 // chain the same way (TypeError).
