@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -46,6 +47,54 @@ func TestReviewRedisResultOverBulkLimit(t *testing.T) {
 		}
 		if !b.permanent(err) {
 			t.Errorf("write %d: %v: permanent() = false; the same error comes on every retry, so storeResult retries for ever", i, err)
+		}
+	}
+}
+
+// TestReviewDjangoChordBadSubTasks: a chord counter row whose sub_tasks is
+// not a JSON list of result tuples can never be joined: chordPart fails
+// the same way on every call. Its error must be permanent (and
+// retryBackend, which chordPartReturn uses, must stop on it); it is not,
+// and retryBackend never asks, so the part's delivery is held
+// unacknowledged and retried for ever.
+func TestReviewDjangoChordBadSubTasks(t *testing.T) {
+	raw := testenv.DatabaseURL(t)
+	pool := testenv.Pool(t)
+	schema := testenv.Schema(t, pool)
+	ctx := context.Background()
+	for _, q := range []string{
+		`CREATE TABLE ` + schema + `.` + DjangoTaskTable + ` (id serial PRIMARY KEY, task_id varchar(255) UNIQUE NOT NULL,
+			status varchar(50), content_type varchar(128), content_encoding varchar(64), result text, date_done timestamptz,
+			traceback text, meta text, task_args text, task_kwargs text, task_name varchar(255), worker varchar(100),
+			date_created timestamptz, periodic_task_name varchar(255))`,
+		`CREATE TABLE ` + schema + `.` + DjangoChordTable + ` (id serial PRIMARY KEY, group_id varchar(255) UNIQUE NOT NULL,
+			sub_tasks text NOT NULL, count integer NOT NULL)`,
+		`INSERT INTO ` + schema + `.` + DjangoChordTable + ` (group_id, sub_tasks, count) VALUES ('g-bad', '{"not": "a list"}', 1)`,
+	} {
+		if _, err := pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	qs := u.Query()
+	qs.Set("search_path", schema)
+	u.RawQuery = qs.Encode()
+	b, err := newBackend(&Config{ResultBackend: "django-db+" + u.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = b.close() }()
+	cb := b.(chordBackend)
+	for i := range 2 {
+		_, _, err := cb.chordPart(ctx, "g-bad", "part-1", nil, nil)
+		if err == nil {
+			t.Fatalf("call %d: chordPart of a counter whose sub_tasks is not a list: no error", i)
+		}
+		if !b.permanent(err) {
+			t.Errorf("call %d: %v: permanent() = false; the same error comes on every retry", i, err)
 		}
 	}
 }
