@@ -155,6 +155,17 @@ func (w *Worker) storeResult(ctx context.Context, j *job, r *celeryproto.Result)
 			return true
 		}
 		if w.backend.permanent(err) {
+			if r.Exception == nil || r.Exception.Type != "ResultNotStored" {
+				// Tell the caller why, in a result the backend can keep (a
+				// value too large for it, say).
+				nr := &celeryproto.Result{TaskID: r.TaskID, Status: celeryproto.StateFailure, Serializer: r.Serializer,
+					Exception: &celeryproto.Exception{Type: "ResultNotStored", Module: "onceler.exceptions",
+						Message: "the result backend refused the result: " + clip(err.Error(), maxLogField)}}
+				if _, nm, nerr := celeryproto.EncodeMeta(nr, w.metaRequest(j, r.TaskID), time.Now()); nerr == nil {
+					r, meta = nr, nm
+					continue
+				}
+			}
 			w.log.Error("result refused by the result backend; the caller cannot be answered", w.fields(j,
 				zap.String("result_task_id", clip(r.TaskID, maxLogField)), zap.String("status", string(r.Status)),
 				zap.String("error", clip(err.Error(), maxLogField)))...)

@@ -96,6 +96,10 @@ type djangoMeta struct {
 
 var errDjangoMeta = errors.New("django-db backend: task meta is not JSON")
 
+// errDjangoChord: a chord counter row whose sub_tasks cannot be read; it
+// reads the same every time.
+var errDjangoChord = errors.New("django-db backend: chord counter cannot be read")
+
 func (b *djangoBackend) put(ctx context.Context, taskID string, meta []byte) error {
 	var m djangoMeta
 	if err := json.Unmarshal(meta, &m); err != nil {
@@ -138,7 +142,7 @@ func (b *djangoBackend) put(ctx context.Context, taskID string, meta []byte) err
 // class 23). A missing table or a refused permission is not permanent:
 // migrating or granting lets the held results through.
 func (b *djangoBackend) permanent(err error) bool {
-	if errors.Is(err, errDjangoMeta) {
+	if errors.Is(err, errDjangoMeta) || errors.Is(err, errDjangoChord) {
 		return true
 	}
 	var pe *pgconn.PgError

@@ -242,8 +242,10 @@ func (b *redisBackend) permanent(err error) bool {
 	if errors.Is(err, errValueTooLarge) {
 		return true
 	}
+	// WRONGTYPE: the key holds another type; a value over the server's
+	// proto-max-bulk-len: refused the same every time.
 	var re redis.Error
-	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "WRONGTYPE")
+	return errors.As(err, &re) && (strings.HasPrefix(re.Error(), "WRONGTYPE") || strings.Contains(re.Error(), "invalid bulk length"))
 }
 
 func (b *redisBackend) ping(ctx context.Context) error { return b.c.Ping(ctx).Err() }

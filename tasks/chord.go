@@ -177,6 +177,14 @@ func (w *Worker) retryBackend(ctx context.Context, j *job, what string, op func(
 		if err == nil {
 			return true
 		}
+		if w.backend.permanent(err) {
+			// Refused the same every time: the chord cannot go on from this
+			// part; said once, and the delivery goes on (its own result is
+			// stored).
+			w.log.Error("result backend "+what+" refused; the chord cannot complete from this part", w.fields(j,
+				zap.Stringer("backend", w.backend), zap.String("error", clip(err.Error(), maxLogField)))...)
+			return true
+		}
 		if attempt%10 == 0 {
 			w.log.Warn("result backend "+what+" failed; retrying, delivery held unacknowledged", w.fields(j,
 				zap.Stringer("backend", w.backend), zap.Int("write_attempt", attempt+1),

@@ -66,7 +66,7 @@ func (b *djangoBackend) chordPart(ctx context.Context, gid, taskID string, _ *in
 func (b *djangoBackend) chordJoin(ctx context.Context, tx pgx.Tx, subTasks string) ([][]byte, error) {
 	var tuples []json.RawMessage
 	if err := json.Unmarshal([]byte(subTasks), &tuples); err != nil {
-		return nil, fmt.Errorf("sub_tasks is not a JSON list: %w", err)
+		return nil, fmt.Errorf("%w: sub_tasks is not a JSON list: %w", errDjangoChord, err)
 	}
 	ids := make([]string, len(tuples))
 	nested := make([]bool, len(tuples))
@@ -75,7 +75,7 @@ func (b *djangoBackend) chordJoin(ctx context.Context, tx pgx.Tx, subTasks strin
 		var head []json.RawMessage
 		if err := json.Unmarshal(raw, &tuple); err != nil || len(tuple) != 2 || json.Unmarshal(tuple[0], &head) != nil ||
 			len(head) < 1 || json.Unmarshal(head[0], &ids[i]) != nil || ids[i] == "" {
-			return nil, fmt.Errorf("sub_tasks member %d is not a result tuple", i)
+			return nil, fmt.Errorf("%w: sub_tasks member %d is not a result tuple", errDjangoChord, i)
 		}
 		nested[i] = string(tuple[1]) != "null"
 	}

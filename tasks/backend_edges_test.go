@@ -11,13 +11,11 @@ import (
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// TestReviewRedisResultOverBulkLimit: a result longer than the Redis
-// server's proto-max-bulk-len (here 1 MB, a documented setting) is refused
-// by the server on every write, whatever the retry. The backend must call
-// that error permanent; when it does not, storeResult retries it for ever
-// and the delivery is held unacknowledged for ever, its caller never
-// answered.
-func TestReviewRedisResultOverBulkLimit(t *testing.T) {
+// TestRedisResultOverBulkLimit: a result longer than the Redis server's
+// proto-max-bulk-len (here 1 MB, a documented setting) is refused on every
+// write: the backend calls the error permanent, so the worker stores a
+// ResultNotStored failure instead of retrying for ever.
+func TestRedisResultOverBulkLimit(t *testing.T) {
 	p := startRedisProc(t)
 	ctx := context.Background()
 	c := redisClient(t, p.addr(), 0)
@@ -51,13 +49,10 @@ func TestReviewRedisResultOverBulkLimit(t *testing.T) {
 	}
 }
 
-// TestReviewDjangoChordBadSubTasks: a chord counter row whose sub_tasks is
-// not a JSON list of result tuples can never be joined: chordPart fails
-// the same way on every call. Its error must be permanent (and
-// retryBackend, which chordPartReturn uses, must stop on it); it is not,
-// and retryBackend never asks, so the part's delivery is held
-// unacknowledged and retried for ever.
-func TestReviewDjangoChordBadSubTasks(t *testing.T) {
+// TestDjangoChordBadSubTasks: a chord counter row whose sub_tasks is not a
+// JSON list of result tuples can never be joined: the error is permanent,
+// and the worker's chord step stops on it instead of retrying for ever.
+func TestDjangoChordBadSubTasks(t *testing.T) {
 	raw := testenv.DatabaseURL(t)
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
