@@ -27,6 +27,9 @@ func TestRedisResultOverBulkLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = b.close() }()
+	if err := b.ping(ctx); err != nil { // as the worker does at start
+		t.Fatal(err)
+	}
 	id := testenv.Name("big")
 	_, meta, err := celeryproto.EncodeMeta(&celeryproto.Result{TaskID: id, Status: celeryproto.StateSuccess,
 		Serializer: "json", Value: strings.Repeat("x", 2<<20)}, nil, time.Now())

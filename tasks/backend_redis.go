@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -65,6 +66,11 @@ type redisBackend struct {
 	c       *redis.Client
 	expires int64 // seconds; 0: no expiry
 	url     string
+	// maxValue is the server's proto-max-bulk-len as last read (ping),
+	// else maxRedisValue: a longer value is refused before it is sent (the
+	// server would close the connection under it, which looks like an
+	// outage).
+	maxValue atomic.Int64
 }
 
 func newRedisBackend(raw string, cfg *Config) (*redisBackend, error) {
@@ -224,8 +230,12 @@ func redisTLS(q url.Values, host string) (*tls.Config, error) {
 }
 
 func (b *redisBackend) put(ctx context.Context, taskID string, meta []byte) error {
-	if len(meta) > maxRedisValue {
-		return errValueTooLarge
+	limit := b.maxValue.Load()
+	if limit <= 0 {
+		limit = maxRedisValue
+	}
+	if int64(len(meta)) > limit {
+		return fmt.Errorf("%w: %d bytes, the server takes at most %d", errValueTooLarge, len(meta), limit)
 	}
 	err := storeMeta.Run(ctx, b.c, []string{TaskKeyPrefix + taskID}, meta, b.expires).Err()
 	if err != nil {
@@ -234,7 +244,7 @@ func (b *redisBackend) put(ctx context.Context, taskID string, meta []byte) erro
 	return nil
 }
 
-var errValueTooLarge = errors.New("result too large for the Redis backend (512 MB)")
+var errValueTooLarge = errors.New("result too large for the Redis backend")
 
 // permanent: the value is too large, or the key holds something that is
 // not a string (WRONGTYPE): no retry changes that.
@@ -248,7 +258,19 @@ func (b *redisBackend) permanent(err error) bool {
 	return errors.As(err, &re) && (strings.HasPrefix(re.Error(), "WRONGTYPE") || strings.Contains(re.Error(), "invalid bulk length"))
 }
 
-func (b *redisBackend) ping(ctx context.Context) error { return b.c.Ping(ctx).Err() }
+// ping checks the server and reads its proto-max-bulk-len (a server that
+// refuses CONFIG keeps the limit as it was).
+func (b *redisBackend) ping(ctx context.Context) error {
+	if err := b.c.Ping(ctx).Err(); err != nil {
+		return err
+	}
+	if v, err := b.c.ConfigGet(ctx, "proto-max-bulk-len").Result(); err == nil {
+		if n, err := strconv.ParseInt(v["proto-max-bulk-len"], 10, 64); err == nil && n > 0 {
+			b.maxValue.Store(min(n, maxRedisValue))
+		}
+	}
+	return nil
+}
 
 func (b *redisBackend) close() error { return b.c.Close() }
 

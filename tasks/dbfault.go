@@ -93,6 +93,14 @@ func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
 		w.deferDelivery(j, time.Time{})
 		return false
 	}
+	// The run the probe waited for may have just committed its outcome.
+	switch rec, err := w.store.Get(ctx, j.h.name, j.key); {
+	case err == nil && rec.Status == idempotency.StatusCompleted:
+		return true
+	case err != nil && !errors.Is(err, idempotency.ErrNotFound):
+		w.recordTrouble(ctx, j, "poison check", err)
+		return false
+	}
 	w.log.Error("redelivered message keeps failing to finish its operation: quarantined as poison",
 		w.fields(j, zap.Int("redeliveries", j.redeliveries), zap.Int("max_attempts", w.cfg.MaxAttempts))...)
 	w.quarantinePoison(ctx, j, fmt.Errorf("operation redelivered %d times without an outcome (limit %d)", j.redeliveries, w.cfg.MaxAttempts))

@@ -3,6 +3,9 @@ package replay
 import (
 	"context"
 	"encoding/json"
+	"os"
+	"os/exec"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -62,9 +65,12 @@ func (r Reply) ready() bool {
 	return r.Status == "SUCCESS" || r.Status == "FAILURE" || r.Status == "REVOKED"
 }
 
-// waitStored waits until every id has a final result in Redis.
+// waitStored waits until every id has a final result in Redis and the
+// queue is settled: the copies of a message delivered several times share
+// one key, so the first copy's result does not say the others were handled.
 func (e *Env) waitStored(ids []string, timeout time.Duration) bool {
-	return Eventually(timeout, func() bool {
+	deadline := time.Now().Add(timeout)
+	stored := Eventually(timeout, func() bool {
 		for _, id := range ids {
 			reps := e.storedReplies(id)
 			if len(reps) == 0 || !reps[0].ready() {
@@ -73,6 +79,29 @@ func (e *Env) waitStored(ids []string, timeout time.Duration) bool {
 		}
 		return true
 	})
+	return stored && Eventually(time.Until(deadline), e.queueSettled)
+}
+
+// queueSettled reports whether the queue holds no message: none ready and,
+// where rabbitmqctl can tell (the local broker, as root), none delivered
+// and unacknowledged either.
+func (e *Env) queueSettled() bool {
+	if n, err := e.QueueDepth(e.Queue); err != nil || n != 0 {
+		return false
+	}
+	if os.Geteuid() != 0 {
+		return true
+	}
+	out, err := exec.Command("rabbitmqctl", "-q", "list_queues", "name", "messages").Output()
+	if err != nil {
+		return true
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == e.Queue {
+			return f[1] == "0"
+		}
+	}
+	return true
 }
 
 // repliesPer is how many results a caller of a task id delivered n times
