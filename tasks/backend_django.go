@@ -204,26 +204,7 @@ func reprText(raw json.RawMessage, tuple bool) (*string, error) {
 	if err != nil {
 		return nil, err
 	}
-	var b strings.Builder
-	if l, ok := v.([]any); ok && tuple {
-		b.WriteByte('(')
-		for i, e := range l {
-			if i > 0 {
-				b.WriteString(", ")
-			}
-			writeRepr(&b, e)
-		}
-		if len(l) == 1 {
-			b.WriteByte(',')
-		}
-		b.WriteByte(')')
-	} else {
-		writeRepr(&b, v)
-	}
-	r := b.String()
-	if len(r) > reprMax {
-		r = r[:reprMax-3] + "..."
-	}
+	r := pyRepr(v, tuple)
 	var out strings.Builder
 	pyJSONString(&out, r)
 	s := out.String()
