@@ -1,7 +1,8 @@
 // Package demo holds onceler's demonstration tasks and the tables that stand
-// in for the systems they touch. The command registers them with
-// "onceler worker --demo"; the tests, the replay suite and the benchmark use
-// them too, and count the effects with the Count functions.
+// in for the systems they touch. The onceler binary serves them ("onceler
+// worker"; "onceler migrate" creates their tables); the tests, the replay
+// suite and the benchmark use them too, and count the effects with the Count
+// functions.
 //
 // The tasks, by Celery name:
 //

@@ -16,7 +16,7 @@ import (
 )
 
 // These tests run onceler worker processes (the onceler binary, worker
-// --demo) on the test's own queue and schema, so they run beside the other
+// --migrate) on the test's own queue and schema, so they run beside the other
 // packages' tests.
 
 // sleepStarted counts the demo.sleep runs a worker's log says began.

@@ -17,7 +17,7 @@ import (
 // so they run beside the other packages' tests.
 
 func demoEnv(t *testing.T) *replay.Env {
-	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--demo"}})
+	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--migrate"}})
 	migrate(t, e)
 	return e
 }

@@ -27,7 +27,7 @@ func TestWorkerGroupTx(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--demo"}})
+			e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--migrate"}})
 			if err := migrateDemo(ctx, e.Pool); err != nil {
 				t.Fatal(err)
 			}

@@ -47,7 +47,7 @@ with amqp.Connection("%s:%d" % (u.hostname, u.port or 5672), userid=u.username o
 
 // TestHostileInputs publishes, as bytes through real AMQP clients, the
 // small hostile messages of docs/limits.md and docs/refused-publishes.md
-// to a running `onceler worker --demo` with a memory budget: header shapes
+// to a running `onceler worker --migrate` with a memory budget: header shapes
 // the AMQP library could not read, workflow steps and replies the broker
 // refuses, a quarantine copy larger than a frame, a YAML body of two
 // documents, a producer's x-delivery-count on a classic queue. After each,

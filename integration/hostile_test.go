@@ -22,7 +22,7 @@ import (
 )
 
 // The hostile loads of docs/limits.md, published as bytes through a real
-// AMQP client to a running `onceler worker --demo` with a memory budget:
+// AMQP client to a running `onceler worker --migrate` with a memory budget:
 // the worker's peak resident memory (VmHWM) stays under the budget plus a
 // fixed margin, each hostile message is quarantined or answered once (or,
 // due later, not run), and a normal task is answered within seconds after

@@ -63,7 +63,7 @@ func TestChordsRedisKill(t *testing.T) {
 
 func chordsRedisKill(t *testing.T, crashAt string) {
 	url := redisURL(t)
-	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--demo"}, ResultBackend: url})
+	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--migrate"}, ResultBackend: url})
 	if err := demo.Migrate(context.Background(), e.Pool); err != nil {
 		t.Fatal(err)
 	}

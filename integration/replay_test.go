@@ -15,7 +15,7 @@ func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error { return demo.Mi
 
 // demoTargets are the demo tasks, served by the onceler binary.
 func demoTargets() []replay.Target {
-	base := replay.Target{Binary: oncelerBin, Command: []string{"worker", "--demo"}, Setup: migrateDemo}
+	base := replay.Target{Binary: oncelerBin, Command: []string{"worker", "--migrate"}, Setup: migrateDemo}
 	with := func(t replay.Target) replay.Target {
 		t.Binary, t.Command, t.Setup = base.Binary, base.Command, base.Setup
 		return t

@@ -2,7 +2,7 @@
 """Sends onceler's demo tasks from Python Celery and prints every result.
 
 Run it with the system Python that has Celery (/usr/bin/python3) while
-`onceler worker --demo` runs:
+`onceler worker --migrate` runs:
 
     /usr/bin/python3 scripts/walkthrough.py          # the walkthrough
     /usr/bin/python3 scripts/walkthrough.py crash    # the crash demonstration
@@ -151,7 +151,7 @@ def require_worker(app, queue, wait=5.0):
     deadline = time.monotonic() + wait
     while consumers(app, queue) == 0:
         if time.monotonic() >= deadline:
-            sys.exit("walkthrough: no worker is consuming queue %s: start 'onceler worker --demo' "
+            sys.exit("walkthrough: no worker is consuming queue %s: start 'onceler worker --migrate' "
                      "(with the same ONCELER_BROKER_URL and --queues) first" % queue)
         time.sleep(0.5)
 

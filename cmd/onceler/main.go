@@ -1,5 +1,7 @@
 // Command onceler runs Celery tasks written in Go from RabbitMQ, with a
 // durable idempotency record in PostgreSQL so that each effect happens once.
+// It serves the demo tasks (package demo); a binary of your own serves your
+// tasks with the same command (package cmd, and docs/example).
 //
 // Run "onceler help" for the subcommands, and "onceler COMMAND --help" for
 // the flags of each; every flag can also be set with an ONCELER_* environment
@@ -8,26 +10,18 @@ package main
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"os"
-	"os/signal"
-	"syscall"
+
+	"github.com/onceler/onceler/cmd"
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/tasks"
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	// The first signal asks for a graceful shutdown; restoring the default
-	// handling then lets a second signal end the process at once.
-	context.AfterFunc(ctx, stop)
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "onceler:", err)
-		var u *usageError
-		if errors.As(err, &u) {
-			os.Exit(2)
-		}
-		os.Exit(1)
-	}
+	cmd.Main(cmd.App{
+		Name: "onceler",
+		Register: func(_ context.Context, reg *tasks.Registry, env cmd.Env) error {
+			return demo.Register(reg, env.Pool, demo.WithLogger(env.Logger))
+		},
+		Migrate: demo.Migrate,
+	})
 }

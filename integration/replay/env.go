@@ -32,7 +32,7 @@ const DefaultLease = 2 * time.Second
 type Config struct {
 	// Binary is the path of the worker binary (see Build).
 	Binary string
-	// Command is the arguments the binary gets, e.g. {"worker", "--demo"}
+	// Command is the arguments the binary gets, e.g. {"worker", "--migrate"}
 	// for the onceler binary; settings come from the environment (see the
 	// package documentation).
 	Command []string

@@ -16,7 +16,7 @@ import (
 // Target is a task to replay, and the worker binary that serves it.
 type Target struct {
 	// Binary is the worker binary (see Build); Command its arguments, e.g.
-	// {"worker", "--demo"} for onceler; Env extra environment variables.
+	// {"worker", "--migrate"} for onceler; Env extra environment variables.
 	Binary  string
 	Command []string
 	Env     []string

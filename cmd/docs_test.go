@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"flag"
@@ -34,7 +34,7 @@ func cliDoc(t *testing.T) string {
 }
 
 func TestCLIDocsUpToDate(t *testing.T) {
-	const path = "../../docs/cli.md"
+	const path = "../docs/cli.md"
 	want := cliDoc(t)
 	if *update {
 		if err := os.WriteFile(path, []byte(want), 0o644); err != nil {

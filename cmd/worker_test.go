@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"context"
@@ -160,7 +160,7 @@ func TestWorkerQuorumQueues(t *testing.T) {
 	if len(replies) != 1 || fmt.Sprint(replies[0].OK) != "42" {
 		t.Fatalf("replies %+v", replies)
 	}
-	r := runBin(t, s.env, "worker", "--demo")
+	r := runBin(t, s.env, "worker", "--migrate")
 	line := oneLineError(t, r, 1)
 	if !strings.Contains(line, "queue "+s.queue+" exists on") || !strings.Contains(line, "check --quorum") {
 		t.Fatalf("classic worker on a quorum queue: %q", line)

@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"bytes"
@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/tasks"
 )
 
 // binary is the onceler command built once for the tests that run it as a
@@ -34,7 +37,7 @@ func testMain(m *testing.M) int {
 	if raceEnabled {
 		args = append(args, "-race")
 	}
-	if out, err := exec.Command("go", append(args, ".")...).CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", append(args, "./onceler")...).CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "build onceler: %v\n%s", err, out)
 		return 1
 	}
@@ -48,6 +51,16 @@ func testMain(m *testing.M) int {
 	return code
 }
 
+// demoApp is the onceler binary's App (cmd/onceler), for the tests that run
+// commands in-process.
+var demoApp = App{
+	Name: "onceler",
+	Register: func(_ context.Context, reg *tasks.Registry, env Env) error {
+		return demo.Register(reg, env.Pool, demo.WithLogger(env.Logger))
+	},
+	Migrate: demo.Migrate,
+}
+
 // result is what a command run produced.
 type result struct {
 	stdout, stderr string
@@ -59,7 +72,7 @@ type result struct {
 func runIn(t *testing.T, env map[string]string, args ...string) result {
 	t.Helper()
 	var out, errOut bytes.Buffer
-	a := &app{stdout: &out, stderr: &errOut, getenv: func(k string) string { return env[k] }}
+	a := newApp(demoApp, &out, &errOut, func(k string) string { return env[k] })
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	err := a.run(ctx, args)

@@ -1,6 +1,6 @@
 //go:build race
 
-package main
+package cmd
 
 // raceEnabled says whether the tests run with -race: the binary they start
 // is then built with -race too.

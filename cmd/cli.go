@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"context"
@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"runtime/debug"
 	"sort"
 	"strconv"
@@ -37,6 +36,8 @@ func usagef(cmd, format string, args ...any) error {
 type app struct {
 	stdout, stderr io.Writer
 	getenv         func(string) string
+	prog           string // the program's name, for help and messages
+	user           App    // the binary's tasks and tables
 }
 
 // command is one subcommand: its flags are defined by setup, which returns the
@@ -62,11 +63,6 @@ func commands() []*command {
 	}
 }
 
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	a := &app{stdout: stdout, stderr: stderr, getenv: os.Getenv}
-	return a.run(ctx, args)
-}
-
 func (a *app) run(ctx context.Context, args []string) error {
 	if len(args) == 0 {
 		return usagef("", "no command given")
@@ -86,7 +82,7 @@ func (a *app) run(ctx context.Context, args []string) error {
 		if len(args) > 1 {
 			return usagef("", "version takes no arguments")
 		}
-		fmt.Fprintln(a.stdout, versionLine())
+		fmt.Fprintln(a.stdout, a.named(versionLine()))
 		return nil
 	}
 	c := lookupCommand(name)
@@ -136,7 +132,7 @@ func lookupCommand(name string) *command {
 }
 
 func (a *app) mainUsage(w io.Writer) {
-	fmt.Fprint(w, mainHelp())
+	fmt.Fprint(w, a.named(mainHelp()))
 }
 
 func mainHelp() string {
@@ -162,7 +158,7 @@ func (a *app) runCommand(ctx context.Context, c *command, args []string) error {
 	}
 	pos, err := fs.parse(args)
 	if errors.Is(err, flag.ErrHelp) {
-		fmt.Fprint(a.stdout, fs.help())
+		fmt.Fprint(a.stdout, a.named(fs.help()))
 		return nil
 	}
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"os"
@@ -14,7 +14,7 @@ import (
 // after a <!-- output: NAME --> marker.
 func readmeBlocks(t *testing.T) map[string]string {
 	t.Helper()
-	b, err := os.ReadFile("../../README.md")
+	b, err := os.ReadFile("../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -53,7 +53,7 @@ func TestReadmeWalkthrough(t *testing.T) {
 	py := testenv.Python(t)
 	prefix := testenv.Name("w") + "-"
 	script := func(args ...string) *proc {
-		return start(t, "walkthrough.py", s.env, py, append([]string{"../../scripts/walkthrough.py", "--queue", s.queue, "--prefix", prefix}, args...)...)
+		return start(t, "walkthrough.py", s.env, py, append([]string{"../scripts/walkthrough.py", "--queue", s.queue, "--prefix", prefix}, args...)...)
 	}
 
 	w := startWorker(t, s.env)
@@ -112,7 +112,7 @@ func TestNoRecordRepeatsEffects(t *testing.T) {
 	if !strings.Contains(w.stderr.String(), "--no-record: running every task WITHOUT the idempotency record") {
 		t.Fatalf("no loud warning:\n%s", w.stderr.String())
 	}
-	walk := start(t, "walkthrough.py", s.env, testenv.Python(t), "../../scripts/walkthrough.py", "--queue", s.queue, "--prefix", testenv.Name("n")+"-")
+	walk := start(t, "walkthrough.py", s.env, testenv.Python(t), "../scripts/walkthrough.py", "--queue", s.queue, "--prefix", testenv.Name("n")+"-")
 	if err := walk.wait(3 * time.Minute); err != nil {
 		t.Fatalf("walkthrough.py: %v\n%s", err, walk.stderr.String())
 	}

@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"context"
@@ -21,7 +21,6 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/control"
-	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/tasks"
 )
@@ -48,7 +47,6 @@ type workerFlags struct {
 	logLevel     string
 	logFormat    string
 	logArguments bool
-	demo         bool
 	noRecord     bool
 	migrate      bool
 	events       bool
@@ -74,10 +72,12 @@ with the stored result. SIGINT or SIGTERM stops it gracefully: no new tasks,
 running ones get --grace to finish, unfinished deliveries return to the queue.
 A second signal ends the process at once.
 
-This binary serves the demo tasks (--demo); build your own binary to serve
-your own tasks (see docs/example). ONCELER_CRASH_AT=after_claim|after_effect|
-before_ack|chord_joined with ONCELER_CRASH_TASK=<task> makes the process die
-abruptly (as kill -9) the first time that point is reached, for crash tests.`,
+The onceler binary serves the demo tasks; a binary of your own serves yours
+with this same command (see docs/example).
+
+ONCELER_CRASH_AT=after_claim|after_effect|before_ack|chord_joined with
+ONCELER_CRASH_TASK=<task> makes the process die abruptly (as kill -9) the
+first time that point is reached, for crash tests.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			f := &workerFlags{}
 			f.db.define(fs)
@@ -103,9 +103,8 @@ abruptly (as kill -9) the first time that point is reached, for crash tests.`,
 			fs.Bool(&f.trackStarted, "track-started", "report STARTED to the caller when a task starts running, as Celery's task_track_started")
 			f.defineLog(fs)
 			fs.Bool(&f.logArguments, "log-arguments", "include task arguments (argsrepr, kwargsrepr) in logs; they may hold secrets")
-			fs.Bool(&f.demo, "demo", "register the demo tasks and create their tables (schema onceler_demo); implies --migrate")
 			fs.Bool(&f.noRecord, "no-record", "run every task WITHOUT the idempotency record, to show what goes wrong: duplicates repeat their effects")
-			fs.Bool(&f.migrate, "migrate", "apply the record schema at start (as 'onceler migrate')")
+			fs.Bool(&f.migrate, "migrate", "apply the record schema and create the binary's own tables at start (as 'onceler migrate')")
 			return func(ctx context.Context, args []string) error {
 				if len(args) > 0 {
 					return usagef("worker", "unexpected argument %q", args[0])
@@ -168,8 +167,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 			return usagef("worker", "--memory-budget must be at least 16MiB")
 		}
 	}
-	if !f.demo {
-		return usagef("worker", "no tasks to serve: this binary only has the demo tasks (--demo); build your own binary for your tasks (docs/example)")
+	if a.user.Register == nil {
+		return usagef("worker", "no tasks to serve: this binary's cmd.App has no Register function")
 	}
 	crash := tasks.CrashConfig{At: a.getenv("ONCELER_CRASH_AT"), Task: a.getenv("ONCELER_CRASH_TASK")}
 	switch crash.At {
@@ -213,9 +212,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if err := probeBroker(ctx, broker, queues[0]); err != nil {
 		return err
 	}
-	if f.migrate || f.demo {
-		if err := store.Migrate(ctx); err != nil {
-			return fmt.Errorf("migrate the record schema %q: %s", f.db.schema, oneLine(err))
+	if f.migrate {
+		if err := a.migrate(ctx, pool, store, f.db.schema); err != nil {
+			return err
 		}
 	}
 	if !f.noRecord {
@@ -225,13 +224,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 
 	reg := tasks.NewRegistry()
-	if f.demo {
-		if err := demo.Migrate(ctx, pool); err != nil {
-			return fmt.Errorf("create the demo tables: %s", oneLine(err))
-		}
-		if err := demo.Register(reg, pool, demo.WithLogger(logger)); err != nil {
-			return err
-		}
+	if err := a.user.Register(ctx, reg, Env{Pool: pool, Logger: logger}); err != nil {
+		return fmt.Errorf("register the tasks: %w", err)
+	}
+	if len(reg.Names()) == 0 {
+		return errors.New("no tasks to serve: Register added none to the registry")
 	}
 
 	if crash.At != "" {

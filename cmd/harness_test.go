@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"bufio"
@@ -129,10 +129,10 @@ func start(t *testing.T, name string, env map[string]string, path string, args .
 	return p
 }
 
-// startWorker starts "onceler worker --demo" and waits until it consumes.
+// startWorker starts "onceler worker --migrate" and waits until it consumes.
 func startWorker(t *testing.T, env map[string]string, args ...string) *proc {
 	t.Helper()
-	p := start(t, "worker", env, binary, append([]string{"worker", "--demo"}, args...)...)
+	p := start(t, "worker", env, binary, append([]string{"worker", "--migrate"}, args...)...)
 	p.waitLog("consuming", 60*time.Second)
 	return p
 }

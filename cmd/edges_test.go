@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"context"
@@ -16,9 +16,9 @@ func TestDurationWithoutUnitSaysWhatIsExpected(t *testing.T) {
 		env  map[string]string
 		want string
 	}{
-		{[]string{"worker", "--demo", "--lease", "5"}, nil, `invalid value "5" for --lease: a duration needs a unit: 5s, 5m or 5h`},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_LEASE": "5"}, `invalid ONCELER_LEASE="5": a duration needs a unit: 5s, 5m or 5h`},
-		{[]string{"worker", "--demo", "--grace", "soon"}, nil, `invalid value "soon" for --grace: not a duration: use a number and a unit, such as 5s, 2m or 1h30m`},
+		{[]string{"worker", "--migrate", "--lease", "5"}, nil, `invalid value "5" for --lease: a duration needs a unit: 5s, 5m or 5h`},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_LEASE": "5"}, `invalid ONCELER_LEASE="5": a duration needs a unit: 5s, 5m or 5h`},
+		{[]string{"worker", "--migrate", "--grace", "soon"}, nil, `invalid value "soon" for --grace: not a duration: use a number and a unit, such as 5s, 2m or 1h30m`},
 	} {
 		r := runBin(t, c.env, c.args...)
 		line := oneLineError(t, r, 2)

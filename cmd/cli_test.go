@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"errors"
@@ -20,15 +20,14 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 		{[]string{"worker", "--bogus"}, nil, "worker: unknown flag --bogus (run 'onceler worker --help')"},
 		{[]string{"worker", "--concurrency", "many"}, nil, `invalid value "many" for --concurrency`},
 		{[]string{"worker", "--lease"}, nil, "--lease needs a value"},
-		{[]string{"worker", "--demo", "--log-level", "loud"}, nil, `invalid --log-level "loud"`},
-		{[]string{"worker", "--demo", "--log-format", "xml"}, nil, `invalid --log-format "xml"`},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_LEASE": "soon"}, `invalid ONCELER_LEASE="soon"`},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_CRASH_AT": "lunch"}, `invalid ONCELER_CRASH_AT="lunch"`},
-		{[]string{"worker", "--demo", "--group-tx", "33"}, nil, "--group-tx must be between 0 and 32"},
-		{[]string{"worker", "--demo", "--flushers", "17"}, nil, "--flushers must be between 0 and 16"},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_FLUSHERS": "-1"}, "--flushers must be between 0 and 16"},
-		{[]string{"worker"}, nil, "no tasks to serve"},
-		{[]string{"worker", "--demo", "--queues", " , "}, nil, "--queues names no queue"},
+		{[]string{"worker", "--migrate", "--log-level", "loud"}, nil, `invalid --log-level "loud"`},
+		{[]string{"worker", "--migrate", "--log-format", "xml"}, nil, `invalid --log-format "xml"`},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_LEASE": "soon"}, `invalid ONCELER_LEASE="soon"`},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_CRASH_AT": "lunch"}, `invalid ONCELER_CRASH_AT="lunch"`},
+		{[]string{"worker", "--migrate", "--group-tx", "33"}, nil, "--group-tx must be between 0 and 32"},
+		{[]string{"worker", "--migrate", "--flushers", "17"}, nil, "--flushers must be between 0 and 16"},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_FLUSHERS": "-1"}, "--flushers must be between 0 and 16"},
+		{[]string{"worker", "--migrate", "--queues", " , "}, nil, "--queues names no queue"},
 		{[]string{"records", "--schema", "bad-name;"}, nil, `invalid --schema "bad-name;"`},
 		{[]string{"records", "--database-url", "postgres://a:b@host:notaport/x"}, nil, "invalid --database-url"},
 		{[]string{"repeats", "--since", "yesterday"}, nil, `invalid --since "yesterday"`},
@@ -36,13 +35,13 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 		{[]string{"quarantine", "drop"}, nil, "drop needs task ids or --all"},
 		{[]string{"quarantine", "shred"}, nil, `unknown action "shred"`},
 		{[]string{"quarantine", "list", "--reason", "nonsense"}, nil, `unknown --reason "nonsense"`},
-		{[]string{"worker", "--demo", "--http-addr", "nonsense"}, nil, `invalid --http-addr "nonsense"`},
+		{[]string{"worker", "--migrate", "--http-addr", "nonsense"}, nil, `invalid --http-addr "nonsense"`},
 		{[]string{"purge", "--older-than", "213504d"}, nil, `invalid --older-than "213504d": at most 36500d`},
-		{[]string{"worker", "--demo", "--result-backend", "db+postgresql://app:secret@db/app"}, nil,
+		{[]string{"worker", "--migrate", "--result-backend", "db+postgresql://app:secret@db/app"}, nil,
 			"invalid --result-backend: tasks: result backend: Celery's SQLAlchemy backend (db+postgresql://) stores results as pickles, which onceler never writes (use rpc://, redis://, rediss://, redis+socket://, django-db+postgresql://)"},
-		{[]string{"worker", "--demo"}, map[string]string{"ONCELER_RESULT_BACKEND": "mongodb://app:secret@m/r"}, `unsupported scheme "mongodb" (use rpc://, redis://, rediss://, redis+socket://, django-db+postgresql://)`},
-		{[]string{"worker", "--demo", "--result-backend", "redis://:secret@cache/zero"}, nil, `Redis database "zero" is not a number`},
-		{[]string{"worker", "--demo", "--result-expires", "-1s"}, nil, "--result-expires must not be negative"},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_RESULT_BACKEND": "mongodb://app:secret@m/r"}, `unsupported scheme "mongodb" (use rpc://, redis://, rediss://, redis+socket://, django-db+postgresql://)`},
+		{[]string{"worker", "--migrate", "--result-backend", "redis://:secret@cache/zero"}, nil, `Redis database "zero" is not a number`},
+		{[]string{"worker", "--migrate", "--result-expires", "-1s"}, nil, "--result-expires must not be negative"},
 	}
 	for _, c := range cases {
 		r := runBin(t, c.env, c.args...)
@@ -72,7 +71,7 @@ func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
 }
 
 func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
-	for _, args := range [][]string{{"migrate"}, {"records"}, {"repeats"}, {"purge", "--older-than", "1d"}, {"resolve", "t", "k", "--completed"}, {"worker", "--demo"}} {
+	for _, args := range [][]string{{"migrate"}, {"records"}, {"repeats"}, {"purge", "--older-than", "1d"}, {"resolve", "t", "k", "--completed"}, {"worker", "--migrate"}} {
 		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": "postgres://app:secret@127.0.0.1:1/app"}, args...)
 		line := oneLineError(t, r, 1)
 		if !strings.Contains(line, "cannot reach PostgreSQL at postgres://app@127.0.0.1:1/app") ||
@@ -146,7 +145,7 @@ func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
 		"ONCELER_BROKER_URL":   "amqp://guest:secret@127.0.0.1:1//",
 		"ONCELER_QUEUES":       testenv.Name("q"),
 	}
-	for _, args := range [][]string{{"worker", "--demo"}, {"quarantine", "list"}} {
+	for _, args := range [][]string{{"worker", "--migrate"}, {"quarantine", "list"}} {
 		r := runBin(t, env, args...)
 		line := oneLineError(t, r, 1)
 		if !strings.Contains(line, "cannot reach RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1//") ||

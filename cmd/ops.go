@@ -1,4 +1,4 @@
-package main
+package cmd
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/idempotency"
@@ -18,11 +19,12 @@ import (
 func migrateCommand() *command {
 	return &command{
 		name:    "migrate",
-		summary: "create or update the record schema in PostgreSQL",
+		summary: "create or update the record schema and the binary's own tables",
 		long: `Applies the idempotency record's schema migrations that are not applied
-yet. Safe to run again and from several machines at once (an advisory lock
-serialises them). Run it before the first worker starts, and after each
-upgrade of the binary.`,
+yet, then creates or updates the tables of the binary's own tasks (for the
+onceler binary, the demo tables in schema onceler_demo). Safe to run again and
+from several machines at once (an advisory lock serialises them). Run it
+before the first worker starts, and after each upgrade of the binary.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			var d dbFlags
 			d.define(fs)
@@ -36,8 +38,8 @@ upgrade of the binary.`,
 				}
 				defer pool.Close()
 				defer store.Close()
-				if err := store.Migrate(ctx); err != nil {
-					return fmt.Errorf("migrate schema %q: %s", d.schema, oneLine(err))
+				if err := a.migrate(ctx, pool, store, d.schema); err != nil {
+					return err
 				}
 				ms, err := idempotency.Migrations()
 				if err != nil {
@@ -53,6 +55,19 @@ upgrade of the binary.`,
 var statuses = []idempotency.Status{
 	idempotency.StatusClaimed, idempotency.StatusCompleted, idempotency.StatusFailed,
 	idempotency.StatusHeld, idempotency.StatusSkipped,
+}
+
+// migrate applies the record schema, then the binary's own migration.
+func (a *app) migrate(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, schema string) error {
+	if err := store.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate the record schema %q: %s", schema, oneLine(err))
+	}
+	if a.user.Migrate != nil {
+		if err := a.user.Migrate(ctx, pool); err != nil {
+			return fmt.Errorf("create the binary's own tables: %s", oneLine(err))
+		}
+	}
+	return nil
 }
 
 func parseStatus(cmd, v string) (idempotency.Status, error) {
