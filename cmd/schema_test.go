@@ -80,3 +80,20 @@ func TestWorkerCommandSchemaCheck(t *testing.T) {
 		t.Fatalf("old schema: %v", err)
 	}
 }
+
+// 'onceler worker' on a database whose record schema was never migrated,
+// started without --migrate, exits with status 1 and one line naming the
+// schema and the two ways to apply it; nothing is consumed meanwhile.
+func TestWorkerProcessRefusesMissingSchema(t *testing.T) {
+	s := newStack(t)
+	start := time.Now()
+	r := runBin(t, s.env, "worker")
+	line := oneLineError(t, r, 1)
+	want := `onceler: the record schema "` + s.schema + `" does not exist: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate`
+	if line != want {
+		t.Errorf("stderr %q\nwant   %q", line, want)
+	}
+	if took := time.Since(start); took > 15*time.Second {
+		t.Errorf("took %v to refuse", took)
+	}
+}
