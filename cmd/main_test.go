@@ -18,8 +18,9 @@ import (
 )
 
 // binary is the onceler command built once for the tests that run it as a
-// process (with -race when the tests have it).
-var binary string
+// process (with -race when the tests have it); buildDir holds it, and the
+// other binaries the tests build.
+var binary, buildDir string
 
 func TestMain(m *testing.M) {
 	os.Exit(testMain(m))
@@ -32,6 +33,7 @@ func testMain(m *testing.M) int {
 		return 1
 	}
 	defer func() { _ = os.RemoveAll(dir) }()
+	buildDir = dir
 	binary = filepath.Join(dir, "onceler")
 	args := []string{"build", "-o", binary}
 	if raceEnabled {
@@ -82,9 +84,15 @@ func runIn(t *testing.T, env map[string]string, args ...string) result {
 // runBin runs the built binary with env added to a clean environment.
 func runBin(t *testing.T, env map[string]string, args ...string) result {
 	t.Helper()
+	return runProg(t, binary, env, args...)
+}
+
+// runProg runs the program at path with env added to a clean environment.
+func runProg(t *testing.T, path string, env map[string]string, args ...string) result {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd := exec.CommandContext(ctx, path, args...)
 	cmd.Env = processEnv(env)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut

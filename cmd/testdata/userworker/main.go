@@ -1,5 +1,5 @@
 // Command userworker is a user's own worker binary, wired with the library
-// (tasks.NewWorker and Run) as docs/example is, for the tests of what such a
+// (tasks.NewWorker and Run, without package cmd), for the tests of what such a
 // binary does at start.
 package main
 
