@@ -221,6 +221,7 @@ func hasExt(tok string) bool {
 func (x *repoIndex) checkPath(root, docDir, p string) string {
 	dotted := strings.HasPrefix(p, "./") // ./integration/bench: certainly ours
 	p = strings.TrimPrefix(p, "./")
+	p = strings.TrimSuffix(p, "...") // a package pattern: ./integration/...
 	if !strings.Contains(strings.TrimSuffix(p, "/"), "/") && hasExt(p) {
 		if !strings.HasSuffix(p, ".go") && !strings.HasSuffix(p, ".md") {
 			return "" // manage.py, celeryconfig.json: often someone else's
