@@ -10,36 +10,49 @@ import (
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// readmeBlocks returns the README's expected outputs: each ```text block
-// after a <!-- output: NAME --> marker.
-func readmeBlocks(t *testing.T) map[string]string {
+// outputPages are the pages that show the walkthrough's outputs: the README
+// has most of them, docs/operations.md the purge dry run.
+var outputPages = []string{"../README.md", "../docs/operations.md"}
+
+// readmeBlocks returns the expected outputs of the walkthrough: each ```text
+// block after a <!-- output: NAME --> marker in the outputPages, with the
+// page each came from.
+func readmeBlocks(t *testing.T) map[string]block {
 	t.Helper()
-	b, err := os.ReadFile("../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
 	re := regexp.MustCompile("(?s)<!-- output: ([a-z-]+) -->\n```text\n(.*?)```")
-	out := map[string]string{}
-	for _, m := range re.FindAllStringSubmatch(string(b), -1) {
-		out[m[1]] = m[2]
+	out := map[string]block{}
+	for _, page := range outputPages {
+		b, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range re.FindAllStringSubmatch(string(b), -1) {
+			if prev, ok := out[m[1]]; ok {
+				t.Fatalf("output block %q is in %s and in %s", m[1], prev.page, page)
+			}
+			out[m[1]] = block{page: strings.TrimPrefix(page, "../"), text: m[2]}
+		}
 	}
 	return out
 }
 
-func sameOutput(t *testing.T, name, got, want string) {
+// block is an expected output and the page that shows it.
+type block struct{ page, text string }
+
+func sameOutput(t *testing.T, name, got string, want block) {
 	t.Helper()
-	if want == "" {
-		t.Fatalf("README has no output block %q", name)
+	if want.text == "" {
+		t.Fatalf("no output block %q in %v", name, outputPages)
 	}
-	if got != want {
-		t.Errorf("README output %q differs from the real one.\nREADME:\n%s\nreal:\n%s", name, want, got)
+	if got != want.text {
+		t.Errorf("%s output %q differs from the real one.\n%s:\n%s\nreal:\n%s", want.page, name, want.page, want.text, got)
 	}
 }
 
 // TestReadmeWalkthrough follows the README's walkthrough with the built
 // binary and the shipped Python script, on a record schema and queue of its
-// own, and checks that every output shown in the README is what really
-// comes out.
+// own, and checks that every output shown in the README (and the purge dry
+// run in docs/operations.md) is what really comes out.
 func TestReadmeWalkthrough(t *testing.T) {
 	s := newStack(t)
 	// The pool size the README recommends setting in the URL: the worker
