@@ -479,3 +479,16 @@ func TestDocRefsCatchDrift(t *testing.T) {
 		t.Fatalf("lines reported %v, want %v", failed, want)
 	}
 }
+
+// README says what onceler is, how to start and how to write a task, and
+// links the rest: it stays short enough to read in one sitting.
+func TestReadmeIsShort(t *testing.T) {
+	const limit = 12 << 10
+	fi, err := os.Stat("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Size() > limit {
+		t.Errorf("README.md is %d bytes, more than %d: move a subject to a page in docs/", fi.Size(), limit)
+	}
+}
