@@ -9,6 +9,9 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // DefaultPrefetch is the prefetch count used when ConsumerConfig.Prefetch is 0.
@@ -52,6 +55,11 @@ type Consumer struct {
 	// caps it (SetWindowLimit: flow control).
 	requested, limit int
 
+	// found holds the queues as found on the last connect (nil before);
+	// notes, the last logged description of each.
+	found []queueState
+	notes []string
+
 	// qosChanged asks the consume goroutine to restart per-consumer
 	// prefetch consumers (quorum queues) under the new limit.
 	qosChanged chan struct{}
@@ -82,6 +90,87 @@ func NewConsumer(cfg Config, cc ConsumerConfig) *Consumer {
 // Ready reports whether the consumer is consuming now: connected, topology
 // declared, QoS set and basic.consume accepted.
 func (c *Consumer) Ready() bool { return c.ready.Load() }
+
+// Queues returns the consumed queues as found on the broker at the last
+// connect: a queue that existed with the flags and arguments the broker
+// holds for it, a queue declared here with those it was declared with.
+// Before the first connect, and for a passive spec or a queue whose
+// arguments the broker would not tell (see "Queues" in the package
+// documentation), the configured spec.
+func (c *Consumer) Queues() []QueueSpec {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]QueueSpec, len(c.cc.Queues))
+	for i, q := range c.cc.Queues {
+		out[i] = q
+		if i < len(c.found) {
+			out[i] = c.found[i].spec
+		}
+	}
+	return out
+}
+
+// ensureQueues makes sure every queue exists, on side channels of conn
+// (a refused declare closes its channel), and returns them as found.
+func (c *Consumer) ensureQueues(conn *amqp091.Connection) ([]QueueSpec, error) {
+	c.mu.Lock()
+	prev := c.found
+	c.mu.Unlock()
+	sc := &scratch{conn: conn}
+	defer sc.close()
+	states := make([]queueState, len(c.cc.Queues))
+	specs := make([]QueueSpec, len(c.cc.Queues))
+	for i, q := range c.cc.Queues {
+		var last *QueueSpec
+		if i < len(prev) && prev[i].learned {
+			last = &prev[i].spec
+		}
+		st, err := ensure(sc, q, last)
+		if err != nil {
+			return nil, err
+		}
+		states[i], specs[i] = st, st.spec
+	}
+	c.mu.Lock()
+	c.found = states
+	c.mu.Unlock()
+	c.noteQueues(states)
+	return specs, nil
+}
+
+// noteQueues logs how each queue was found, when it changed since the last
+// connect.
+func (c *Consumer) noteQueues(states []queueState) {
+	if len(c.notes) != len(states) {
+		c.notes = make([]string, len(states))
+	}
+	for i, st := range states {
+		q, conf := st.spec, c.cc.Queues[i]
+		fields := []zap.Field{zap.String("queue", q.Name), zap.Any("arguments", q.Args),
+			zap.Bool("durable", q.Durable), zap.Bool("auto_delete", q.AutoDelete)}
+		level, msg := zapcore.InfoLevel, "queue found; consuming it as declared"
+		switch {
+		case conf.Passive:
+			level, msg = zapcore.DebugLevel, "queue checked (passive)"
+		case st.created:
+			msg = "queue declared"
+		case st.unlearned != nil:
+			level, msg = zapcore.WarnLevel, "queue found, but the broker does not tell its arguments; consuming it as it is, with the configured ones in mind"
+			fields = append(fields, zap.Error(st.unlearned))
+		case st.differs && (len(conf.Args) > 0 || conf.Quorum):
+			level, msg = zapcore.WarnLevel, "queue found with other arguments than configured for it (those apply only to a missing queue); consuming it as declared"
+			fields = append(fields, zap.Any("configured_arguments", conf.declaredArgs()))
+		}
+		note := fmt.Sprint(msg, q.Args, q.Durable, q.AutoDelete, st.unlearned)
+		if note == c.notes[i] {
+			level = zapcore.DebugLevel
+		}
+		c.notes[i] = note
+		if ce := c.log.Check(level, msg); ce != nil {
+			ce.Write(fields...)
+		}
+	}
+}
 
 // Prefetch returns the prefetch count in force (or to apply on reconnect).
 func (c *Consumer) Prefetch() int {

@@ -18,8 +18,8 @@
 // this package does, in one place per role:
 //
 //   - Consumer.Run loops over sessions. A session dials (TCP, TLS, AMQP
-//     handshake, heartbeats negotiated, default 10s), opens one channel,
-//     declares every queue as kombu does, sets basic.qos to the remembered
+//     handshake, heartbeats negotiated, default 10s), makes sure every
+//     queue exists (see Queues), opens one channel, sets basic.qos to the remembered
 //     prefetch and starts one consumer per queue. It ends at the first sign
 //     of loss: the connection or channel closing, the delivery stream ending,
 //     or the broker cancelling a consumer (its queue was deleted). Run then
@@ -27,8 +27,8 @@
 //     and starts the next session. The backoff resets only after a session
 //     that consumed for at least MaxBackoff: a loss that comes back as soon
 //     as consuming starts waits longer each time. Errors no
-//     retry can cure, a declare refused with 406 PRECONDITION_FAILED (a
-//     *PreconditionError naming the property that differs), a passive
+//     retry can cure, a missing queue whose arguments the broker refuses
+//     (406 PRECONDITION_FAILED, a *PreconditionError quoting it), a passive
 //     declare of a missing queue, a refused access, are returned by Run.
 //   - Publisher connects on first use and again whenever its session died,
 //     one dial at a time, with the same backoff. A publish whose frame could
@@ -102,18 +102,52 @@
 // channel that died are lost with it, and the broker redelivers their
 // messages to be answered from the record.
 //
-// # Topology
+// # Queues
 //
-// CeleryQueue(name) declares what kombu declares for a Celery queue: a
+// CeleryQueue(name) describes what kombu declares for a Celery queue: a
 // durable, non-auto-delete queue, a durable direct exchange of the same name
-// and a binding with the queue name as routing key. CeleryQuorumQueue adds
-// x-queue-type quorum; consuming a quorum queue uses per-consumer prefetch
-// (quorum queues refuse global QoS), and redeliveries carry
-// x-delivery-count (Delivery.DeliveryCount). That header is read only on a
-// redelivery from a queue whose spec says quorum (Quorum, or x-queue-type
-// in Args): a classic queue passes a producer's header through untouched,
-// and a first delivery was not delivered before. QueueSpec.Passive only checks
-// that the queue exists, for queues managed by someone else.
+// and a binding with the queue name as routing key.
+//
+// A queue that exists is served as it is: its flags and arguments (a
+// priority queue's x-max-priority, a dead-letter exchange, a message TTL,
+// x-queue-type, ...) are the business of the application that declared it,
+// typically with kombu.Queue(..., queue_arguments={...}) in its task_queues.
+// On every connect the consumer checks each queue with a passive
+// queue.declare on a side channel (a missing queue closes that channel, not
+// the one it consumes on). A queue that exists is never declared with other
+// arguments than its own, so there is no 406 "inequivalent arg"; its
+// exchange is declared only when missing, and the binding Celery makes is
+// made again (a no-op when it exists). A missing queue is declared with
+// QueueSpec.Durable, AutoDelete, Args, and x-queue-type quorum when Quorum
+// is set (CeleryQuorumQueue), then bound.
+//
+// The consumer learns the arguments of a queue that exists, since how to
+// consume it depends on them, and Consumer.Queues reports them (the worker's
+// answer to 'celery inspect active_queues'). AMQP 0-9-1 has no method that
+// reads them, but RabbitMQ answers a declare whose flags or arguments differ
+// from the queue's with 406 naming the first one that differs and its
+// current value; declaring again on a side channel with that value, until
+// the broker accepts, gives every flag and argument it compares, which are
+// those it acts on. Each refusal is a channel error in the broker's log.
+// The next connect starts from what was learned, so an unchanged queue is
+// accepted at once. A user without the configure permission on the queue is
+// not told; the configured spec then stands for the queue.
+//
+// Consuming a quorum queue uses per-consumer prefetch (quorum queues refuse
+// global QoS), and its redeliveries carry x-delivery-count
+// (Delivery.DeliveryCount). That header is read only on a redelivery from a
+// quorum queue, as found (or, for a passive spec, as the spec says: Quorum,
+// or x-queue-type in Args): a classic queue passes a producer's header
+// through untouched, and a first delivery was not delivered before.
+// QueueSpec.Passive only checks that the queue exists, for queues managed
+// by someone else.
+//
+// A priority queue (x-max-priority) hands its ready messages to consumers
+// highest priority first. Messages already handed over, up to the prefetch
+// count, are not reordered by a later message of higher priority: with a
+// prefetch of n, a high-priority message may wait behind up to n messages
+// already delivered. The consumer hands deliveries on in the order they
+// arrive.
 //
 // # Publishing
 //

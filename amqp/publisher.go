@@ -271,24 +271,43 @@ func (p *Publisher) drop(s *pubSession) {
 	p.mu.Unlock()
 }
 
-// Declare declares q (or checks it, when passive) on a short-lived channel
-// of the publisher's connection, so a refused declare never closes the
-// publishing channel. A conflict is a *PreconditionError. A declare the
-// broker refuses for what it asks (406 conflict, 403 reserved name, 404
-// for a passive declare) or a name over 255 bytes is also a *RefusedError
-// (IsPermanent).
+// Declare is DeclareQueue without the queue as found.
 func (p *Publisher) Declare(ctx context.Context, q QueueSpec) error {
+	_, err := p.DeclareQueue(ctx, q)
+	return err
+}
+
+// DeclareQueue makes sure q exists as the consumer does (see "Queues" in
+// the package documentation): an existing queue is left with its flags and
+// arguments, a missing one is declared with q's, and it is bound as Celery
+// binds it. A passive q is only checked. It works on short-lived channels
+// of the publisher's connection, so a refused declare never closes the
+// publishing channel. It returns the queue as found: for a queue that
+// existed, its flags and arguments as the broker holds them (see
+// Consumer.Queues). A declare the broker refuses for what it asks (406 for
+// arguments it does not accept, 403 reserved name, 404 for a passive
+// declare) or a name over 255 bytes is a *RefusedError (IsPermanent); a
+// 406 is also a *PreconditionError.
+func (p *Publisher) DeclareQueue(ctx context.Context, q QueueSpec) (QueueSpec, error) {
 	if len(q.Name) > shortMax {
-		return refused("declare queue", "", q.Name, 0,
+		return QueueSpec{}, refused("declare queue", "", q.Name, 0,
 			fmt.Sprintf("queue name of %d bytes is longer than an AMQP short string (255 bytes)", len(q.Name)), ErrTooLong)
 	}
-	return p.withChannel(ctx, func(ch *amqp091.Channel) error {
-		err := declare(ch, q)
+	var st queueState
+	err := p.withConn(ctx, func(conn *amqp091.Connection, ch *amqp091.Channel) error {
+		sc := &scratch{conn: conn, ch: ch}
+		defer sc.close()
+		var err error
+		st, err = ensure(sc, q, nil)
 		if errors.Is(err, ErrPrecondition) || errors.Is(err, ErrAccessRefused) || (q.Passive && errors.Is(err, ErrNotFound)) {
 			return refused("declare queue", "", q.Name, 0, err.Error(), err)
 		}
 		return err
 	})
+	if err != nil {
+		return QueueSpec{}, err
+	}
+	return st.spec, nil
 }
 
 // DeleteQueue deletes a queue, returning how many messages it held.
@@ -308,6 +327,16 @@ func (p *Publisher) DeleteQueue(ctx context.Context, name string) (int, error) {
 // withChannel runs fn on a fresh channel of the publisher's connection and
 // closes it after. fn's RPCs are not context-aware; ctx bounds connecting.
 func (p *Publisher) withChannel(ctx context.Context, fn func(*amqp091.Channel) error) error {
+	return p.withConn(ctx, func(_ *amqp091.Connection, ch *amqp091.Channel) error {
+		err := fn(ch)
+		_ = ch.Close()
+		return err
+	})
+}
+
+// withConn runs fn with the publisher's connection and a fresh channel of
+// it, which fn closes.
+func (p *Publisher) withConn(ctx context.Context, fn func(*amqp091.Connection, *amqp091.Channel) error) error {
 	for {
 		s, err := p.session(ctx)
 		if err != nil {
@@ -321,9 +350,7 @@ func (p *Publisher) withChannel(ctx context.Context, fn func(*amqp091.Channel) e
 			}
 			return fmt.Errorf("open channel: %w", err)
 		}
-		err = fn(ch)
-		_ = ch.Close()
-		return err
+		return fn(s.conn, ch)
 	}
 }
 

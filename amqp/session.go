@@ -26,11 +26,13 @@ type consumeSession struct {
 	global bool
 	// applied is the prefetch the current consumers were started under.
 	applied int
-	seq     int
-	tags    map[string]string // live consumer tag -> queue
-	merged  chan tagged
-	stop    chan struct{}
-	wg      sync.WaitGroup
+	// queues are the queues as found on this connection.
+	queues []QueueSpec
+	seq    int
+	tags   map[string]string // live consumer tag -> queue
+	merged chan tagged
+	stop   chan struct{}
+	wg     sync.WaitGroup
 }
 
 // session is one connection's life. consumed is how long it consumed, 0
@@ -46,6 +48,9 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	}
 	defer s.close()
 	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
+	if s.queues, err = c.ensureQueues(conn); err != nil {
+		return 0, err
+	}
 	ch, err := conn.Channel()
 	if err != nil {
 		return 0, fmt.Errorf("open channel: %w", err)
@@ -57,12 +62,9 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	cancels := ch.NotifyCancel(make(chan string, 4*len(c.cc.Queues)+4))
 
 	s.global = true
-	for _, q := range c.cc.Queues {
-		if q.Quorum {
+	for _, q := range s.queues {
+		if q.isQuorum() {
 			s.global = false // quorum queues refuse global QoS
-		}
-		if err := declare(ch, q); err != nil {
-			return 0, err
 		}
 	}
 	c.mu.Lock()
@@ -128,7 +130,7 @@ func (s *consumeSession) startConsumers() error {
 	}
 	s.applied = n
 	s.st.acks.setWindow(n)
-	for _, q := range s.c.cc.Queues {
+	for _, q := range s.queues {
 		s.seq++
 		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
 		dch, err := s.st.ch.Consume(q.Name, tag, false, false, false, false, nil)

@@ -112,36 +112,44 @@ func TestQuorumQueueDeliveryCount(t *testing.T) {
 	must(t, c.SetPrefetch(8), "SetPrefetch on a quorum consumer") // per-consumer QoS, no 406
 }
 
+// A queue that exists is served as it is, whatever flags it has; a missing
+// queue the broker refuses to declare with the arguments given fails with a
+// *PreconditionError that quotes the broker; a passive spec only checks.
 func TestPreconditionFailureSaysWhatDiffers(t *testing.T) {
 	cfg := testConfig(t)
-	q := testenv.Name("onceler_amqp_406")
-	cleanupQueue(t, q)
+	q, bad := testenv.Name("onceler_amqp_406"), testenv.Name("onceler_amqp_406_bad")
+	cleanupQueue(t, q, bad)
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 30*time.Second)
 	// Someone made it non-durable; Celery's spec says durable.
 	must(t, p.Declare(ctx, QueueSpec{Name: q, Exchange: DefaultExchange}), "declare transient")
+	found, err := p.DeclareQueue(ctx, CeleryQuorumQueue(q))
+	must(t, err, "declare an existing transient classic queue as Celery's quorum queue")
+	if found.Durable || found.IsQuorum() || found.Args != nil {
+		t.Fatalf("found %+v, want the transient classic queue as it is", found)
+	}
 
-	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
-	err := c.Run(ctx, func(*Delivery) { t.Error("delivery despite a refused declare") })
+	// Arguments the broker does not accept for a missing queue.
+	spec := CeleryQueue(bad)
+	spec.Args = map[string]any{"x-max-priority": "ten"}
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{spec}})
+	err = c.Run(ctx, func(*Delivery) { t.Error("delivery despite a refused declare") })
 	var pe *PreconditionError
 	if !errors.As(err, &pe) || !errors.Is(err, ErrPrecondition) || !IsTopologyError(err) {
 		t.Fatalf("Run = %v, want a *PreconditionError", err)
 	}
-	if pe.Kind != "queue" || pe.Name != q || pe.Arg != "durable" || pe.Received != "'true'" || pe.Current != "'false'" {
+	if pe.Kind != "queue" || pe.Name != bad || !strings.Contains(pe.Reason, "x-max-priority") {
 		t.Fatalf("precondition error fields: %+v", pe)
 	}
-	for _, want := range []string{q, "durable differs", "declared 'true'", "broker has 'false'", "PRECONDITION_FAILED", "Passive"} {
+	for _, want := range []string{bad, "x-max-priority: ten", "PRECONDITION_FAILED", "invalid arg 'x-max-priority'"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Fatalf("error %q lacks %q", err, want)
 		}
 	}
-
-	// Classic queue declared again as quorum: the argument is named.
-	err = p.Declare(ctx, QueueSpec{Name: q, Exchange: DefaultExchange, Quorum: true})
-	if !errors.As(err, &pe) || pe.Arg == "" {
-		t.Fatalf("quorum over a classic queue = %v", err)
+	err = p.Declare(ctx, spec)
+	if !errors.As(err, &pe) || !IsPermanent(err) {
+		t.Fatalf("publisher declare with a bad argument = %v", err)
 	}
-	t.Logf("quorum over classic: %v", err)
 
 	// The publisher's own channel survived the refused declares.
 	must(t, p.Publish(ctx, "", q, textMessage("still fine"), PublishOptions{Mandatory: true}), "publish after 406")
@@ -167,9 +175,13 @@ func TestQueueSpecDefaults(t *testing.T) {
 	if q.Exchange != "" || !q.Durable || q.AutoDelete {
 		t.Fatalf("quorum/default exchange: %+v", q)
 	}
-	args, err := QueueSpec{Name: "x", Quorum: true, Args: map[string]any{"x-max-priority": 10}}.queueArgs()
+	spec := QueueSpec{Name: "x", Quorum: true, Args: map[string]any{"x-max-priority": 10}}
+	args, err := spec.queueArgs()
 	if err != nil || args["x-queue-type"] != "quorum" || args["x-max-priority"] != 10 {
 		t.Fatalf("args %v %v", args, err)
+	}
+	if spec.Args["x-queue-type"] != nil || spec.MaxPriority() != 10 || !spec.IsQuorum() {
+		t.Fatalf("spec changed or misread: %+v", spec)
 	}
 	if c := CeleryQueue("celery"); !c.Durable || c.AutoDelete || c.Exchange != "celery" || c.RoutingKey != "celery" {
 		t.Fatalf("CeleryQueue: %+v", c)
