@@ -148,17 +148,17 @@ func (c *Consumer) noteQueues(states []queueState) {
 		q, conf := st.spec, c.cc.Queues[i]
 		fields := []zap.Field{zap.String("queue", q.Name), zap.Any("arguments", q.Args),
 			zap.Bool("durable", q.Durable), zap.Bool("auto_delete", q.AutoDelete)}
-		level, msg := zapcore.InfoLevel, "queue found; consuming it as declared"
+		level, msg := zapcore.InfoLevel, "queue exists; served as declared"
 		switch {
 		case conf.Passive:
 			level, msg = zapcore.DebugLevel, "queue checked (passive)"
 		case st.created:
 			msg = "queue declared"
 		case st.unlearned != nil:
-			level, msg = zapcore.WarnLevel, "queue found, but the broker does not tell its arguments; consuming it as it is, with the configured ones in mind"
+			level, msg = zapcore.WarnLevel, "queue exists, but the broker does not tell its arguments; served as it is, taken to have the configured ones"
 			fields = append(fields, zap.Error(st.unlearned))
 		case st.differs && (len(conf.Args) > 0 || conf.Quorum):
-			level, msg = zapcore.WarnLevel, "queue found with other arguments than configured for it (those apply only to a missing queue); consuming it as declared"
+			level, msg = zapcore.WarnLevel, "queue exists with other arguments than configured for it (those apply only to a missing queue); served as declared"
 			fields = append(fields, zap.Any("configured_arguments", conf.declaredArgs()))
 		}
 		note := fmt.Sprint(msg, q.Args, q.Durable, q.AutoDelete, st.unlearned)

@@ -33,7 +33,7 @@ func ExampleConsumer() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	if err := c.Run(ctx, func(d *amqp.Delivery) { work <- d }); err != nil {
-		log.Print(err) // e.g. a *PreconditionError: the queue exists with other flags
+		log.Print(err) // e.g. a *PreconditionError: the broker refuses a missing queue's arguments
 	}
 	close(work)
 }

@@ -142,8 +142,6 @@ type queueState struct {
 	differs bool
 	// unlearned says why the arguments could not be learned.
 	unlearned error
-	// unbound says why the binding was left alone, when it was.
-	unbound error
 }
 
 // scratch is a channel for declares that may be refused: a refusal (404,
