@@ -60,8 +60,6 @@ type Config struct {
 	// EventLinger is how long the publisher waits to gather task events
 	// into one task.multi message (up to 128). Default DefaultEventLinger.
 	EventLinger time.Duration
-	// Queues are the task queues the worker consumes, for active_queues.
-	Queues []Queue
 	// Concurrency and Prefetch are reported by stats.
 	Concurrency, Prefetch int
 	// Shutdown is called when a shutdown command arrives (typically the
@@ -77,15 +75,6 @@ type Config struct {
 	MinBackoff, MaxBackoff time.Duration
 	// Logger receives structured logs. Default: none.
 	Logger *zap.Logger
-}
-
-// Queue describes a task queue for active_queues, in kombu's terms.
-type Queue struct {
-	Name                   string
-	Exchange, ExchangeType string // default: Name, "direct"
-	RoutingKey             string // default: Name
-	Durable, AutoDelete    bool
-	Arguments              map[string]any
 }
 
 func (c *Config) setDefaults() error {

@@ -118,6 +118,9 @@ func (noWorker) Reserved() []TaskInfo  { return nil }
 func (noWorker) Scheduled() []TaskInfo { return nil }
 func (noWorker) Revoke([]string, bool) {}
 func (noWorker) Stats() map[string]any { return nil }
+func (noWorker) Queues() []amqp.QueueSpec {
+	return nil
+}
 
 // NodeName returns the node name the controller answers to.
 func (c *Controller) NodeName() string { return c.cfg.NodeName }

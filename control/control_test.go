@@ -52,7 +52,7 @@ func newNode(t *testing.T, taskEvents bool) *node {
 	var once sync.Once
 	ctl, err := New(n.worker, Config{
 		URL: url, NodeName: "onceler-" + suffix + "@%h", TaskEvents: taskEvents, ConnectionName: "onceler_control_test_" + suffix,
-		Queues: []Queue{{Name: n.queue, Durable: true}}, Concurrency: 2, Prefetch: 2,
+		Concurrency: 2, Prefetch: 2,
 		Shutdown: func() { once.Do(func() { close(n.shutdown) }) },
 		Logger:   zaptest.NewLogger(t),
 	})
@@ -199,7 +199,8 @@ func TestCeleryInspect(t *testing.T) {
 		t.Errorf("stats = %v", stats)
 	}
 	queues, _ := n.inspect(t, "active_queues").([]any)
-	if len(queues) != 1 || queues[0].(map[string]any)["name"] != n.queue {
+	if len(queues) != 1 || queues[0].(map[string]any)["name"] != n.queue ||
+		!jsonEqual(queues[0].(map[string]any)["queue_arguments"], map[string]any{"x-max-priority": 10}) {
 		t.Errorf("active_queues = %v", queues)
 	}
 	if got := n.inspect(t, "reserved"); !jsonEqual(got, []any{}) {

@@ -58,7 +58,7 @@ func prepareTasksNode(t *testing.T, taskEvents bool) (*node, func()) {
 		t.Fatal(err)
 	}
 	log := zaptest.NewLogger(t)
-	ctl, err := New(nil, Config{URL: url, NodeName: name, TaskEvents: taskEvents, Queues: QueuesFrom(queues), Logger: log})
+	ctl, err := New(nil, Config{URL: url, NodeName: name, TaskEvents: taskEvents, Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,6 +113,11 @@ func TestTasksWorkerInspectAndRevoke(t *testing.T) {
 		if !found {
 			t.Errorf("registered = %v, missing %s", reg, want)
 		}
+	}
+	queues, _ := n.inspect(t, "active_queues").([]any)
+	if len(queues) != 1 || queues[0].(map[string]any)["name"] != n.queue || queues[0].(map[string]any)["queue_arguments"] != nil ||
+		queues[0].(map[string]any)["durable"] != true {
+		t.Errorf("active_queues = %v", queues)
 	}
 	t.Run("revoke before run", func(t *testing.T) {
 		res := n.client(t, "revoke-before", "0.1")

@@ -3,6 +3,7 @@ package control
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path"
 	"regexp"
@@ -286,13 +287,18 @@ func (c *Controller) stats() map[string]any {
 	return out
 }
 
-// activeQueues lists Config.Queues as kombu's Queue.as_dict(recurse=True).
+// activeQueues lists the worker's queues as kombu's
+// Queue.as_dict(recurse=True), with the arguments found on the broker.
 func (c *Controller) activeQueues() []any {
-	out := make([]any, 0, len(c.cfg.Queues))
-	for _, q := range c.cfg.Queues {
+	queues := c.worker().Queues()
+	out := make([]any, 0, len(queues))
+	for _, q := range queues {
 		ex, typ, key := q.Exchange, q.ExchangeType, q.RoutingKey
-		if ex == "" {
+		switch ex {
+		case "":
 			ex = q.Name
+		case amqp.DefaultExchange:
+			ex = ""
 		}
 		if typ == "" {
 			typ = "direct"
@@ -301,8 +307,8 @@ func (c *Controller) activeQueues() []any {
 			key = q.Name
 		}
 		var args any
-		if len(q.Arguments) > 0 {
-			args = q.Arguments
+		if a := queueArguments(q); len(a) > 0 {
+			args = a
 		}
 		out = append(out, map[string]any{
 			"name": q.Name,
@@ -317,4 +323,16 @@ func (c *Controller) activeQueues() []any {
 		})
 	}
 	return out
+}
+
+// queueArguments are q's arguments, with x-queue-type quorum for a spec
+// that says Quorum.
+func queueArguments(q amqp.QueueSpec) map[string]any {
+	if !q.Quorum {
+		return q.Args
+	}
+	args := make(map[string]any, len(q.Args)+1)
+	maps.Copy(args, q.Args)
+	args["x-queue-type"] = "quorum"
+	return args
 }

@@ -16,6 +16,7 @@ func (t tasksWorker) Reserved() []TaskInfo                { return fromTaskInfos
 func (t tasksWorker) Scheduled() []TaskInfo               { return fromTaskInfos(t.w.Scheduled()) }
 func (t tasksWorker) Revoke(ids []string, terminate bool) { t.w.Revoke(ids, terminate) }
 func (t tasksWorker) Stats() map[string]any               { return t.w.Stats() }
+func (t tasksWorker) Queues() []amqp.QueueSpec            { return t.w.Queues() }
 
 func fromTaskInfos(in []tasks.TaskInfo) []TaskInfo {
 	out := make([]TaskInfo, len(in))
@@ -25,22 +26,6 @@ func fromTaskInfos(in []tasks.TaskInfo) []TaskInfo {
 			Started: ti.Started, Acknowledged: ti.Acknowledged,
 			Exchange: ti.Exchange, RoutingKey: ti.RoutingKey, Priority: ti.Priority,
 			Redelivered: ti.Redelivered, ETA: ti.ETA,
-		}
-	}
-	return out
-}
-
-// QueuesFrom describes the worker's queue specs for Config.Queues.
-func QueuesFrom(specs []amqp.QueueSpec) []Queue {
-	out := make([]Queue, len(specs))
-	for i, s := range specs {
-		out[i] = Queue{Name: s.Name, Exchange: s.Exchange, ExchangeType: s.ExchangeType, RoutingKey: s.RoutingKey,
-			Durable: s.Durable, AutoDelete: s.AutoDelete, Arguments: s.Args}
-		if s.Quorum {
-			if out[i].Arguments == nil {
-				out[i].Arguments = map[string]any{}
-			}
-			out[i].Arguments["x-queue-type"] = "quorum"
 		}
 	}
 	return out

@@ -4,6 +4,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -25,6 +26,9 @@ type Worker interface {
 	// Stats returns counters for inspect stats; "total" maps task names to
 	// the number of tasks processed.
 	Stats() map[string]any
+	// Queues lists the queues consumed, for inspect active_queues: as found
+	// on the broker, with their arguments (amqp.Consumer.Queues).
+	Queues() []amqp.QueueSpec
 }
 
 // TaskInfo describes a task the worker holds, for inspect active, reserved

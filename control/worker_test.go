@@ -11,6 +11,7 @@ import (
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -70,6 +71,10 @@ func (w *testWorker) Reserved() []TaskInfo {
 }
 
 func (w *testWorker) Scheduled() []TaskInfo { return nil }
+
+func (w *testWorker) Queues() []amqp.QueueSpec {
+	return []amqp.QueueSpec{{Name: w.queue, Durable: true, Args: map[string]any{"x-max-priority": int32(10)}}}
+}
 
 func (w *testWorker) Revoke(ids []string, terminate bool) {
 	w.revoked.Add(ids...)

@@ -25,7 +25,10 @@ type Config struct {
 	// connection for consuming and one for publishing (results, quarantine).
 	Broker amqp.Config
 	// Queues are the queues consumed. Default: amqp.CeleryQueue("celery").
-	// Each queue q gets a durable quarantine queue "q.quarantine".
+	// A queue that exists is consumed as it is, with the arguments its
+	// declarer gave it; a missing one is declared with the spec's (see
+	// "Queues" in package amqp). Each queue q gets a durable quarantine
+	// queue "q.quarantine", declared by the worker.
 	Queues []amqp.QueueSpec
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
@@ -41,7 +44,13 @@ type Config struct {
 	// at least 8.
 	Concurrency int
 	// Prefetch is the broker's prefetch window (unacknowledged deliveries).
-	// Default Concurrency × 4.
+	// Default Concurrency × 4. A priority queue (x-max-priority) orders the
+	// messages still in the queue, not those already delivered, and the
+	// worker runs deliveries in the order they arrive: a delivery waiting
+	// for a task slot is not overtaken by one of higher priority that
+	// arrives after it. Prefetch equal to Concurrency keeps every waiting
+	// task in the broker, where priorities apply (the onceler worker
+	// command defaults to it when it consumes a priority queue).
 	Prefetch int
 	// Lease is the claim lease of tasks that do not set one. Default 30 s.
 	Lease time.Duration

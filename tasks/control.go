@@ -6,6 +6,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 )
 
@@ -26,6 +27,11 @@ type TaskInfo struct {
 
 // Registered returns the names of the tasks this worker serves, sorted.
 func (w *Worker) Registered() []string { return w.reg.Names() }
+
+// Queues returns the queues the worker consumes, as found on the broker
+// at the last connect (amqp.Consumer.Queues): with the arguments the broker
+// holds for them.
+func (w *Worker) Queues() []amqp.QueueSpec { return w.consumer.Queues() }
 
 // Hostname returns the worker's node name.
 func (w *Worker) Hostname() string { return w.cfg.Hostname }

@@ -364,21 +364,24 @@ func (w *Worker) windowLimit() int {
 	}
 }
 
-// flow applies windowLimit to the consumer when it changes, at most every
-// 50 ms (a change restarts the consumers of quorum queues), until ctx is
-// done.
-func (w *Worker) flow(ctx context.Context) {
-	for _, q := range w.cfg.Queues {
+// consumesQuorum reports whether a queue consumed is a quorum queue, as
+// found on the broker.
+func (w *Worker) consumesQuorum() bool {
+	for _, q := range w.consumer.Queues() {
 		if q.IsQuorum() {
-			// A quorum queue counts its window per consumer, and a change
-			// of it restarts the consumers, whose new window comes on top
-			// of the deliveries still held: a cap would let more in, not
-			// fewer. The window stays Config.Prefetch; the deliveries past
-			// the budget wait undecoded.
-			<-ctx.Done()
-			return
+			return true
 		}
 	}
+	return false
+}
+
+// flow applies windowLimit to the consumer when it changes, at most every
+// 50 ms, until ctx is done. On a quorum queue it applies none: a quorum
+// queue counts its window per consumer, and a change of it restarts the
+// consumers, whose new window comes on top of the deliveries still held: a
+// cap would let more in, not fewer. The window stays Config.Prefetch; the
+// deliveries past the budget wait undecoded.
+func (w *Worker) flow(ctx context.Context) {
 	applied := 0
 	for {
 		select {
@@ -386,7 +389,11 @@ func (w *Worker) flow(ctx context.Context) {
 			return
 		case <-w.flowKick:
 		}
-		if n := w.windowLimit(); n != applied {
+		n := w.windowLimit()
+		if w.consumesQuorum() {
+			n = 0
+		}
+		if n != applied {
 			if err := w.consumer.SetWindowLimit(n); err != nil {
 				w.log.Warn("limit the prefetch window for the memory budget", zap.Int("limit", n), zap.Error(err))
 			} else {

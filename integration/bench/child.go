@@ -233,8 +233,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 			return res, errors.New("worker: events and a done file together are not supported")
 		}
 		ctl, err = control.New(nil, control.Config{URL: job.AMQPURL, NodeName: hostname, TaskEvents: true,
-			Queues: control.QueuesFrom([]amqp.QueueSpec{amqp.CeleryQueue(job.Queue)}), Concurrency: job.Concurrency,
-			Prefetch: job.Prefetch, Logger: log})
+			Concurrency: job.Concurrency, Prefetch: job.Prefetch, Logger: log})
 		if err != nil {
 			return res, fmt.Errorf("worker: remote control: %w", err)
 		}
