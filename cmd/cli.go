@@ -219,6 +219,40 @@ func (f *flagSet) Duration(p *time.Duration, name string, def time.Duration, usa
 	f.add(name, "DURATION")
 }
 
+// List defines a repeatable flag whose values may also be comma-separated.
+// The command line replaces what the flag's environment variable gave.
+func (f *flagSet) List(p *[]string, name, meta, usage string) {
+	f.fs.Var(&listValue{p: p}, name, usage)
+	f.add(name, meta)
+}
+
+// listValue is the value of a List flag.
+type listValue struct {
+	p *[]string
+	// fromEnv: the values came from the environment; the command line
+	// replaces them.
+	fromEnv bool
+}
+
+func (l *listValue) String() string {
+	if l.p == nil {
+		return ""
+	}
+	return strings.Join(*l.p, ",")
+}
+
+func (l *listValue) Set(s string) error {
+	if l.fromEnv {
+		*l.p, l.fromEnv = nil, false
+	}
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			*l.p = append(*l.p, v)
+		}
+	}
+	return nil
+}
+
 // CommandLineOnly marks a flag as read from the command line only, never
 // from its environment variable.
 func (f *flagSet) CommandLineOnly(name string) { f.noEnv[name] = true }
@@ -260,6 +294,9 @@ func (f *flagSet) applyEnv(getenv func(string) string) error {
 		}
 		if err := f.fs.Set(name, v); err != nil {
 			return usagef(f.cmd.name, "invalid %s=%q: %v", env, v, cleanFlagErr(err))
+		}
+		if lv, ok := f.fs.Lookup(name).Value.(*listValue); ok {
+			lv.fromEnv = true
 		}
 	}
 	return nil

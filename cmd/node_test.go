@@ -16,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -109,13 +108,11 @@ func TestControlConfigUsesBrokerTLS(t *testing.T) {
 	certFile, keyFile, cert := writeSelfSigned(t)
 	f := &workerFlags{concurrency: 3, prefetch: 7, events: true}
 	f.broker = brokerFlags{url: "amqps://u:p@rabbit.example:5671//", caFile: certFile, certFile: certFile, keyFile: keyFile}
-	queues := []amqp.QueueSpec{amqp.CeleryQueue("q1")}
-	cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", queues)
+	cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cc.URL != f.broker.url || cc.NodeName != "n@h" || !cc.TaskEvents || cc.Concurrency != 3 || cc.Prefetch != 7 ||
-		len(cc.Queues) != 1 || cc.Queues[0].Name != "q1" {
+	if cc.URL != f.broker.url || cc.NodeName != "n@h" || !cc.TaskEvents || cc.Concurrency != 3 || cc.Prefetch != 7 {
 		t.Fatalf("control config %+v", cc)
 	}
 	if cc.TLS == nil || len(cc.TLS.Certificates) != 1 {
@@ -134,12 +131,12 @@ func TestControlConfigUsesBrokerTLS(t *testing.T) {
 
 	// Plain amqp://: no TLS; TLS files on it: a usage error, as for the worker.
 	f.broker = brokerFlags{url: "amqp://localhost//"}
-	if cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", queues); err != nil || cc.TLS != nil {
+	if cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7); err != nil || cc.TLS != nil {
 		t.Fatalf("amqp:// control config TLS %v, %v", cc.TLS, err)
 	}
 	f.broker.certFile, f.broker.keyFile = certFile, keyFile
 	var u *usageError
-	if _, err := f.controlConfig(f.broker.config("n@h"), "n@h", queues); !errors.As(err, &u) {
+	if _, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7); !errors.As(err, &u) {
 		t.Fatalf("TLS files on amqp:// = %v, want a usage error", err)
 	}
 }

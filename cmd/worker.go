@@ -32,6 +32,7 @@ type workerFlags struct {
 	db           dbFlags
 	broker       brokerFlags
 	queues       string
+	queueArgs    []string
 	quorum       bool
 	concurrency  int
 	prefetch     int
@@ -82,10 +83,11 @@ first time that point is reached, for crash tests.`,
 			f := &workerFlags{}
 			f.db.define(fs)
 			f.broker.define(fs)
-			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume; each gets a quarantine queue <queue>.quarantine")
-			fs.Bool(&f.quorum, "quorum", "declare the queues as quorum queues (all producers must declare them the same way)")
+			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume: one that exists is consumed as the application declared it, a missing one is declared as Celery declares it (see --queue-arg, --quorum); each gets a quarantine queue <queue>.quarantine")
+			fs.List(&f.queueArgs, "queue-arg", "[QUEUE:]ARG=VALUE", "an argument to declare a missing queue with, for every queue of --queues or, with QUEUE:, for that one; repeat the flag or separate items with commas, e.g. --queue-arg x-max-priority=10. An integer value is sent as an integer, true and false as booleans, anything else (or a value in double quotes) as a string. A queue that exists is consumed as it is, with the arguments the application declared it with (docs/queues.md)")
+			fs.Bool(&f.quorum, "quorum", "declare missing queues as quorum queues (x-queue-type=quorum); a queue that exists is consumed as it is")
 			fs.Int(&f.concurrency, "concurrency", 0, "tasks run at once; 0 means 4 × CPUs, at least 8")
-			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency")
+			fs.Int(&f.prefetch, "prefetch", 0, "unacknowledged deliveries the broker may hand over; 0 means 4 × concurrency, or the concurrency when a queue consumed is a priority queue (x-max-priority), so that the tasks waiting for a slot stay in the broker, where priorities apply")
 			fs.Duration(&f.lease, "lease", 30*time.Second, "claim lease of tasks that do not set their own; renewed while the task runs, so a claim goes stale this long after its worker died")
 			fs.Int(&f.groupTx, "group-tx", 0, "run up to N same-database tasks in one transaction, committed once (a group commit: fewer commits, more throughput for short tasks; a task that fails is rolled back alone); 0 means each in a transaction of its own; at most 32")
 			fs.Int(&f.flushers, "flushers", 0, "record flushes running at once, each a batch of claims and completions committed once on a connection of its own; 0 means the record's default, 1, which makes the largest batches and the fewest commits (the fastest with the broker and PostgreSQL on the worker's machine); 2 may gain on a database server with cores to spare; at most 16")
@@ -113,23 +115,6 @@ first time that point is reached, for crash tests.`,
 			}
 		},
 	}
-}
-
-func (f *workerFlags) queueSpecs() ([]amqp.QueueSpec, error) {
-	var specs []amqp.QueueSpec
-	for _, name := range strings.Split(f.queues, ",") {
-		name = strings.TrimSpace(name)
-		if name == "" {
-			continue
-		}
-		q := amqp.CeleryQueue(name)
-		q.Quorum = f.quorum
-		specs = append(specs, q)
-	}
-	if len(specs) == 0 {
-		return nil, usagef("worker", "--queues names no queue")
-	}
-	return specs, nil
 }
 
 func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
@@ -209,8 +194,21 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	defer pool.Close()
 	defer store.Close()
-	if err := probeBroker(ctx, broker, queues[0]); err != nil {
+	found, err := probeBroker(ctx, broker, queues)
+	if err != nil {
 		return err
+	}
+	concurrency, prefetch := f.concurrency, f.prefetch
+	if concurrency <= 0 {
+		concurrency = tasks.DefaultConcurrency()
+	}
+	if prefetch <= 0 {
+		prefetch = tasks.DefaultPrefetch(concurrency)
+		if pq := priorityQueues(found); len(pq) > 0 {
+			prefetch = concurrency
+			logger.Info("priority queue: the prefetch defaults to the concurrency, so that the tasks waiting for a slot stay in the broker, where priorities apply",
+				zap.Strings("priority_queues", pq), zap.Int("prefetch", prefetch))
+		}
 	}
 	if f.migrate {
 		if err := a.migrate(ctx, pool, store, f.db.schema); err != nil {
@@ -246,7 +244,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	defer stopRun()
 	var ctl *control.Controller
 	if !f.noControl {
-		cc, err := f.controlConfig(broker, node, queues)
+		cc, err := f.controlConfig(broker, node, concurrency, prefetch)
 		if err != nil {
 			return err
 		}
@@ -265,8 +263,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Queues:           queues,
 		Pool:             pool,
 		Store:            store,
-		Concurrency:      f.concurrency,
-		Prefetch:         f.prefetch,
+		Concurrency:      concurrency,
+		Prefetch:         prefetch,
 		Lease:            f.lease,
 		Grace:            f.grace,
 		Hostname:         node,
@@ -332,27 +330,19 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 }
 
 // controlConfig configures the remote control connection like the worker's
-// own: same broker, same TLS (CA and client certificate), same node name.
-func (f *workerFlags) controlConfig(broker amqp.Config, node string, queues []amqp.QueueSpec) (control.Config, error) {
+// own: same broker, same TLS (CA and client certificate), same node name;
+// concurrency and prefetch are what the worker runs with, for 'celery
+// inspect conf' and 'stats'.
+func (f *workerFlags) controlConfig(broker amqp.Config, node string, concurrency, prefetch int) (control.Config, error) {
 	tc, err := broker.TLSClientConfig()
 	if err != nil {
 		return control.Config{}, brokerError("worker", broker, err)
-	}
-	// What the worker will run with (tasks.Config's defaults), for
-	// 'celery inspect conf' and 'stats'.
-	concurrency, prefetch := f.concurrency, f.prefetch
-	if concurrency <= 0 {
-		concurrency = tasks.DefaultConcurrency()
-	}
-	if prefetch <= 0 {
-		prefetch = tasks.DefaultPrefetch(concurrency)
 	}
 	return control.Config{
 		URL:         broker.URL,
 		TLS:         tc,
 		NodeName:    node,
 		TaskEvents:  f.events,
-		Queues:      control.QueuesFrom(queues),
 		Concurrency: concurrency,
 		Prefetch:    prefetch,
 	}, nil
@@ -393,31 +383,6 @@ func serveHTTP(ctx context.Context, ln net.Listener, metrics *prometheus.Registr
 	defer cancel()
 	_ = srv.Shutdown(sctx)
 	<-done
-}
-
-// probeBroker checks that the broker answers and that the first queue can be
-// declared as the worker will, so that a wrong URL fails at once with one
-// clear line instead of a reconnect loop.
-func probeBroker(ctx context.Context, cfg amqp.Config, q amqp.QueueSpec) error {
-	where := amqp.RedactURL(cfg.URL)
-	cfg.Logger = nil
-	cfg.MaxBackoff = time.Second
-	if cfg.Name != "" {
-		cfg.Name += ".probe"
-	}
-	p := amqp.NewPublisher(cfg)
-	defer func() { _ = p.Close() }()
-	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
-	defer cancel()
-	err := p.Declare(pctx, q)
-	switch {
-	case err == nil:
-		return nil
-	case isPrecondition(err):
-		return fmt.Errorf("queue %s exists on %s with other settings than these flags give (check --quorum): %s", q.Name, where, oneLine(err))
-	default:
-		return brokerError("worker", cfg, err)
-	}
 }
 
 func isPrecondition(err error) bool {

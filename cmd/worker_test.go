@@ -149,21 +149,25 @@ func TestWorkerGracefulShutdown(t *testing.T) {
 	wantCount(t, "sleeps", n, err, 1)
 }
 
-// TestWorkerQuorumQueues starts a worker on quorum queues, sends it a task,
-// then shows that a worker declaring the same queue as classic fails with
-// one line that names the mismatch.
+// TestWorkerQuorumQueues starts a worker with --quorum, which declares the
+// missing queue as a quorum queue, sends it a task, then shows that a
+// worker started without --quorum serves the quorum queue as it is
+// (per-consumer prefetch: global QoS would be refused).
 func TestWorkerQuorumQueues(t *testing.T) {
 	s := newStack(t)
 	w := startWorker(t, s.env, "--quorum")
+	w.waitLog(`"queue":"`+s.queue+`","arguments":{"x-queue-type":"quorum"}`, 10*time.Second)
 	_, replies := s.sendQuorumTask(t, call{demo.TaskAdd, []any{20, 22}}).replies(90 * time.Second)
 	w.stop()
 	if len(replies) != 1 || fmt.Sprint(replies[0].OK) != "42" {
 		t.Fatalf("replies %+v", replies)
 	}
-	r := runBin(t, s.env, "worker", "--migrate")
-	line := oneLineError(t, r, 1)
-	if !strings.Contains(line, "queue "+s.queue+" exists on") || !strings.Contains(line, "check --quorum") {
-		t.Fatalf("classic worker on a quorum queue: %q", line)
+	w = startWorker(t, s.env)
+	w.waitLog(`"global_qos":false`, 10*time.Second)
+	_, replies = s.sendQuorumTask(t, call{demo.TaskAdd, []any{1, 1}}).replies(90 * time.Second)
+	w.stop()
+	if len(replies) != 1 || fmt.Sprint(replies[0].OK) != "2" {
+		t.Fatalf("replies of the worker without --quorum %+v", replies)
 	}
 }
 
