@@ -389,9 +389,9 @@ func (w *Worker) flow(ctx context.Context) {
 			return
 		case <-w.flowKick:
 		}
-		n := w.windowLimit()
-		if w.consumesQuorum() {
-			n = 0
+		n := 0
+		if !w.consumesQuorum() {
+			n = w.windowLimit()
 		}
 		if n != applied {
 			if err := w.consumer.SetWindowLimit(n); err != nil {

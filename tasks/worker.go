@@ -322,7 +322,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	for {
 		select {
 		case j := <-w.jobs:
+			w.mu.Lock()
 			w.requeue(j)
+			w.mu.Unlock()
 			continue
 		default:
 		}
