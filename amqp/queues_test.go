@@ -112,12 +112,14 @@ func TestExistingQueueFlagsAndTypeLearned(t *testing.T) {
 	_, err = ch.QueueDeclare(quorum, true, false, false, false, amqp091.Table{"x-queue-type": "quorum", "x-max-length": 100})
 	must(t, err, "declare quorum")
 
-	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQuorumQueue(transient), CeleryQueue(quorum)}, Prefetch: 2})
+	asQuorum := CeleryQuorumQueue(transient)
+	asQuorum.Exchange = DefaultExchange
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{asQuorum, CeleryQueue(quorum)}, Prefetch: 2})
 	got := make(chan *Delivery, 8)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
 	waitFor(t, "consumer ready", 15*time.Second, c.Ready)
 	qs := c.Queues()
-	if qs[0].Durable || qs[0].IsQuorum() || qs[0].Args != nil {
+	if qs[0].Durable || qs[0].IsQuorum() || qs[0].Args != nil || qs[0].Exchange != DefaultExchange || qs[1].Exchange != quorum {
 		t.Fatalf("transient queue found as %+v", qs[0])
 	}
 	if !qs[1].IsQuorum() || qs[1].Args["x-max-length"] != int32(100) || !qs[1].Durable {

@@ -204,7 +204,7 @@ func ensure(sc *scratch, spec QueueSpec, prev *QueueSpec) (queueState, error) {
 		return queueState{}, err
 	}
 	if q.Passive {
-		return queueState{spec: q}, checkPassive(sc, q)
+		return queueState{spec: unresolved(q)}, checkPassive(sc, q)
 	}
 	if q.Exchange != "" {
 		if err := ensureExchange(sc, q); err != nil {
@@ -251,7 +251,17 @@ func ensure(sc *scratch, spec QueueSpec, prev *QueueSpec) (queueState, error) {
 			return queueState{}, declareError(err, "binding of queue", q.Name, "exchange="+q.Exchange+" key="+q.RoutingKey)
 		}
 	}
+	st.spec = unresolved(st.spec)
 	return st, nil
+}
+
+// unresolved spells a resolved spec's default exchange as DefaultExchange
+// again, so that resolving it once more keeps it.
+func unresolved(q QueueSpec) QueueSpec {
+	if q.Exchange == "" {
+		q.Exchange = DefaultExchange
+	}
+	return q
 }
 
 // queueExists checks q passively: a missing queue is (false, nil).
