@@ -4,6 +4,7 @@
 //
 //	EDGE_MIGRATE=panic   Migrate panics
 //	EDGE_MIGRATE=error   Migrate fails with a PostgreSQL error it wraps
+//	EDGE_MIGRATE=naive   Migrate creates its table without a lock of its own
 //	EDGE_REGISTER=panic  Register panics
 //
 // Otherwise it serves edge.pay, an outside task with the default stale-claim
@@ -45,6 +46,10 @@ func migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	switch os.Getenv("EDGE_MIGRATE") {
 	case "panic":
 		panic("migrate exploded")
+	case "naive":
+		if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS edge_naive (id bigint PRIMARY KEY, note text)`); err != nil {
+			return fmt.Errorf("create table edge_naive: %w", err)
+		}
 	case "error":
 		if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS edge_payments (id no_such_type)`); err != nil {
 			return fmt.Errorf("create table edge_payments: %w", err)
