@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -236,5 +237,45 @@ func TestOwnBinaryConcurrentMigrateIsSerialisedAsHelpSays(t *testing.T) {
 				t.Errorf("round %d, run %d of 6 at once: exit %d: %s", round, i, r.code, strings.TrimSpace(r.stderr))
 			}
 		}
+	}
+}
+
+// The program's name replaces "onceler" in every message of a binary of its
+// own, the database's words included: with the default record schema,
+// onceler, a role without rights on it reads "permission denied for schema
+// payments", a schema that does not exist.
+func TestOwnBinaryErrorKeepsTheSchemaName(t *testing.T) {
+	bin := edgeBinary(t)
+	ctx := context.Background()
+	pool := testenv.Pool(t)
+	db, role := testenv.Name("db"), testenv.Name("role")
+	if _, err := pool.Exec(ctx, "CREATE DATABASE "+db); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)") })
+	if _, err := pool.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
+	u, err := url.Parse(testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + db
+	conn, err := pgx.Connect(ctx, u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The record schema, onceler (the default), made by its owner.
+	_, err = conn.Exec(ctx, "CREATE SCHEMA onceler")
+	_ = conn.Close(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	r := runProg(t, bin, map[string]string{"ONCELER_DATABASE_URL": u.String()}, "records")
+	line := oneLineError(t, r, 1)
+	if !strings.Contains(line, "permission denied for schema onceler") {
+		t.Errorf("stderr %q\nwant PostgreSQL's own words, permission denied for schema onceler", line)
 	}
 }
