@@ -224,7 +224,7 @@ func TestOwnBinaryConcurrentMigrateIsSerialisedAsHelpSays(t *testing.T) {
 	if !strings.Contains(strings.Join(strings.Fields(out.String()), " "), "from several machines at once (an advisory lock serialises them)") {
 		t.Fatalf("migrate --help no longer makes the claim:\n%s", out.String())
 	}
-	for round := range 4 {
+	for round := range 8 {
 		s := newExampleStack(t)
 		var wg sync.WaitGroup
 		res := make([]result, 6)
