@@ -45,9 +45,22 @@ type App struct {
 
 	// Migrate creates or updates the binary's own tables (what its tasks
 	// write to), after the record schema: run by the migrate command and by
-	// "worker --migrate". It must be safe to run again, and from several
-	// processes at once. Nil means the binary has no tables of its own.
+	// "worker --migrate", under an advisory lock so that processes started
+	// at once run it one after another. It must be safe to run again. Nil
+	// means the binary has no tables of its own.
 	Migrate func(ctx context.Context, pool *pgxpool.Pool) error
+}
+
+// callUser runs one of the binary's own functions (Register, Migrate): a
+// panic in it is that function's failure, reported as an error, not a crash
+// of the command with a stack trace.
+func callUser(what string, f func() error) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("%s panicked: %v", what, p)
+		}
+	}()
+	return f()
 }
 
 // Env is what Register is given: the worker's PostgreSQL pool (the one
@@ -62,9 +75,6 @@ type Env struct {
 // flag, an invalid value), 1 for any other failure. SIGINT or SIGTERM asks
 // the command to stop gracefully; a second one ends the process at once.
 func Main(app App) {
-	if app.Name == "" {
-		app.Name = filepath.Base(os.Args[0])
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	// The first signal asks for a graceful shutdown; restoring the default
 	// handling then lets a second signal end the process at once.
@@ -81,7 +91,11 @@ func (app App) Run(ctx context.Context, args []string, stdout, stderr io.Writer)
 	a := newApp(app, stdout, stderr, os.Getenv)
 	err := a.run(ctx, args)
 	if err != nil {
-		fmt.Fprintln(stderr, a.prog+":", a.named(err.Error()))
+		var u *usageError
+		if errors.As(err, &u) {
+			u.prog = a.prog
+		}
+		fmt.Fprintln(stderr, a.prog+":", err)
 	}
 	return err
 }
@@ -103,7 +117,7 @@ func ExitCode(err error) int {
 func newApp(user App, stdout, stderr io.Writer, getenv func(string) string) *app {
 	prog := user.Name
 	if prog == "" {
-		prog = "onceler"
+		prog = filepath.Base(os.Args[0])
 	}
 	return &app{stdout: stdout, stderr: stderr, getenv: getenv, prog: prog, user: user}
 }
@@ -112,8 +126,10 @@ func newApp(user App, stdout, stderr io.Writer, getenv func(string) string) *app
 // ("'onceler migrate'", "Usage: onceler worker", "onceler runs ...").
 var progRef = regexp.MustCompile(`(^|[\s'"(])onceler( |$)`)
 
-// named is s with the command's references to "onceler" given the program's
-// own name: the texts are written for the onceler binary.
+// named is s with the references to the onceler command given the
+// program's own name: the help texts are written for the onceler binary.
+// Only texts of this package go through it, never an error, which may carry
+// a database's or a broker's words (a schema named onceler).
 func (a *app) named(s string) string {
 	if a.prog == "onceler" {
 		return s

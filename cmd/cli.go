@@ -16,15 +16,20 @@ import (
 // usageError is a mistake in the command line or the environment: the
 // process exits with status 2 and names the command's --help.
 type usageError struct {
-	cmd string
-	msg string
+	cmd  string
+	msg  string
+	prog string // the program's name; set by App.Run, "onceler" until then
 }
 
 func (e *usageError) Error() string {
-	if e.cmd == "" {
-		return e.msg + " (run 'onceler help')"
+	prog := e.prog
+	if prog == "" {
+		prog = "onceler"
 	}
-	return e.cmd + ": " + e.msg + " (run 'onceler " + e.cmd + " --help')"
+	if e.cmd == "" {
+		return e.msg + " (run '" + prog + " help')"
+	}
+	return e.cmd + ": " + e.msg + " (run '" + prog + " " + e.cmd + " --help')"
 }
 
 func usagef(cmd, format string, args ...any) error {

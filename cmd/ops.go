@@ -21,10 +21,11 @@ func migrateCommand() *command {
 		name:    "migrate",
 		summary: "create or update the record schema and the binary's own tables",
 		long: `Applies the idempotency record's schema migrations that are not applied
-yet, then creates or updates the tables of the binary's own tasks (for the
-onceler binary, the demo tables in schema onceler_demo). Safe to run again and
-from several machines at once (an advisory lock serialises them). Run it
-before the first worker starts, and after each upgrade of the binary.`,
+yet, then creates or updates the tables of the binary's own tasks
+(cmd.App.Migrate; in onceler's own binary, the demo tables in schema
+onceler_demo). Safe to run again and from several machines at once
+(advisory locks serialise both steps). Run it before the first worker
+starts, and after each upgrade of the binary.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			var d dbFlags
 			d.define(fs)
@@ -62,13 +63,34 @@ func (a *app) migrate(ctx context.Context, pool *pgxpool.Pool, store *idempotenc
 	if err := store.Migrate(ctx); err != nil {
 		return fmt.Errorf("migrate the record schema %q: %s", schema, oneLine(err))
 	}
-	if a.user.Migrate != nil {
-		if err := a.user.Migrate(ctx, pool); err != nil {
-			return fmt.Errorf("create the binary's own tables: %s", oneLine(err))
+	if a.user.Migrate == nil {
+		return nil
+	}
+	// The binary's own migration runs under a lock of its own, so that
+	// migrations started at once on several machines run one after another,
+	// as the record's do.
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("create the binary's own tables: %s", oneLine(err))
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", appMigrateLock); err != nil {
+		return fmt.Errorf("create the binary's own tables: lock: %s", oneLine(err))
+	}
+	defer func() {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", appMigrateLock); err != nil {
+			_ = conn.Conn().Close(context.WithoutCancel(ctx)) // a closed session releases its locks
 		}
+	}()
+	err = callUser("Migrate", func() error { return a.user.Migrate(ctx, pool) })
+	if err != nil {
+		return fmt.Errorf("create the binary's own tables: %s", strings.Join(strings.Fields(err.Error()), " "))
 	}
 	return nil
 }
+
+// appMigrateLock is the advisory lock key of the binary's own migration.
+const appMigrateLock int64 = 0x6f6e63656c6d6967 // "oncelmig"
 
 func parseStatus(cmd, v string) (idempotency.Status, error) {
 	if v == "" {
@@ -125,13 +147,13 @@ an outcome. With both --task and --key it shows the one record in full
 				defer store.Close()
 				recs, err := store.List(ctx, idempotency.Filter{Task: task, Key: key, Status: st, Stale: stale, Limit: limit})
 				if err != nil {
-					return fmt.Errorf("list records: %s", schemaHint(d.schema, err))
+					return fmt.Errorf("list records: %s", schemaHint(a.prog, d.schema, err))
 				}
 				if asJSON {
 					return writeJSON(a.stdout, recordsJSON(recs))
 				}
 				if task != "" && key != "" && len(recs) == 1 {
-					printRecord(a.stdout, recs[0])
+					printRecord(a.stdout, a.prog, recs[0])
 					return nil
 				}
 				printRecords(a.stdout, recs)
@@ -145,9 +167,9 @@ an outcome. With both --task and --key it shows the one record in full
 }
 
 // schemaHint explains an error caused by a schema that was never migrated.
-func schemaHint(schema string, err error) string {
+func schemaHint(prog, schema string, err error) string {
 	if strings.Contains(err.Error(), "42P01") {
-		return fmt.Sprintf("the record schema %q does not exist: run 'onceler migrate' (or check --schema)", schema)
+		return fmt.Sprintf("the record schema %q does not exist: run '%s migrate' (or check --schema)", schema, prog)
 	}
 	return oneLine(err)
 }
@@ -231,7 +253,7 @@ func printRecords(w io.Writer, recs []idempotency.Record) {
 	fmt.Fprintf(w, "%d record(s)\n", len(recs))
 }
 
-func printRecord(w io.Writer, r idempotency.Record) {
+func printRecord(w io.Writer, prog string, r idempotency.Record) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	row := func(k, v string) { fmt.Fprintf(tw, "%s:\t%s\n", k, v) }
 	row("task", r.Task)
@@ -250,7 +272,7 @@ func printRecord(w io.Writer, r idempotency.Record) {
 	row("reason", dash(r.Reason))
 	msg := "-"
 	if len(r.Message) > 0 {
-		msg = fmt.Sprintf("%d bytes kept for 'onceler resolve --retry'", len(r.Message))
+		msg = fmt.Sprintf("%d bytes kept for '%s resolve --retry'", len(r.Message), prog)
 	}
 	row("message", msg)
 	_ = tw.Flush()
@@ -297,7 +319,7 @@ and skipped operations, argument mismatches and failures.`,
 				from := time.Now().Add(-dur)
 				stats, err := store.Repeats(ctx, from)
 				if err != nil {
-					return fmt.Errorf("repeats: %s", schemaHint(d.schema, err))
+					return fmt.Errorf("repeats: %s", schemaHint(a.prog, d.schema, err))
 				}
 				if asJSON {
 					return writeJSON(a.stdout, repeatsJSON(from, stats))

@@ -68,7 +68,7 @@ func (a *app) purge(ctx context.Context, store *idempotency.Store, schema, older
 	if dryRun {
 		res, err := store.Purge(ctx, idempotency.PurgeParams{Before: before, DryRun: true})
 		if err != nil {
-			return fmt.Errorf("purge: %s", schemaHint(schema, err))
+			return fmt.Errorf("purge: %s", schemaHint(a.prog, schema, err))
 		}
 		fmt.Fprintf(a.stdout, "dry run: would delete %d records and %d repeat events %s\n", res.Records, res.Events, cutoff)
 		if len(res.Counts) > 0 {
@@ -89,7 +89,7 @@ func (a *app) purge(ctx context.Context, store *idempotency.Store, schema, older
 		if ctx.Err() != nil {
 			return fmt.Errorf("purge interrupted after deleting %d records and %d repeat events", total.Records, total.Events)
 		}
-		return fmt.Errorf("purge (after deleting %d records): %s", total.Records, schemaHint(schema, err))
+		return fmt.Errorf("purge (after deleting %d records): %s", total.Records, schemaHint(a.prog, schema, err))
 	}
 	fmt.Fprintf(a.stdout, "deleted %d records and %d repeat events\n", total.Records, total.Events)
 	return nil

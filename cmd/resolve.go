@@ -108,7 +108,7 @@ the outside system whether the effect happened, then:
 				task, key := args[0], args[1]
 				if completed {
 					if err := store.ResolveCompleted(ctx, task, key, res); err != nil {
-						return resolveError(d.schema, task, key, err)
+						return resolveError(a.prog, d.schema, task, key, err)
 					}
 					fmt.Fprintf(a.stdout, "%s %s: completed\n", task, key)
 					return nil
@@ -119,14 +119,14 @@ the outside system whether the effect happened, then:
 	}
 }
 
-func resolveError(schema, task, key string, err error) error {
+func resolveError(prog, schema, task, key string, err error) error {
 	switch {
 	case errors.Is(err, idempotency.ErrNotFound):
 		return fmt.Errorf("no record for task %q key %q in schema %q", task, key, schema)
 	case errors.Is(err, idempotency.ErrNotHeld):
-		return fmt.Errorf("record %s %s is not held; only held records are resolved ('onceler records --task %s --key %s' shows it)", task, key, task, key)
+		return fmt.Errorf("record %s %s is not held; only held records are resolved ('%s records --task %s --key %s' shows it)", task, key, prog, task, key)
 	default:
-		return fmt.Errorf("resolve %s %s: %s", task, key, schemaHint(schema, err))
+		return fmt.Errorf("resolve %s %s: %s", task, key, schemaHint(prog, schema, err))
 	}
 }
 
@@ -137,10 +137,10 @@ func resolveError(schema, task, key string, err error) error {
 func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, task, key string) error {
 	rec, err := store.Get(ctx, task, key)
 	if err != nil {
-		return resolveError(schema, task, key, err)
+		return resolveError(a.prog, schema, task, key, err)
 	}
 	if rec.Status != idempotency.StatusHeld {
-		return resolveError(schema, task, key, idempotency.ErrNotHeld)
+		return resolveError(a.prog, schema, task, key, idempotency.ErrNotHeld)
 	}
 	if len(rec.Message) == 0 {
 		return fmt.Errorf("record %s %s keeps no message to republish: send the operation again from its producer, or resolve it --completed", task, key)
@@ -161,7 +161,7 @@ func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema
 		}
 	}
 	if _, err := store.ResolveRetry(ctx, task, key); err != nil {
-		return resolveError(schema, task, key, err)
+		return resolveError(a.prog, schema, task, key, err)
 	}
 	// The record is released: the publish must not be cut short by ^C.
 	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)

@@ -62,7 +62,7 @@ func TestWorkerCommandSchemaCheck(t *testing.T) {
 	}
 	defer store.Close()
 	ctx := context.Background()
-	err = checkSchema(ctx, store, schema)
+	err = checkSchema(ctx, "onceler", store, schema)
 	want := `the record schema "` + schema + `" does not exist: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate`
 	if err == nil || err.Error() != want {
 		t.Fatalf("missing schema: %v, want %q", err, want)
@@ -70,13 +70,13 @@ func TestWorkerCommandSchemaCheck(t *testing.T) {
 	if err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := checkSchema(ctx, store, schema); err != nil {
+	if err := checkSchema(ctx, "onceler", store, schema); err != nil {
 		t.Fatalf("migrated schema: %v", err)
 	}
 	if _, err := pool.Exec(ctx, `DELETE FROM "`+schema+`".migrations WHERE version = (SELECT max(version) FROM "`+schema+`".migrations)`); err != nil {
 		t.Fatal(err)
 	}
-	if err := checkSchema(ctx, store, schema); err == nil || !strings.Contains(err.Error(), "this binary needs") || !strings.Contains(err.Error(), "run 'onceler migrate'") {
+	if err := checkSchema(ctx, "onceler", store, schema); err == nil || !strings.Contains(err.Error(), "this binary needs") || !strings.Contains(err.Error(), "run 'onceler migrate'") {
 		t.Fatalf("old schema: %v", err)
 	}
 }

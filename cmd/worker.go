@@ -73,8 +73,8 @@ with the stored result. SIGINT or SIGTERM stops it gracefully: no new tasks,
 running ones get --grace to finish, unfinished deliveries return to the queue.
 A second signal ends the process at once.
 
-The onceler binary serves the demo tasks; a binary of your own serves yours
-with this same command (see docs/example).
+It serves the tasks the binary registers (cmd.App): onceler's own binary
+the demo tasks, a binary built as docs/example is its own.
 
 ONCELER_CRASH_AT=after_claim|after_effect|before_ack|chord_joined with
 ONCELER_CRASH_TASK=<task> makes the process die abruptly (as kill -9) the
@@ -216,13 +216,13 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		}
 	}
 	if !f.noRecord {
-		if err := checkSchema(ctx, store, f.db.schema); err != nil {
+		if err := checkSchema(ctx, a.prog, store, f.db.schema); err != nil {
 			return err
 		}
 	}
 
 	reg := tasks.NewRegistry()
-	if err := a.user.Register(ctx, reg, Env{Pool: pool, Logger: logger}); err != nil {
+	if err := callUser("Register", func() error { return a.user.Register(ctx, reg, Env{Pool: pool, Logger: logger}) }); err != nil {
 		return fmt.Errorf("register the tasks: %w", err)
 	}
 	if len(reg.Names()) == 0 {
@@ -420,7 +420,7 @@ func resultExpires(d time.Duration) time.Duration {
 
 // checkSchema refuses a record schema that is missing or older than the
 // binary, in one line naming the command that applies it.
-func checkSchema(ctx context.Context, store *idempotency.Store, schema string) error {
+func checkSchema(ctx context.Context, prog string, store *idempotency.Store, schema string) error {
 	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
 	err := store.CheckSchema(cctx)
@@ -429,9 +429,9 @@ func checkSchema(ctx context.Context, store *idempotency.Store, schema string) e
 	case err == nil:
 		return nil
 	case errors.As(err, &se) && se.Have == 0:
-		return fmt.Errorf("the record schema %q does not exist: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate", schema)
+		return fmt.Errorf("the record schema %q does not exist: run '%s migrate' (same --database-url and --schema) or start the worker with --migrate", schema, prog)
 	case errors.As(err, &se):
-		return fmt.Errorf("the record schema %q is at version %d, this binary needs %d: run 'onceler migrate' (same --database-url and --schema) or start the worker with --migrate", schema, se.Have, se.Want)
+		return fmt.Errorf("the record schema %q is at version %d, this binary needs %d: run '%s migrate' (same --database-url and --schema) or start the worker with --migrate", schema, se.Have, se.Want, prog)
 	default:
 		return fmt.Errorf("check the record schema %q: %s", schema, oneLine(err))
 	}

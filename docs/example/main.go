@@ -45,23 +45,18 @@ func register(_ context.Context, reg *tasks.Registry, _ cmd.Env) error {
 }
 
 // migrate creates the binary's own table, after the record schema: run by
-// "refunds migrate" and "refunds worker --migrate". The advisory lock makes
-// it safe from several processes at once. order_id is deliberately not
-// unique: the record is what keeps a refund from happening twice.
+// "refunds migrate" and "refunds worker --migrate", one process at a time.
+// order_id is deliberately not unique: the record is what keeps a refund
+// from happening twice.
 func migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('refunds migrate'))`); err != nil {
-			return fmt.Errorf("lock: %w", err)
-		}
-		_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS refunds (
-			id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-			order_id   text NOT NULL,
-			cents      bigint NOT NULL,
-			created_at timestamptz NOT NULL DEFAULT now()
-		)`)
-		if err != nil {
-			return fmt.Errorf("create table refunds: %w", err)
-		}
-		return nil
-	})
+	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS refunds (
+		id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+		order_id   text NOT NULL,
+		cents      bigint NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now()
+	)`)
+	if err != nil {
+		return fmt.Errorf("create table refunds: %w", err)
+	}
+	return nil
 }
