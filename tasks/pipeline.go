@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Quarantine reasons, the value of the x-onceler-reason header.
@@ -104,7 +105,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	h, ok := w.reg.get(msg.Task)
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
-		w.log.Error("received unregistered task", zap.String("task", clip(msg.Task, maxLogField)), zap.String("task_id", clip(msg.ID, maxLogField)))
+		w.log.Error("received unregistered task", zap.String("task", clip.String(msg.Task, maxLogField)), zap.String("task_id", clip.String(msg.ID, maxLogField)))
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if w.wantEvents() {
 			// As Celery's consumer (on_unknown_task): task-failed, no
@@ -134,7 +135,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		if errors.As(err, &ae) {
 			ae.Task = h.name
 		}
-		w.log.Warn("bad arguments", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("bad arguments", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		exc := exceptionFor(err)
 		if w.wantEvents() {
 			w.event(ctx, j, failedEvent("task-failed", h.name, exc))
@@ -460,9 +461,9 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 		return
 	}
 	if schemaMissing(err) {
-		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	} else {
-		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	}
 	j.checks++
 	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))

@@ -15,6 +15,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Worker consumes Celery task messages and runs the registered tasks, each
@@ -534,7 +535,7 @@ func (w *Worker) checkSchema(ctx context.Context) error {
 	case errors.As(err, &se):
 		return fmt.Errorf("tasks: %w: apply it with 'onceler migrate --schema %s' (or the worker's --migrate, or idempotency.Store.Migrate) before starting", err, se.Schema)
 	default:
-		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip(err.Error(), maxLogField)))
+		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip.String(err.Error(), maxLogField)))
 		return nil
 	}
 }
