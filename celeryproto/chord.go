@@ -104,43 +104,11 @@ func (p *ChordPart) ExceptionRepr() string {
 			b.WriteString(", ")
 		}
 		if s, ok := a.(string); ok {
-			b.WriteString(pyStringRepr(s))
+			b.WriteString(StringRepr(s))
 		} else {
 			fmt.Fprint(&b, a)
 		}
 	}
 	b.WriteByte(')')
-	return b.String()
-}
-
-// pyStringRepr is Python's repr of a str: single quotes, unless the text
-// holds a single quote and no double quote.
-func pyStringRepr(s string) string {
-	q := byte('\'')
-	if strings.ContainsRune(s, '\'') && !strings.ContainsRune(s, '"') {
-		q = '"'
-	}
-	var b strings.Builder
-	b.WriteByte(q)
-	for _, r := range s {
-		switch {
-		case r == '\\':
-			b.WriteString(`\\`)
-		case r == rune(q):
-			b.WriteByte('\\')
-			b.WriteRune(r)
-		case r == '\n':
-			b.WriteString(`\n`)
-		case r == '\r':
-			b.WriteString(`\r`)
-		case r == '\t':
-			b.WriteString(`\t`)
-		case r < 0x20 || r == 0x7f:
-			fmt.Fprintf(&b, `\x%02x`, r)
-		default:
-			b.WriteRune(r)
-		}
-	}
-	b.WriteByte(q)
 	return b.String()
 }

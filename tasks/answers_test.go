@@ -322,7 +322,7 @@ func TestResultRepr(t *testing.T) {
 			t.Errorf("repr(%s) = %s, want %s", in, got, want)
 		}
 	}
-	if got := resultRepr([]byte(`"` + strings.Repeat("x", 3000) + `"`)); len(got) != reprMax || !strings.HasSuffix(got, "...") {
+	if got := resultRepr([]byte(`"` + strings.Repeat("x", 3000) + `"`)); len(got) != 1024 || !strings.HasSuffix(got, "...") {
 		t.Errorf("long repr: %d bytes", len(got))
 	}
 }

@@ -205,7 +205,12 @@ func reprText(raw json.RawMessage, tuple bool) (*string, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := pyRepr(v, tuple)
+	var r string
+	if args, ok := v.([]any); ok && tuple {
+		r = celeryproto.ArgsRepr(args)
+	} else {
+		r = celeryproto.Repr(v)
+	}
 	var out strings.Builder
 	pyJSONString(&out, r)
 	s := out.String()

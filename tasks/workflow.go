@@ -206,7 +206,7 @@ func (w *Worker) buildStep(j *job, kind string, index int, sig celeryproto.Signa
 		Chain: chain, RootID: root, ParentID: parent.ID,
 		ReplyTo: optString(o, "reply_to"), CorrelationID: id, Origin: w.cfg.Hostname,
 		GroupID: optString(o, "group_id"), Shadow: optString(o, "shadow"), Priority: parent.Priority,
-		ArgsRepr: pyRepr(args, true), KwargsRepr: pyRepr(kwargs, false),
+		ArgsRepr: celeryproto.ArgsRepr(args), KwargsRepr: celeryproto.Repr(kwargs),
 	}
 	if v, ok := optNumber(o, "group_index"); ok {
 		gi := int(v)

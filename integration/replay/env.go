@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -324,7 +323,7 @@ func (e *Env) Message(task, id string, args []any, kwargs map[string]any) *celer
 		Protocol: 2, Task: task, ID: id, Args: args, Kwargs: kwargs,
 		RootID: id, ReplyTo: e.ReplyTo, CorrelationID: id,
 		Origin:   fmt.Sprintf("gen%d@replay", os.Getpid()),
-		ArgsRepr: reprArgs(args), KwargsRepr: reprKwargs(kwargs),
+		ArgsRepr: celeryproto.ArgsRepr(args), KwargsRepr: celeryproto.Repr(kwargs),
 	}
 }
 
@@ -456,32 +455,6 @@ func databaseURL(raw, app string) string {
 		return u.String()
 	}
 	return raw + " application_name=" + app
-}
-
-func reprArgs(args []any) string {
-	parts := make([]string, len(args))
-	for i, a := range args {
-		parts[i] = repr(a)
-	}
-	if len(args) == 1 {
-		return "(" + parts[0] + ",)"
-	}
-	return "(" + strings.Join(parts, ", ") + ")"
-}
-
-func reprKwargs(kw map[string]any) string {
-	parts := make([]string, 0, len(kw))
-	for k, v := range kw {
-		parts = append(parts, "'"+k+"': "+repr(v))
-	}
-	return "{" + strings.Join(parts, ", ") + "}"
-}
-
-func repr(v any) string {
-	if s, ok := v.(string); ok {
-		return "'" + s + "'"
-	}
-	return fmt.Sprint(v)
 }
 
 // String shows the reply for test messages.
