@@ -28,8 +28,9 @@
 // Every event carries Celery's common fields (type, hostname, pid, clock,
 // timestamp, utcoffset); the worker supplies the per-type fields. onceler
 // adds two fields that Celery's readers keep as plain attributes:
-// FieldDuplicate (the delivery was a duplicate answered from the record) and
-// FieldKeyHash (KeyHash of the operation key, never the key itself).
+// celeryproto.FieldDuplicate (the delivery was a duplicate answered from the
+// record) and celeryproto.FieldKeyHash (celeryproto.KeyHash of the operation
+// key, never the key itself).
 //
 // Publishing never slows a task: Event stamps the event and puts it in a
 // bounded buffer (Config.EventBuffer); a single publisher goroutine sends

@@ -2,7 +2,6 @@ package control_test
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/tasks"
@@ -32,10 +31,4 @@ func Example() {
 	cancel() // a real program runs both until it is told to stop
 	_ = ctl.Run(ctx)
 	_ = w.Run(ctx)
-}
-
-// KeyHash identifies an operation in events without revealing its key.
-func ExampleKeyHash() {
-	fmt.Println(control.KeyHash("order-42"))
-	// Output: 3bf8b157c4238eef
 }
