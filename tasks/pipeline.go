@@ -425,12 +425,7 @@ func (w *Worker) deferDelivery(j *job, leaseUntil time.Time) {
 // answers the delivery as held.
 func (w *Worker) holdSameDB(ctx context.Context, j *job, stale idempotency.Claim) {
 	p := w.claimParams(j)
-	msg, err := encodeHeld(j.d)
-	if err != nil {
-		w.recordTrouble(ctx, j, "hold", err)
-		return
-	}
-	p.Message = msg
+	p.Message = w.heldCopy(j)
 	w.m.stale.WithLabelValues(j.h.name, PolicyHold.String()).Inc()
 	w.log.Warn("same-database claim committed without its completion: held", w.fields(j)...)
 	c, err := w.store.ApplyPolicy(ctx, p, stale, idempotency.StalePolicy{Policy: PolicyHold,

@@ -380,6 +380,19 @@ type heldMessage struct {
 	Redelivered bool                    `json:"redelivered"`
 }
 
+// heldCopy encodes j's delivery for the held record it may go to, or keeps
+// none (nil, logged) when it cannot be encoded (a header value JSON cannot
+// hold): the operation is held all the same, without a message for
+// 'onceler resolve --retry' to replay.
+func (w *Worker) heldCopy(j *job) []byte {
+	b, err := encodeHeld(j.d)
+	if err != nil {
+		w.log.Error("the held operation keeps no copy of its message: it cannot be encoded", w.fields(j, zap.Error(err))...)
+		return nil
+	}
+	return b
+}
+
 func encodeHeld(d *amqp.Delivery) ([]byte, error) {
 	h := heldMessage{Exchange: d.Exchange, RoutingKey: d.RoutingKey, Queue: d.Queue, CapturedAt: time.Now().UTC(),
 		Redelivered: d.Redelivered, Publishing: &celeryproto.Publishing{

@@ -222,11 +222,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 	w.m.stale.WithLabelValues(h.name, h.policy.String()).Inc()
 	sp := idempotency.StalePolicy{Policy: h.policy, Fallback: h.fallback, LookupTimeout: h.lookupTimeout}
 	if h.policy == PolicyHold || h.fallback == PolicyHold {
-		msg, err := encodeHeld(j.d)
-		if err != nil {
-			return idempotency.Claim{}, err
-		}
-		p.Message = msg
+		p.Message = w.heldCopy(j)
 	}
 	if h.lookup != nil {
 		sp.Lookup = func(ctx context.Context, key string) ([]byte, bool, error) {
@@ -248,10 +244,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 // onceler.exceptions.ResultNotStored; then the delivery is acknowledged.
 func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, err error) {
 	w.log.Error("the record refuses the task's result; operation held", w.fields(j, zap.Error(err))...)
-	msg, merr := encodeHeld(j.d)
-	if merr != nil {
-		msg = nil
-	}
+	msg := w.heldCopy(j)
 	reason := "the task's result could not be stored: " + err.Error()
 	herr := w.write(ctx, j, "hold", func(c context.Context) error { return w.store.HoldOwn(c, ref, msg, reason) })
 	switch {
@@ -283,10 +276,7 @@ func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, er
 // by then has lapsed into the policy).
 func (w *Worker) settleAbandoned(ctx context.Context, j *job, ref idempotency.Ref) bool {
 	reason := "the task was abandoned still running: its effect may or may not happen"
-	msg, merr := encodeHeld(j.d)
-	if merr != nil {
-		msg = nil
-	}
+	msg := w.heldCopy(j)
 	err := w.write(ctx, j, "settle abandoned", func(c context.Context) error {
 		switch j.h.policy {
 		case PolicySkip:
