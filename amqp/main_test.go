@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +15,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -59,25 +59,6 @@ func cleanupQueue(t *testing.T, names ...string) {
 	})
 }
 
-// queueDepth returns the ready message count of queue.
-func queueDepth(t *testing.T, queue string) int {
-	t.Helper()
-	conn, err := amqp091.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatalf("dial: %v", err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatalf("channel: %v", err)
-	}
-	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
-	if err != nil {
-		t.Fatalf("inspect queue %s: %v", queue, err)
-	}
-	return q.Messages
-}
-
 // closeConnection closes, from the broker side, the connections whose name
 // starts with prefix: only connections this test opened.
 func closeConnection(t *testing.T, prefix string) int {
@@ -85,23 +66,9 @@ func closeConnection(t *testing.T, prefix string) int {
 	if !strings.HasPrefix(prefix, "onceler_amqp_test_") {
 		t.Fatalf("refusing to close a connection not named by this test: %q", prefix)
 	}
-	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
-	if err != nil {
-		testenv.Unavailable(t, "rabbitmqctl: %v: %s", err, out)
-	}
-	n := 0
-	for _, line := range strings.Split(string(out), "\n") {
-		pid, props, ok := strings.Cut(line, "\t")
-		// The connection name is a client property: {"connection_name","<name>"}.
-		if !ok || !strings.Contains(props, `{"connection_name","`+prefix) {
-			continue
-		}
-		if o, err := exec.Command("rabbitmqctl", "-q", "close_connection", strings.TrimSpace(pid), "test closes it").CombinedOutput(); err != nil {
-			t.Fatalf("close_connection %s: %v: %s", pid, err, o)
-		}
-		n++
-	}
-	return n
+	pids := testkit.ConnectionPIDs(t, prefix)
+	testkit.CloseConnections(t, pids)
+	return len(pids)
 }
 
 // declaredQueue declares a fresh Celery queue named after prefix (deleted
@@ -116,18 +83,6 @@ func declaredQueue(t *testing.T, prefix string, d time.Duration) (Config, string
 	ctx := ctxTimeout(t, d)
 	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
 	return cfg, q, p, ctx
-}
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // runConsumer runs c in the background; the returned stop cancels it and

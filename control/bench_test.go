@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -32,9 +32,9 @@ func BenchmarkWorkerEvents(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/events=%v", task, events), func(b *testing.B) {
 				w := newBenchWorker(b, task, events, b.N)
 				b.ResetTimer()
-				cpu0 := cpuTime()
+				cpu0 := testkit.CPUTime()
 				elapsed := w.run(b)
-				cpu := cpuTime() - cpu0
+				cpu := testkit.CPUTime() - cpu0
 				b.StopTimer()
 				b.ReportMetric(float64(b.N)/elapsed.Seconds(), "tasks/s")
 				b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/task")
@@ -226,13 +226,4 @@ func countEvents(b *testing.B, ch *amqp091.Channel, q, node string) int {
 			n += strings.Count(string(d.Body), `"type":`)
 		}
 	}
-}
-
-// cpuTime is the process's user+system CPU time.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

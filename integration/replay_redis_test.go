@@ -16,6 +16,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -94,11 +95,11 @@ func chordsRedisKill(t *testing.T, crashAt string) {
 	if err := json.Unmarshal(out, &sent); err != nil || len(sent.Bodies) != chords {
 		t.Fatalf("chords.py output %q: %v", out, err)
 	}
-	if !replay.Eventually(60*time.Second, armed.Exited) || !armed.Crashed() {
+	if !testkit.Eventually(60*time.Second, armed.Exited) || !armed.Crashed() {
 		t.Fatalf("the armed worker did not die at %s: %s", crashAt, armed.State())
 	}
 	e.StartWorker(replay.WorkerOptions{})
-	if !replay.Eventually(60*time.Second, func() bool { n, _ := e.QueueDepth(bodyQ); return n >= chords }) {
+	if !testkit.Eventually(60*time.Second, func() bool { n, _ := e.QueueDepth(bodyQ); return n >= chords }) {
 		n, err := e.QueueDepth(bodyQ)
 		t.Fatalf("%d chord bodies published (err %v), want %d", n, err, chords)
 	}

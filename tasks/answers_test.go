@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestCrashPointsPure: a pure task reaches after_claim before it runs and
@@ -188,7 +189,7 @@ func TestHeldAndSkippedAnswerPython(t *testing.T) {
 	if runs.Load() != 0 {
 		t.Errorf("task ran %d times", runs.Load())
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokedSetExpires: revoked ids are forgotten after their expiry, the

@@ -16,6 +16,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // redisTestDB is the database of the shared Redis the tests write to; keys
@@ -376,7 +377,7 @@ func TestTrackStarted(t *testing.T) {
 			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.block", ID: id, Args: []any{int64(2), int64(3)}, ReplyTo: replyTo})
 			var states []string
 			if backend == "redis" {
-				waitFor(t, "STARTED in Redis", 10*time.Second, func() bool {
+				testkit.WaitFor(t, "STARTED in Redis", 10*time.Second, func() bool {
 					b, err := c.Get(context.Background(), TaskKeyPrefix+id).Bytes()
 					return err == nil && strings.Contains(string(b), `"STARTED"`)
 				})
@@ -386,7 +387,7 @@ func TestTrackStarted(t *testing.T) {
 					t.Errorf("STARTED meta: %v", m)
 				}
 				close(release)
-				waitFor(t, "SUCCESS in Redis", 10*time.Second, func() bool { return taskMeta(t, c, id)["status"] == "SUCCESS" })
+				testkit.WaitFor(t, "SUCCESS in Redis", 10*time.Second, func() bool { return taskMeta(t, c, id)["status"] == "SUCCESS" })
 				return
 			}
 			for range 2 {
@@ -457,7 +458,7 @@ func TestWorkflowsWithRedis(t *testing.T) {
 	if err := json.Unmarshal(res["link_error"].OK, &linkErr); err != nil || linkErr.ExcType != "ValueError" {
 		t.Errorf("link_error: %s %v", res["link_error"].OK, err)
 	}
-	waitFor(t, "callback and errback", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "callback and errback", 10*time.Second, func() bool {
 		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0
 	})
 }

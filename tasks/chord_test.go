@@ -12,6 +12,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 type xsumArgs struct {
@@ -119,7 +120,7 @@ func TestChordsWithRedis(t *testing.T) {
 		!strings.HasPrefix(failed.Message, "Dependency ") || !strings.HasSuffix(failed.Message, " raised ValueError('part boom')") {
 		t.Errorf("chord_fail: %+v, want celery.exceptions.ChordError Dependency <id> raised ValueError('part boom')", failed)
 	}
-	waitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
+	testkit.WaitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
 	if got := rec.byTag("chord-errback"); len(got) != 1 || got[0].Value != failed.ID {
 		t.Errorf("chord errback calls %+v, want one with the body's id %s", got, failed.ID)
 	}

@@ -293,17 +293,6 @@ func (e *env) quarantined() []amqp091.Delivery {
 	}
 }
 
-func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(25 * time.Millisecond)
-	}
-}
-
 func taskID(i int) string { return fmt.Sprintf("00000000-0000-4000-8000-%012d", i) }
 
 func jsonString(v any) (string, error) {

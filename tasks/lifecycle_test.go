@@ -14,6 +14,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 type sleepArgs struct {
@@ -73,7 +74,7 @@ func TestGracefulStop(t *testing.T) {
 			for i := range n {
 				e.publish(sleepMessage(i, tc.ms, replyTo))
 			}
-			waitFor(t, "4 running tasks", 10*time.Second, func() bool { return len(w1.w.Active()) == 4 })
+			testkit.WaitFor(t, "4 running tasks", 10*time.Second, func() bool { return len(w1.w.Active()) == 4 })
 			stopped := time.Now()
 			w1.stop(t)
 			t.Logf("stop took %s", time.Since(stopped).Round(time.Millisecond))
@@ -105,7 +106,7 @@ func TestGracefulStop(t *testing.T) {
 				}
 			}
 			checkExactlyOnce(t, fx, n, func(i int) string { return fmt.Sprintf("s-%d", i) })
-			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+			testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 		})
 	}
 }
@@ -151,7 +152,7 @@ func TestShutdownCutLeavesClaimToPolicy(t *testing.T) {
 	if n := fx.snapshot()["mail-1"]; n != 1 {
 		t.Errorf("effect ran %d times, want 1", n)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokeWhileWaiting: a task revoked after its delivery was taken up
@@ -196,7 +197,7 @@ func TestRevokeWhileWaiting(t *testing.T) {
 	}
 	second := payMessage("t.hold_conn", 2, "second", replyTo)
 	e.publish(second)
-	waitFor(t, "the second delivery taken up", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "the second delivery taken up", 10*time.Second, func() bool {
 		for _, ti := range r.w.Reserved() {
 			if ti.ID == second.ID {
 				return true
@@ -221,7 +222,7 @@ func TestRevokeWhileWaiting(t *testing.T) {
 	if _, err := e.store.Get(context.Background(), "t.hold_conn", "second"); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Errorf("record of the revoked task: %v, want none", err)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokeExpiresETA: a revoked id is answered REVOKED without running; a
@@ -243,7 +244,7 @@ func TestRevokeExpiresETA(t *testing.T) {
 
 	long := sleepMessage(2, 30000, replyTo)
 	e.publish(long)
-	waitFor(t, "running", 10*time.Second, func() bool { return len(r.w.Active()) == 1 })
+	testkit.WaitFor(t, "running", 10*time.Second, func() bool { return len(r.w.Active()) == 1 })
 	if a := r.w.Active(); a[0].ID != long.ID || a[0].Name != "t.sleep" {
 		t.Errorf("Active = %+v", a)
 	}
@@ -267,7 +268,7 @@ func TestRevokeExpiresETA(t *testing.T) {
 	e.publish(eta)
 	quick := sleepMessage(5, 0, replyTo)
 	e.publish(quick)
-	waitFor(t, "scheduled", 5*time.Second, func() bool { return len(r.w.Scheduled()) == 1 })
+	testkit.WaitFor(t, "scheduled", 5*time.Second, func() bool { return len(r.w.Scheduled()) == 1 })
 	res := results(t, replies, 2, 10*time.Second)
 	if len(res[quick.ID]) != 1 || len(res[eta.ID]) != 1 {
 		t.Fatalf("results: %v", res)
@@ -278,7 +279,7 @@ func TestRevokeExpiresETA(t *testing.T) {
 	if c := fx.snapshot(); c["s-1"] != 0 || c["s-2"] != 0 || c["s-3"] != 0 || c["s-4"] != 1 || c["s-5"] != 1 {
 		t.Errorf("effects %v", c)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestCrashPoints: the configured crash point fires once, for the named

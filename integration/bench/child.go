@@ -13,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -25,6 +24,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -129,7 +129,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
-	cpu0 := cpuTime()
+	cpu0 := testkit.CPUTime()
 	for res.Done < job.Expect {
 		select {
 		case <-ctx.Done():
@@ -149,7 +149,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 			res.Last = now
 		}
 	}
-	res.CPU = cpuTime() - cpu0
+	res.CPU = testkit.CPUTime() - cpu0
 	res.Elapsed = res.Last.Sub(res.First)
 	return res, nil
 }
@@ -285,7 +285,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		}
 	}
 	fmt.Println("READY")
-	cpu0 := cpuTime()
+	cpu0 := testkit.CPUTime()
 	stopProfile := startProfile(job)
 	tick := time.NewTicker(2 * time.Millisecond)
 	defer tick.Stop()
@@ -307,7 +307,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 			}
 		}
 	}
-	res.CPU = cpuTime() - cpu0
+	res.CPU = testkit.CPUTime() - cpu0
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
 	res.Counts = counters(metrics.Registry)
@@ -397,15 +397,6 @@ func peakRSS() int64 {
 		}
 	}
 	return 0
-}
-
-// cpuTime is the user and system CPU time of this process so far.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // backendCPU sums the CPU time of the pool's PostgreSQL backends (the
