@@ -251,13 +251,12 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	p := w.claimParams(j)
 	var taskErr error
 	ran, connClosed := false, false
-	var res []byte
 	start := time.Now()
 	claim, err := w.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		// A transaction group may call this more than once (a first call
 		// rolled back with its group, then a call in a savepoint of its
 		// own): only the last call's outcome is the operation's.
-		taskErr, connClosed, res = nil, false, nil
+		taskErr, connClosed = nil, false
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
 		w.crash(CrashAfterClaim, j)
 		ran = true
@@ -283,10 +282,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			return nil, err
 		}
 		w.crash(CrashAfterEffect, j)
-		// As the record keeps it, so that this caller and a duplicate's
-		// get the same.
-		res = storable(out)
-		return res, nil
+		return out, nil
 	})
 	switch {
 	case ran && errors.Is(taskErr, errRevokedWaiting):
@@ -314,7 +310,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	case err != nil:
 		w.recordTrouble(ctx, j, "same-database transaction", err)
 	default:
-		w.answerClaim(ctx, j, claim, res)
+		w.answerClaim(ctx, j, claim)
 	}
 }
 
@@ -326,26 +322,14 @@ func taskCaused(err error) bool {
 	return errors.As(err, &te) || idempotency.IsDefinite(err)
 }
 
-// storable returns a task's JSON result as the record keeps it
-// (idempotency.StorableJSON): NUL, unpaired surrogates and bytes that are
-// not UTF-8 escaped.
-func storable(res []byte) []byte {
-	if res == nil {
-		return nil
-	}
-	if b, err := idempotency.StorableJSON(res); err == nil {
-		return b
-	}
-	return res
-}
-
-// answerClaim acts on a claim outcome other than a run of our own.
-// ownResult is the result of the run in this delivery, when it ran.
-func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Claim, ownResult []byte) {
+// answerClaim acts on a claim outcome other than a run of our own, or on
+// the completed claim of a same-database run in this delivery.
+func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Claim) {
 	switch claim.Outcome {
 	case idempotency.OutcomeFirst:
-		// same-database: ran and committed here.
-		w.finish(ctx, j, ownResult, nil)
+		// same-database: ran and committed here. The result as the record
+		// keeps it, so that this caller and a duplicate's get the same.
+		w.finish(ctx, j, claim.Result, nil)
 	case idempotency.OutcomeCompleted:
 		w.duplicate(ctx, j, claim.Result)
 	case idempotency.OutcomeStale:
@@ -438,7 +422,7 @@ func (w *Worker) holdSameDB(ctx context.Context, j *job, stale idempotency.Claim
 		w.deferDelivery(j, c.LeaseUntil)
 		return
 	}
-	w.answerClaim(ctx, j, c, nil)
+	w.answerClaim(ctx, j, c)
 }
 
 // recordTrouble handles a record error: the outcome is unknown or the

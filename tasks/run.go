@@ -55,7 +55,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	}
 	j.claimToken = ""
 	if claim.Outcome != idempotency.OutcomeFirst {
-		w.answerClaim(ctx, j, claim, nil)
+		w.answerClaim(ctx, j, claim)
 		return
 	}
 	if crashes := claim.Attempt - j.msg.Retries; j.d.Redelivered && crashes > w.cfg.MaxAttempts {
@@ -121,12 +121,16 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.deferDelivery(j, time.Time{})
 	case taskErr == nil:
 		// Even after a lost lease: the token fences the completion if
-		// another delivery took the operation over. As the record keeps
-		// it, so that this caller and a duplicate's get the same.
-		res = storable(res)
-		switch err := w.write(ctx, j, "complete", func(c context.Context) error { return w.store.Complete(c, ref, res) }); {
+		// another delivery took the operation over. The caller gets the
+		// result as the record keeps it, as a duplicate's caller does.
+		var stored []byte
+		err := w.write(ctx, j, "complete", func(c context.Context) (err error) {
+			stored, err = w.store.Complete(c, ref, res)
+			return err
+		})
+		switch {
 		case err == nil:
-			w.finish(ctx, j, res, nil)
+			w.finish(ctx, j, stored, nil)
 		case errors.Is(err, idempotency.ErrFenced):
 			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
 			w.deferDelivery(j, time.Time{})
