@@ -22,6 +22,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -170,12 +171,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if a.user.Register == nil {
 		return usagef("worker", "no tasks to serve: this binary's cmd.App has no Register function")
 	}
-	crash := tasks.CrashConfig{At: a.getenv("ONCELER_CRASH_AT"), Task: a.getenv("ONCELER_CRASH_TASK")}
-	switch crash.At {
-	case "", tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined:
-	default:
+	crash := workerhooks.CrashFromEnv(a.getenv)
+	if crash.Validate() != nil {
 		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s, %s or %s", crash.At,
-			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined)
+			workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck, workerhooks.ChordJoined)
 	}
 	node, err := control.NodeName(f.hostname)
 	if err != nil {
@@ -260,7 +259,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	w, err := tasks.NewWorker(reg, tasks.Config{
+	cfg := tasks.Config{
 		Broker:           broker,
 		Queues:           queues,
 		Pool:             pool,
@@ -272,8 +271,6 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Hostname:         node,
 		Logger:           logger,
 		Metrics:          metrics,
-		NoRecord:         f.noRecord,
-		Crash:            crash,
 		LogArguments:     f.logArguments,
 		Observer:         observer(ctl),
 		ResultSerializer: f.resultSer,
@@ -283,7 +280,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		ResultExpires:    resultExpires(f.resultExp),
 		ResultExtended:   f.resultExt,
 		TrackStarted:     f.trackStarted,
-	})
+	}
+	workerhooks.Set(&cfg, workerhooks.Hooks{NoRecord: f.noRecord, Crash: crash})
+	w, err := tasks.NewWorker(reg, cfg)
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}

@@ -22,7 +22,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	w, err := tasks.NewWorker(tasks.NewRegistry(), tasks.Config{Hostname: node, Observer: ctl, NoRecord: true})
+	w, err := tasks.NewWorker(tasks.NewRegistry(), tasks.Config{Hostname: node, Observer: ctl})
 	if err != nil {
 		panic(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -271,7 +272,7 @@ func TestPoisonCrashLoop(t *testing.T) {
 			e.Publish(m)
 			crashes := 0
 			for {
-				w := e.StartWorker(replay.WorkerOptions{CrashAt: tasks.CrashAfterClaim, CrashTask: c.task, Concurrency: 1, Prefetch: 1, NoWait: true})
+				w := e.StartWorker(replay.WorkerOptions{CrashAt: workerhooks.AfterClaim, CrashTask: c.task, Concurrency: 1, Prefetch: 1, NoWait: true})
 				quarantined := func() bool { n, err := e.QueueDepth(e.Quarantine); return err == nil && n > 0 }
 				if !testkit.Eventually(30*time.Second, func() bool { return w.Exited() || quarantined() }) {
 					t.Fatalf("worker %s neither crashed nor quarantined the message", w.Name)

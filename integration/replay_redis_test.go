@@ -17,7 +17,7 @@ import (
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
-	"github.com/onceler/onceler/tasks"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // redisURL is the Redis result backend of the tests: database 9 of
@@ -57,7 +57,7 @@ func TestReplayDemoRedis(t *testing.T) {
 // has completed a chord's header and not yet published its body: each body
 // is published exactly once, with its parts' results, and gives its sum.
 func TestChordsRedisKill(t *testing.T) {
-	for _, at := range []string{tasks.CrashBeforeAck, tasks.CrashChordJoined} {
+	for _, at := range []string{workerhooks.BeforeAck, workerhooks.ChordJoined} {
 		t.Run(at, func(t *testing.T) { chordsRedisKill(t, at) })
 	}
 }

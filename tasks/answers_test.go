@@ -13,12 +13,13 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // TestCrashPointsPure: a pure task reaches after_claim before it runs and
 // after_effect after it returned (the kill is recorded instead of executed).
 func TestCrashPointsPure(t *testing.T) {
-	for _, at := range []string{CrashAfterClaim, CrashAfterEffect, CrashBeforeAck} {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
 		t.Run(at, func(t *testing.T) {
 			e := newEnv(t)
 			var ran atomic.Int32
@@ -30,7 +31,7 @@ func TestCrashPointsPure(t *testing.T) {
 				t.Fatal(err)
 			}
 			cfg := e.config()
-			cfg.Crash = CrashConfig{At: at, Task: "t.add"}
+			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.add"}
 			cfg.Concurrency = 1
 			w, err := NewWorker(reg, cfg)
 			if err != nil {
@@ -59,7 +60,7 @@ func TestCrashPointsPure(t *testing.T) {
 			results(t, replies, 2, 20*time.Second)
 			mu.Lock()
 			defer mu.Unlock()
-			want := map[string]string{CrashAfterClaim: "ran=0", CrashAfterEffect: "ran=1", CrashBeforeAck: "ran=1"}[at]
+			want := map[string]string{workerhooks.AfterClaim: "ran=0", workerhooks.AfterEffect: "ran=1", workerhooks.BeforeAck: "ran=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)
 			}
@@ -94,12 +95,12 @@ func TestNoRecordSameDB(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := e.config()
-	cfg.NoRecord, cfg.Store = true, nil
+	cfg.hooks.NoRecord, cfg.Store = true, nil
 	if _, err := NewWorker(reg, cfg); err == nil {
 		t.Fatal("NoRecord worker with a same-database task and no Pool accepted")
 	}
 	cfg.Pool = pool
-	cfg.Crash = CrashConfig{At: CrashAfterEffect, Task: "t.credit"}
+	cfg.hooks.Crash = workerhooks.Crash{At: workerhooks.AfterEffect, Task: "t.credit"}
 	cfg.Concurrency = 1
 	w, err := NewWorker(reg, cfg)
 	if err != nil {

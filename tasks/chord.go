@@ -10,6 +10,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // chordBackend is a result backend that keeps chord counters (Redis,
@@ -79,7 +80,7 @@ func (w *Worker) chordPartReturn(ctx context.Context, j *job, r *celeryproto.Res
 		return true
 	}
 	if j.h != nil {
-		w.crash(CrashChordJoined, j)
+		w.crash(workerhooks.ChordJoined, j)
 	}
 	results := make([]any, 0, len(joined))
 	var failed *celeryproto.ChordPart

@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // Config configures a Worker. Zero values take the documented defaults.
@@ -29,8 +30,7 @@ type Config struct {
 	Queues []amqp.QueueSpec
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
-	// effects). Required unless every task is pure, or NoRecord is set and no
-	// task is same-database.
+	// effects). Required unless every task is pure.
 	Pool *pgxpool.Pool
 	// Store is the idempotency record. Default: idempotency.New(Pool, ...)
 	// with the default schema, opened and closed by the worker. The schema
@@ -81,11 +81,6 @@ type Config struct {
 	// registered (the collectors still count).
 	Metrics prometheus.Registerer
 
-	// NoRecord runs every task without the record, as if pure: duplicates
-	// run again. For demonstrating what the record prevents. A same-database
-	// task then runs its RunTx in a transaction of its own on Pool (the
-	// effect commits, nothing is recorded): Pool is required for it.
-	NoRecord bool
 	// RevokedExpiry is how long a revoked task id (Worker.Revoke) is
 	// remembered, as Celery's REVOKE_EXPIRES. Default 3 h; the set also keeps
 	// at most the last 50,000 ids.
@@ -96,8 +91,6 @@ type Config struct {
 	// idempotency CountAttempt) before the message is quarantined as poison.
 	// Default 5.
 	MaxAttempts int
-	// Crash injects a process crash at a pipeline point (tests, replay suite).
-	Crash CrashConfig
 	// Observer receives task events (task-received, task-started, ...).
 	Observer Observer
 	// Routes maps task names to the queue their workflow steps (chain steps,
@@ -132,6 +125,16 @@ type Config struct {
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool
+
+	// hooks are the settings of internal/workerhooks (crash injection,
+	// running without the record), set only through workerhooks.Set.
+	hooks workerhooks.Hooks
+}
+
+func init() {
+	// The settings that are no part of this package's API reach a Config
+	// through internal/workerhooks only.
+	workerhooks.Install(func(c *Config, h workerhooks.Hooks) { c.hooks = h })
 }
 
 // DefaultConcurrency is Config.Concurrency's default: 4 × GOMAXPROCS, at
@@ -196,47 +199,10 @@ func (c *Config) setDefaults() error {
 	if !slices.Contains(celeryproto.Serializers, c.ResultSerializer) {
 		return fmt.Errorf("tasks: result serializer %q: use %s", c.ResultSerializer, strings.Join(celeryproto.Serializers, ", "))
 	}
-	return c.Crash.validate()
-}
-
-// Crash points for CrashConfig.At.
-const (
-	// CrashAfterClaim: the claim is committed (same-database: taken in the
-	// open transaction), the task has not run. Tasks without a record (pure,
-	// or any task under NoRecord): just before the task runs.
-	CrashAfterClaim = "after_claim"
-	// CrashAfterEffect: same-database, after the task's effect and before the
-	// commit; outside, after Run returned and before Complete. Tasks without
-	// a record: after the task returned (NoRecord same-database: before its
-	// own transaction commits), before the reply.
-	CrashAfterEffect = "after_effect"
-	// CrashBeforeAck: after completion and the result publish, before the ack.
-	CrashBeforeAck = "before_ack"
-	// CrashChordJoined: a chord header part completed its chord (Redis
-	// result backend), before the chord's body is published.
-	CrashChordJoined = "chord_joined"
-)
-
-// CrashConfig makes the process kill itself with SIGKILL the first time a
-// task named Task (any task when empty) reaches the point At. The zero value
-// injects nothing.
-type CrashConfig struct {
-	At   string
-	Task string
-}
-
-func (c CrashConfig) validate() error {
-	switch c.At {
-	case "", CrashAfterClaim, CrashAfterEffect, CrashBeforeAck, CrashChordJoined:
-		return nil
+	if err := c.hooks.Crash.Validate(); err != nil {
+		return fmt.Errorf("tasks: %w", err)
 	}
-	return fmt.Errorf("tasks: unknown crash point %q (want %s, %s, %s or %s)", c.At, CrashAfterClaim, CrashAfterEffect,
-		CrashBeforeAck, CrashChordJoined)
-}
-
-// FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK.
-func FromEnv() CrashConfig {
-	return CrashConfig{At: os.Getenv("ONCELER_CRASH_AT"), Task: os.Getenv("ONCELER_CRASH_TASK")}
+	return nil
 }
 
 // Observer receives the worker's task events with Celery's field names (see

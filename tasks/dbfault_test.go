@@ -99,7 +99,7 @@ func TestSameDBBackendTerminated(t *testing.T) {
 			cfg := e.config()
 			cfg.Concurrency = 2
 			if noRecord {
-				cfg.NoRecord, cfg.Store, cfg.Pool = true, nil, pool
+				cfg.hooks.NoRecord, cfg.Store, cfg.Pool = true, nil, pool
 			}
 			e.start(reg, cfg)
 			replyTo, replies := e.replyQueue()

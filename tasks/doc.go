@@ -101,7 +101,7 @@
 //
 // A task error is a failure (Fail: the operation may be claimed again by a
 // later delivery), answered FAILURE and acknowledged, as Celery does. A
-// same-database task (with the record or under NoRecord) whose transaction
+// same-database task (with the record or without it) whose transaction
 // fails for the database's sake is not failed: a lost or terminated
 // connection (SQLSTATE class 08, 57P01-57P03, a FATAL error, a network
 // error, also when the task wrapped it), a serialization failure or
@@ -288,22 +288,6 @@
 // again unasked. Nothing is acknowledged that did not finish. A second signal
 // is the command's to handle (exit at once: the broker and the record make
 // that safe too).
-//
-// # Crash injection
-//
-// Config.Crash (FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK) makes
-// the process SIGKILL itself the first time a task reaches after_claim,
-// after_effect or before_ack, for testing recovery. A task without a record
-// (pure, or any task under Config.NoRecord) reaches after_claim just before
-// it runs and after_effect just after it returns (a same-database task under
-// NoRecord: before its own transaction commits).
-//
-// # Without the record
-//
-// Config.NoRecord runs every task without the record, to show what the
-// record prevents: every delivery runs, duplicates repeat their effects.
-// A same-database task then runs its RunTx in a transaction of its own on
-// Config.Pool, committed when it succeeds and rolled back when it fails.
 //
 // # Observability
 //

@@ -15,6 +15,7 @@ import (
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 type sleepArgs struct {
@@ -285,12 +286,12 @@ func TestRevokeExpiresETA(t *testing.T) {
 // TestCrashPoints: the configured crash point fires once, for the named
 // task only, at the right step (the kill is recorded instead of executed).
 func TestCrashPoints(t *testing.T) {
-	for _, at := range []string{CrashAfterClaim, CrashAfterEffect, CrashBeforeAck} {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
 		t.Run(at, func(t *testing.T) {
 			e := newEnv(t)
 			fx := &effects{}
 			cfg := e.config()
-			cfg.Crash = CrashConfig{At: at, Task: "t.pay"}
+			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.pay"}
 			cfg.Concurrency = 1
 			w, err := NewWorker(testRegistry(t, fx), cfg)
 			if err != nil {
@@ -320,7 +321,7 @@ func TestCrashPoints(t *testing.T) {
 			results(t, replies, 3, 20*time.Second)
 			mu.Lock()
 			defer mu.Unlock()
-			want := map[string]string{CrashAfterClaim: "effects=0", CrashAfterEffect: "effects=1", CrashBeforeAck: "effects=1"}[at]
+			want := map[string]string{workerhooks.AfterClaim: "effects=0", workerhooks.AfterEffect: "effects=1", workerhooks.BeforeAck: "effects=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)
 			}
@@ -333,7 +334,7 @@ func TestNoRecord(t *testing.T) {
 	e := newEnv(t)
 	fx := &effects{}
 	cfg := e.config()
-	cfg.NoRecord, cfg.Store = true, nil
+	cfg.hooks.NoRecord, cfg.Store = true, nil
 	e.start(testRegistry(t, fx), cfg)
 	replyTo, replies := e.replyQueue()
 	for i := range 3 {

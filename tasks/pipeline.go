@@ -12,6 +12,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // Quarantine reasons, the value of the x-onceler-reason header.
@@ -67,11 +68,11 @@ func (w *Worker) process(ctx context.Context, j *job) {
 			return
 		}
 	}
-	if j.h.mode == ModeSameDB && w.cfg.NoRecord {
+	if j.h.mode == ModeSameDB && w.cfg.hooks.NoRecord {
 		w.runOwnTx(ctx, j)
 		return
 	}
-	if j.h.mode == ModePure || w.cfg.NoRecord {
+	if j.h.mode == ModePure || w.cfg.hooks.NoRecord {
 		w.runPure(ctx, j)
 		return
 	}
@@ -153,7 +154,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		w.refuseWorkflow(ctx, j, why)
 		return false
 	}
-	if h.mode != ModePure && !w.cfg.NoRecord && !h.allowMismatch {
+	if h.mode != ModePure && !w.cfg.hooks.NoRecord && !h.allowMismatch {
 		fp, err := celeryproto.Fingerprint(msg.Args, msg.Kwargs)
 		if err != nil {
 			w.quarantine(ctx, j, ReasonBadArguments, fmt.Errorf("fingerprint: %w", err))
@@ -227,11 +228,11 @@ func (w *Worker) claimParams(j *job) idempotency.ClaimParams {
 // runPure runs a task without a record. Its crash points are before the
 // run (after_claim: there is no claim) and after it returns (after_effect).
 func (w *Worker) runPure(ctx context.Context, j *job) {
-	w.crash(CrashAfterClaim, j)
+	w.crash(workerhooks.AfterClaim, j)
 	res, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
-	w.crash(CrashAfterEffect, j)
+	w.crash(workerhooks.AfterEffect, j)
 	if errors.Is(err, errRevokedWaiting) {
 		w.revokeDelivery(ctx, j, false)
 		return
@@ -258,7 +259,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		// own): only the last call's outcome is the operation's.
 		taskErr, connClosed = nil, false
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
-		w.crash(CrashAfterClaim, j)
+		w.crash(workerhooks.AfterClaim, j)
 		ran = true
 		var ttx pgx.Tx = &taskTx{Tx: tx}
 		var guard *txGuard
@@ -281,7 +282,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			connClosed = tx.Conn().IsClosed()
 			return nil, err
 		}
-		w.crash(CrashAfterEffect, j)
+		w.crash(workerhooks.AfterEffect, j)
 		return out, nil
 	})
 	switch {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // runOutside claims the operation, applies the stale-claim policy if needed,
@@ -99,14 +100,14 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		}
 		since = renewed
 	}
-	w.crash(CrashAfterClaim, j)
+	w.crash(workerhooks.AfterClaim, j)
 	kctx, stop := w.store.KeepSince(ctx, ref, p.Lease, since)
 	res, taskErr := w.execute(kctx, j, w.call(j, claim.Attempt), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
 	leaseLost := errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost)
 	stop()
-	w.crash(CrashAfterEffect, j)
+	w.crash(workerhooks.AfterEffect, j)
 	switch {
 	case errors.Is(taskErr, errRevokedWaiting):
 		// It never ran: the claim is released, the caller told REVOKED.
@@ -474,7 +475,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		if !w.followUp(ctx, j, res) || !w.replySuccess(ctx, j, res) {
 			return
 		}
-		w.crash(CrashBeforeAck, j)
+		w.crash(workerhooks.BeforeAck, j)
 		w.ack(j)
 		return
 	}
@@ -512,7 +513,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
 		return
 	}
-	w.crash(CrashBeforeAck, j)
+	w.crash(workerhooks.BeforeAck, j)
 	w.ack(j)
 }
 

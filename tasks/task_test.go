@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+
 )
 
 type chargeArgs struct {
@@ -198,18 +199,6 @@ func TestExceptionFor(t *testing.T) {
 	c := &Call{}
 	if err := c.Retry(0, nil); !IsRetry(err) || err.(*RetryRequest).Countdown != 180*time.Second {
 		t.Errorf("default retry: %v", err)
-	}
-}
-
-func TestCrashConfig(t *testing.T) {
-	t.Setenv("ONCELER_CRASH_AT", "after_effect")
-	t.Setenv("ONCELER_CRASH_TASK", "demo.pay")
-	c := FromEnv()
-	if c.At != CrashAfterEffect || c.Task != "demo.pay" || c.validate() != nil {
-		t.Fatalf("FromEnv = %+v", c)
-	}
-	if (CrashConfig{At: "sometime"}).validate() == nil {
-		t.Fatal("unknown crash point accepted")
 	}
 }
 

@@ -164,7 +164,7 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		needRecord = needRecord || h.mode != ModePure
 		sameDB = sameDB || h.mode == ModeSameDB
 	}
-	if sameDB && cfg.NoRecord && cfg.Pool == nil {
+	if sameDB && cfg.hooks.NoRecord && cfg.Pool == nil {
 		return nil, errors.New("tasks: same-database tasks need Config.Pool (without the record they run in a transaction of their own)")
 	}
 	if te, ok := cfg.Observer.(interface{ TaskEvents() bool }); ok {
@@ -173,7 +173,7 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	if to, ok := cfg.Observer.(TaskEventObserver); ok {
 		w.taskObs = to
 	}
-	if needRecord && !cfg.NoRecord {
+	if needRecord && !cfg.hooks.NoRecord {
 		w.store = cfg.Store
 		if w.store == nil {
 			if cfg.Pool == nil {
@@ -278,8 +278,8 @@ func (w *Worker) Run(ctx context.Context) error {
 
 	w.log.Info("worker started", zap.Int("concurrency", w.cfg.Concurrency), zap.Int("prefetch", w.cfg.Prefetch),
 		zap.Int64("memory_budget", w.cfg.MemoryBudget), zap.Duration("stall_after", w.cfg.StallAfter),
-		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.NoRecord))
-	if w.cfg.NoRecord {
+		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.hooks.NoRecord))
+	if w.cfg.hooks.NoRecord {
 		w.log.Warn("running WITHOUT the idempotency record: duplicate deliveries repeat their effects")
 	}
 
@@ -505,7 +505,7 @@ func (w *Worker) forget(j *job) {
 
 // crash kills the process if the configured crash point is reached.
 func (w *Worker) crash(point string, j *job) {
-	c := w.cfg.Crash
+	c := w.cfg.hooks.Crash
 	if c.At != point || (c.Task != "" && c.Task != j.h.name) {
 		return
 	}

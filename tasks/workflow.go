@@ -349,7 +349,7 @@ func (w *Worker) followUp(ctx context.Context, j *job, res []byte) bool {
 		w.log.Error("workflow step cannot be built", w.fields(j, zap.Error(err))...)
 		return true
 	}
-	recorded := j.key != "" && w.store != nil && !w.cfg.NoRecord
+	recorded := j.key != "" && w.store != nil && !w.cfg.hooks.NoRecord
 	if recorded {
 		done, err := w.store.Followups(ctx, j.h.name, j.key)
 		if err != nil {

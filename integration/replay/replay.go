@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -210,11 +211,11 @@ func (r *runner) run() {
 	case ScenarioConcurrent:
 		r.concurrent()
 	case ScenarioCrashAfterClaim:
-		r.crash(tasks.CrashAfterClaim)
+		r.crash(workerhooks.AfterClaim)
 	case ScenarioCrashAfterEffect:
-		r.crash(tasks.CrashAfterEffect)
+		r.crash(workerhooks.AfterEffect)
 	case ScenarioCrashBeforeAck:
-		r.crash(tasks.CrashBeforeAck)
+		r.crash(workerhooks.BeforeAck)
 	case ScenarioMany:
 		r.many()
 	default:
