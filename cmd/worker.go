@@ -241,22 +241,6 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		logger.Warn("!!! --no-record: running every task WITHOUT the idempotency record; duplicate and redelivered messages WILL repeat their effects. Never do this in production. !!!")
 	}
 
-	runCtx, stopRun := context.WithCancel(ctx)
-	defer stopRun()
-	var ctl *control.Controller
-	if !f.noControl {
-		cc, err := f.controlConfig(broker, node, queues)
-		if err != nil {
-			return err
-		}
-		cc.Shutdown = stopRun
-		cc.Logger = logger.Named("control")
-		ctl, err = control.New(nil, cc)
-		if err != nil {
-			return fmt.Errorf("remote control: %w", err)
-		}
-	}
-
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := tasks.Config{
@@ -272,7 +256,8 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Logger:           logger,
 		Metrics:          metrics,
 		LogArguments:     f.logArguments,
-		Observer:         observer(ctl),
+		NoControl:        f.noControl,
+		TaskEvents:       f.events,
 		ResultSerializer: f.resultSer,
 		MemoryBudget:     budget,
 		StallAfter:       f.stallAfter,
@@ -309,60 +294,14 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 			serveHTTP(httpCtx, ln, metrics, w.Ready, logger)
 		}()
 	}
-	ctlCtx, stopCtl := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopCtl()
-	if ctl != nil {
-		ctl.SetWorker(control.FromTasks(w))
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := ctl.Run(ctlCtx); err != nil {
-				logger.Error("remote control stopped", zap.Error(err))
-			}
-		}()
-	}
-	err = w.Run(runCtx)
-	stopCtl() // worker-offline once the tasks are done
+	// The worker runs its remote control (unless --no-control) until its
+	// tasks are done; a shutdown command ends Run as a signal does.
+	err = w.Run(ctx)
 	stopHTTP()
 	if err != nil {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
-}
-
-// controlConfig configures the remote control connection like the worker's
-// own: same broker, same TLS (CA and client certificate), same node name.
-func (f *workerFlags) controlConfig(broker amqp.Config, node string, queues []amqp.QueueSpec) (control.Config, error) {
-	tc, err := broker.TLSClientConfig()
-	if err != nil {
-		return control.Config{}, brokerError("worker", broker, err)
-	}
-	// What the worker will run with (tasks.Config's defaults), for
-	// 'celery inspect conf' and 'stats'.
-	concurrency, prefetch := f.concurrency, f.prefetch
-	if concurrency <= 0 {
-		concurrency = tasks.DefaultConcurrency()
-	}
-	if prefetch <= 0 {
-		prefetch = tasks.DefaultPrefetch(concurrency)
-	}
-	return control.Config{
-		URL:         broker.URL,
-		TLS:         tc,
-		NodeName:    node,
-		TaskEvents:  f.events,
-		Queues:      control.QueuesFrom(queues),
-		Concurrency: concurrency,
-		Prefetch:    prefetch,
-	}, nil
-}
-
-// observer returns ctl as the worker's event observer, or none.
-func observer(ctl *control.Controller) tasks.Observer {
-	if ctl == nil {
-		return nil
-	}
-	return ctl
 }
 
 // serveHTTP serves metrics and health until ctx is done.

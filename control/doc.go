@@ -5,13 +5,22 @@
 //
 // # Wiring
 //
-// A Controller wraps the task worker through the small Worker interface
-// (FromTasks adapts a *tasks.Worker) and is itself the worker's
-// tasks.Observer:
+// A tasks.Worker runs a Controller of its own, for as long as its Run runs,
+// on a connection of its own to the worker's broker (same URL and TLS) and
+// under the worker's node name (tasks.Config.Hostname, "onceler-<pid>@<host>"
+// by default); tasks.Config.TaskEvents is Celery's -E and
+// tasks.Config.NoControl turns it off, as the onceler command's --events and
+// --no-control do. tasks.Worker.Controller returns it.
+//
+// A Controller configured otherwise (another heartbeat, event buffer or
+// backoff) runs beside a worker that runs none: it wraps the worker through
+// the small Worker interface (a *tasks.Worker is one) and is itself the
+// worker's tasks.Observer:
 //
 //	node, _ := control.NodeName(hostnameFlag)     // "onceler-<pid>@<host>" by default
-//	ctl, err := control.New(worker, control.Config{URL: brokerURL, NodeName: node, TaskEvents: eventsFlag})
-//	// tasks.Config{Hostname: node, Observer: ctl, ...}
+//	ctl, err := control.New(nil, control.Config{URL: brokerURL, NodeName: node, Heartbeat: 5 * time.Second})
+//	w, err := tasks.NewWorker(reg, tasks.Config{Hostname: node, Observer: ctl, NoControl: true, ...})
+//	ctl.SetWorker(w)
 //	go ctl.Run(ctx)                                // until ctx is done
 //
 // # Events

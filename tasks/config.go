@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"runtime"
 	"slices"
 	"strings"
@@ -16,7 +15,9 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/logging"
 	"github.com/onceler/onceler/internal/workerhooks"
 )
 
@@ -73,9 +74,13 @@ type Config struct {
 	// goroutine busy, or the prefetch window full of deliveries not held
 	// for their ETA, or deliveries waiting for memory. Default 1 minute.
 	StallAfter time.Duration
-	// Hostname is the node name. Default "onceler@<host>".
+	// Hostname is the node name, "name@host": the record's claim owner, the
+	// worker of stored results and events, the name remote control answers
+	// to. Default: control.NodeName's default, "onceler-<pid>@<host>",
+	// unique per process (the onceler command's default).
 	Hostname string
-	// Logger receives structured logs. Default: none.
+	// Logger receives structured logs. Default: info and above to standard
+	// error in the onceler command's console format; zap.NewNop() for none.
 	Logger *zap.Logger
 	// Metrics registers the worker's Prometheus collectors. Default: not
 	// registered (the collectors still count).
@@ -91,8 +96,26 @@ type Config struct {
 	// idempotency CountAttempt) before the message is quarantined as poison.
 	// Default 5.
 	MaxAttempts int
-	// Observer receives task events (task-received, task-started, ...).
+	// Observer receives task events (task-received, task-started, ...),
+	// besides the worker's remote control when task events are on. It must
+	// not be a *control.Controller unless NoControl is set (the worker runs
+	// one of its own).
 	Observer Observer
+	// NoControl turns off the worker's remote control: by default the
+	// worker runs a control.Controller of its own on a connection to Broker,
+	// which answers Celery's remote control ('celery inspect', 'celery
+	// control', a shutdown command ends Run as its context would) and sends
+	// worker events (worker-online, worker-heartbeat every 2 s,
+	// worker-offline once Run's tasks are done) as a Celery worker does, for
+	// 'celery events' and Flower. To run a Controller configured otherwise,
+	// set NoControl and give it the worker (control.New) and make it the
+	// Observer.
+	NoControl bool
+	// TaskEvents sends task events (task-received, task-started,
+	// task-succeeded, ...) through the remote control from the start, as
+	// Celery's -E; the enable_events and disable_events commands switch them
+	// at run time. Off by default.
+	TaskEvents bool
 	// Routes maps task names to the queue their workflow steps (chain steps,
 	// link callbacks, errbacks) are published to when the step's signature
 	// names no queue, exchange or routing key, as Celery's task_routes.
@@ -175,14 +198,14 @@ func (c *Config) setDefaults() error {
 		c.MaxHold = 25 * time.Minute
 	}
 	if c.Hostname == "" {
-		h, err := os.Hostname()
-		if err != nil || h == "" {
-			h = "localhost"
+		name, err := control.NodeName("")
+		if err != nil {
+			return fmt.Errorf("tasks: default node name: %w", err)
 		}
-		c.Hostname = "onceler@" + h
+		c.Hostname = name
 	}
 	if c.Logger == nil {
-		c.Logger = zap.NewNop()
+		c.Logger = logging.Default()
 	}
 	if c.RevokedExpiry <= 0 {
 		c.RevokedExpiry = 3 * time.Hour

@@ -321,7 +321,20 @@
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming, its database answers and it is not stalled: Worker.Stalled).
-// docs/limits.md describes the memory budget and readiness. The Observer receives Celery's task
+// docs/limits.md describes the memory budget and readiness.
+//
+// # Remote control and events
+//
+// A worker answers Celery's remote control ('celery inspect', 'celery
+// control') and sends worker events (online, heartbeats, offline) as a
+// Celery worker does, through a control.Controller of its own that runs
+// with Run on a connection of its own to the broker, under the node name
+// Config.Hostname ("onceler-<pid>@<host>" by default); Config.TaskEvents
+// sends task events from the start (Celery's -E), Config.NoControl turns
+// it all off (see package control). Without a Logger, the worker logs at
+// info to standard error as the onceler command does.
+//
+// The Observer receives Celery's task
 // events (task-received, task-started, task-succeeded, task-failed,
 // task-retried, task-revoked) with Celery's fields, plus
 // onceler_duplicate on answers from the record and onceler_key_sha256 (on
@@ -332,7 +345,8 @@
 // exception (its Python repr) and traceback (a short one in Python's shape
 // naming the Go task: there is no Python traceback). When the Observer has a
 // TaskEvents() bool method (control.Controller has), the worker asks it
-// first and builds no event when it says no.
+// first and builds no event when it says no. The remote control gets them
+// too while its task events are on.
 // Registered, Active, Reserved, Scheduled, Revoke and Stats serve remote
 // control.
 package tasks

@@ -105,6 +105,8 @@ func (e *env) config() Config {
 		Grace:    10 * time.Second,
 		Hostname: testenv.Name("node"),
 		Logger:   zaptest.NewLogger(e.t),
+		// The tests of the worker's own remote control turn it on.
+		NoControl: true,
 	}
 }
 

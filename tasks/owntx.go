@@ -80,7 +80,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 // one, and it has no TaskEvents method or that says yes. Event field maps
 // are built only after it said yes.
 func (w *Worker) wantEvents() bool {
-	if w.cfg.Observer == nil {
+	if w.obs == nil {
 		return false
 	}
 	return w.taskEvents == nil || w.taskEvents()

@@ -14,6 +14,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
 )
@@ -36,10 +37,17 @@ type Worker struct {
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).
 	kill    func()
 	crashed atomic.Bool
-	// taskEvents reports whether the Observer wants task events now (its
-	// TaskEvents method); nil: it always does.
+	// ctl is the worker's remote control (nil with Config.NoControl); its
+	// shutdown command calls stopRun, the cancel function of Run's context.
+	ctl     *control.Controller
+	stopRun atomic.Pointer[context.CancelFunc]
+	// obs gets the task events: Config.Observer, the remote control, or
+	// both (nil: none).
+	obs Observer
+	// taskEvents reports whether obs wants task events now (its TaskEvents
+	// method); nil: it always does.
 	taskEvents func() bool
-	// taskObs is the Observer when it takes task events as values.
+	// taskObs is obs when it takes task events as values.
 	taskObs TaskEventObserver
 
 	jobs chan *job     // deliveries waiting for a task goroutine
@@ -167,10 +175,17 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	if sameDB && cfg.hooks.NoRecord && cfg.Pool == nil {
 		return nil, errors.New("tasks: same-database tasks need Config.Pool (without the record they run in a transaction of their own)")
 	}
-	if te, ok := cfg.Observer.(interface{ TaskEvents() bool }); ok {
+	w.obs = cfg.Observer
+	if !cfg.NoControl {
+		if err := w.newControl(); err != nil {
+			return nil, err
+		}
+		w.obs = withControl(cfg.Observer, w.ctl)
+	}
+	if te, ok := w.obs.(interface{ TaskEvents() bool }); ok {
 		w.taskEvents = te.TaskEvents
 	}
-	if to, ok := cfg.Observer.(TaskEventObserver); ok {
+	if to, ok := w.obs.(TaskEventObserver); ok {
 		w.taskObs = to
 	}
 	if needRecord && !cfg.hooks.NoRecord {
@@ -208,6 +223,10 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	return w, nil
 }
 
+// Controller returns the worker's remote control: nil with
+// Config.NoControl.
+func (w *Worker) Controller() *control.Controller { return w.ctl }
+
 func (w *Worker) closeStore() {
 	if w.ownStore && w.store != nil {
 		w.store.Close()
@@ -224,6 +243,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	if !w.ran.CompareAndSwap(false, true) {
 		return errors.New("tasks: worker already ran")
 	}
+	ctx, stop := context.WithCancel(ctx) // also the remote shutdown command
+	defer stop()
+	w.stopRun.Store(&stop)
 	w.running.Store(true)
 	defer w.running.Store(false)
 	defer w.closeStore()
@@ -244,6 +266,8 @@ func (w *Worker) Run(ctx context.Context) error {
 			return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
 		}
 	}
+	// Stopped when Run returns: worker-offline goes once the tasks are done.
+	defer w.runControl(ctx)()
 
 	w.jobs = make(chan *job, 1<<16)
 	w.quit = make(chan struct{})

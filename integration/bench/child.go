@@ -12,7 +12,6 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -22,7 +21,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
-	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
@@ -227,18 +225,8 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		taskObs = obs
 	}
 	hostname := "onceler-bench@" + strconv.Itoa(os.Getpid())
-	var ctl *control.Controller
-	if job.Events {
-		if obs != nil {
-			return res, errors.New("worker: events and a done file together are not supported")
-		}
-		ctl, err = control.New(nil, control.Config{URL: job.AMQPURL, NodeName: hostname, TaskEvents: true,
-			Queues: control.QueuesFrom([]amqp.QueueSpec{amqp.CeleryQueue(job.Queue)}), Concurrency: job.Concurrency,
-			Prefetch: job.Prefetch, Logger: log})
-		if err != nil {
-			return res, fmt.Errorf("worker: remote control: %w", err)
-		}
-		taskObs = ctl
+	if job.Events && obs != nil {
+		return res, errors.New("worker: events and a done file together are not supported")
 	}
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
@@ -252,6 +240,10 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		Metrics:     metrics,
 		Grace:       10 * time.Second,
 		Observer:    taskObs,
+		// With events, the worker's remote control sends them (and its
+		// heartbeats); without, there is none, as before.
+		NoControl:  !job.Events,
+		TaskEvents: job.Events,
 
 		ResultBackend: job.ResultBackend,
 	})
@@ -260,18 +252,6 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	wctx, stopWorker := context.WithCancel(ctx)
 	defer stopWorker()
-	stopCtl := func() error { return nil }
-	if ctl != nil {
-		ctl.SetWorker(control.FromTasks(w))
-		cctx, cancel := context.WithCancel(ctx)
-		ctlDone := make(chan error, 1)
-		go func() { ctlDone <- ctl.Run(cctx) }()
-		stopCtl = sync.OnceValue(func() error {
-			cancel()
-			return <-ctlDone
-		})
-	}
-	defer func() { _ = stopCtl() }()
 	runErr := make(chan error, 1)
 	go func() { runErr <- w.Run(wctx) }()
 
@@ -320,10 +300,8 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	if err := <-runErr; err != nil && waitErr == nil {
 		waitErr = fmt.Errorf("worker: %w", err)
 	}
-	if ctl != nil {
-		if err := stopCtl(); err != nil && waitErr == nil {
-			waitErr = fmt.Errorf("remote control: %w", err)
-		}
+	if ctl := w.Controller(); ctl != nil {
+		// Stopped with the worker (Run returned).
 		sent, dropped, _ := ctl.Counters()
 		res.Counts["events_sent"], res.Counts["events_dropped"] = float64(sent), float64(dropped)
 	}
