@@ -29,25 +29,11 @@ func EncodeChordPart(r *Result) ([]byte, error) {
 	if ser == "" {
 		ser = "json"
 	}
-	_, _, b, err := marshal(ser, []any{int64(1), r.TaskID, string(r.Status), resultValue(r)})
+	_, _, b, err := marshal(ser, []any{int64(1), r.TaskID, string(r.Status), r.resultValue()})
 	if err != nil {
 		return nil, fmt.Errorf("celeryproto: encode chord part of %s: %w", r.TaskID, err)
 	}
 	return b, nil
-}
-
-// resultValue is what a backend stores as a result: the value, or the
-// exception as Celery's prepare_exception encodes it.
-func resultValue(r *Result) any {
-	e := r.Exception
-	if e == nil {
-		return r.Value
-	}
-	msg := []any{}
-	if e.Message != "" {
-		msg = []any{e.Message}
-	}
-	return map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
 }
 
 // DecodeChordPart reads a chord join entry written in serializer (json,

@@ -14,6 +14,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // BackendSchemes are the result backend URL schemes a worker takes
@@ -177,7 +178,7 @@ func (w *Worker) storeResult(ctx context.Context, j *job, r *celeryproto.Result)
 				zap.Stringer("backend", w.backend), zap.Int("write_attempt", attempt+1),
 				zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		}
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
 			w.log.Warn("result not stored; delivery requeued unanswered", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false

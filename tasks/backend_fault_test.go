@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -88,7 +89,7 @@ func TestRedisRestartWhileDraining(t *testing.T) {
 	url := "redis://" + rp.addr() + "/0"
 	reg := NewRegistry()
 	if err := Register(reg, Task[addArgs]{Name: "t.slowadd", Run: func(ctx context.Context, _ *Call, a addArgs) (any, error) {
-		sleepCtx(ctx, 20*time.Millisecond)
+		pause.For(ctx, 20*time.Millisecond)
 		return a.X + a.Y, nil
 	}}); err != nil {
 		t.Fatal(err)

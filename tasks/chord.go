@@ -10,6 +10,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/workerhooks"
 )
 
@@ -192,7 +193,7 @@ func (w *Worker) retryBackend(ctx context.Context, j *job, what string, op func(
 				zap.Stringer("backend", w.backend), zap.Int("write_attempt", attempt+1),
 				zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		}
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
 			w.log.Warn(what+" not stored; delivery requeued", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false

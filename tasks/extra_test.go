@@ -16,6 +16,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -230,7 +231,7 @@ func TestTimeLimitsAndCountdownFromPython(t *testing.T) {
 	reg := NewRegistry()
 	err := Register(reg, Task[waitArgs]{Name: "t.wait",
 		Run: func(ctx context.Context, _ *Call, a waitArgs) (any, error) {
-			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+			if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 				return nil, context.Cause(ctx)
 			}
 			return time.Now().UnixMilli(), nil

@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/internal/workerhooks"
@@ -32,7 +33,7 @@ func sleepRegistry(t *testing.T, fx *effects) *Registry {
 		Name: "t.sleep", Mode: ModeOutside, Policy: PolicyRetry,
 		Key: func(a sleepArgs) (string, error) { return a.ID, nil },
 		Run: func(ctx context.Context, c *Call, a sleepArgs) (any, error) {
-			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+			if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 				return nil, fmt.Errorf("interrupted: %w", context.Cause(ctx))
 			}
 			fx.add(c.Key)

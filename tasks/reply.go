@@ -13,6 +13,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // Quarantine headers set on every quarantined message, beside the original
@@ -110,7 +111,7 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 				zap.String("status", string(r.Status)), zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			return true
 		}
-		if ctx.Err() != nil || attempt >= 20 || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+		if ctx.Err() != nil || attempt >= 20 || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
 			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false

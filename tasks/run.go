@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/workerhooks"
 )
 
@@ -189,7 +190,7 @@ func (w *Worker) write(ctx context.Context, j *job, what string, op func(context
 			return err
 		}
 		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
 			w.giveBack(j)
 			return fmt.Errorf("%s: %w", what, err)
 		}
@@ -532,15 +533,4 @@ func jsonValue(b []byte) (any, error) {
 		return nil, fmt.Errorf("decode stored result: %w", err)
 	}
 	return v, nil
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

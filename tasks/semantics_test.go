@@ -20,6 +20,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -321,7 +322,7 @@ func TestHardTimeLimitWithPython(t *testing.T) {
 			}}),
 		Register(reg, Task[stubbornArgs]{Name: "t.soft_default", SoftTimeLimit: 200 * time.Millisecond,
 			Run: func(ctx context.Context, _ *Call, a stubbornArgs) (any, error) {
-				if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+				if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 					return nil, context.Cause(ctx)
 				}
 				return "done", nil

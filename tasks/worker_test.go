@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -84,7 +85,7 @@ func testRegistry(t *testing.T, fx *effects) *Registry {
 			Name: name, Mode: ModeOutside, Policy: PolicyRetry,
 			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
 			Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
-				if !sleepCtx(ctx, d) {
+				if !pause.For(ctx, d) {
 					return nil, context.Cause(ctx)
 				}
 				fx.add(c.Key)
