@@ -13,7 +13,6 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/onceler/onceler/celeryproto"
-	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -40,23 +39,7 @@ func testConfig(t *testing.T) Config {
 func cleanupQueue(t *testing.T, names ...string) {
 	t.Helper()
 	url := testenv.AMQPURL(t)
-	t.Cleanup(func() {
-		conn, err := amqp091.Dial(url)
-		if err != nil {
-			t.Logf("cleanup dial: %v", err)
-			return
-		}
-		defer conn.Close()
-		for _, n := range names {
-			ch, err := conn.Channel()
-			if err != nil {
-				return
-			}
-			_, _ = ch.QueueDelete(n, false, false, false)
-			_ = ch.ExchangeDelete(n, false, false)
-			_ = ch.Close()
-		}
-	})
+	t.Cleanup(func() { testkit.DeleteQueues(t, url, names...) })
 }
 
 // closeConnection closes, from the broker side, the connections whose name

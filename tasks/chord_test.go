@@ -90,7 +90,7 @@ func chordRegistry(t *testing.T, rec *callRecorder, g *gate) *Registry {
 // errback is called with the body's task id; the chord counters are gone
 // once the body is out.
 func TestChordsWithRedis(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
 	pyq := testenv.Name("pyq")
@@ -141,7 +141,7 @@ func TestChordsWithRedis(t *testing.T) {
 // so that both finish at the same moment: each chord body is published
 // once, with both results.
 func TestChordPartsFinishTogether(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
 	rec := &callRecorder{}
@@ -204,7 +204,7 @@ func TestChordPartEntry(t *testing.T) {
 // out) publishes it again, a redelivery of another part never does, and
 // once the chord is done nothing does.
 func TestRedisChordFinisher(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	b, err := newRedisBackend(fmt.Sprintf("redis://%s/%d", addr, redisTestDB), &Config{ResultExpires: time.Minute})
 	if err != nil {
 		t.Fatal(err)

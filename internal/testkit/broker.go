@@ -33,6 +33,28 @@ func QueueDepth(tb testing.TB, url, queue string) int {
 	return q.Messages
 }
 
+// DeleteQueues deletes queues (and the exchanges of the same names) of the
+// broker at url, on a connection of its own; a failure is only logged: it
+// is a test's cleanup.
+func DeleteQueues(tb testing.TB, url string, names ...string) {
+	tb.Helper()
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		tb.Logf("cleanup: %v", err)
+		return
+	}
+	defer func() { _ = conn.Close() }()
+	for _, n := range names {
+		ch, err := conn.Channel()
+		if err != nil {
+			return
+		}
+		_, _ = ch.QueueDelete(n, false, false, false)
+		_ = ch.ExchangeDelete(n, false, false)
+		_ = ch.Close()
+	}
+}
+
 // ConnectionPIDs lists, through rabbitmqctl on the local broker node, the
 // pids of the connections whose name (a client property) starts with one
 // of the prefixes: only a test's own connections, by the names it gave

@@ -153,3 +153,20 @@ func NewID() string {
 	h := hex.EncodeToString(b[:])
 	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
 }
+
+// RedisAddr returns the Redis of the tests, ONCELER_TEST_REDIS_ADDR, else
+// 127.0.0.1:6379, when it answers; otherwise it skips tb (fails it when
+// services are required).
+func RedisAddr(tb testing.TB) string {
+	tb.Helper()
+	addr := os.Getenv("ONCELER_TEST_REDIS_ADDR")
+	if addr == "" {
+		addr = "127.0.0.1:6379"
+	}
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		Unavailable(tb, "Redis not available at %s: %v", addr, err)
+	}
+	_ = c.Close()
+	return addr
+}
