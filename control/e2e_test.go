@@ -69,14 +69,16 @@ func prepareTasksNode(t *testing.T, taskEvents bool) (*control.PyNode, func()) {
 }
 
 // runWorker runs w until the test ends and waits until it consumes and its
-// remote control is connected.
-func runWorker(t *testing.T, w *tasks.Worker) {
+// remote control is connected; done is closed when Run returns.
+func runWorker(t *testing.T, w *tasks.Worker) (done <-chan struct{}) {
 	t.Helper()
 	runCtx, stop := context.WithCancel(context.Background())
+	ended := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		defer close(ended)
 		if err := w.Run(runCtx); err != nil {
 			t.Errorf("worker: %v", err)
 		}
@@ -89,6 +91,7 @@ func runWorker(t *testing.T, w *tasks.Worker) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	return ended
 }
 
 func TestTasksWorkerInspectAndRevoke(t *testing.T) {
@@ -142,8 +145,9 @@ type addArgs struct {
 // TestTasksWorkerDefaultControl: a worker made with tasks.NewWorker and
 // nothing but its broker, queue and tasks (default logger, node name and
 // remote control) answers real Python Celery's 'celery inspect ping' under
-// its default node name, sends worker-online and heartbeats, and answers
-// enable_events and disable_events, as the onceler command's worker does.
+// its default node name, sends worker-online and heartbeats, answers
+// enable_events and disable_events, and stops (Run returns nil) at 'celery
+// control shutdown', as the onceler command's worker does.
 func TestTasksWorkerDefaultControl(t *testing.T) {
 	url := testenv.AMQPURL(t)
 	queue := "onceler_ctl_" + strings.TrimPrefix(testenv.Name("t"), "t_")
@@ -158,8 +162,15 @@ func TestTasksWorkerDefaultControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	n := control.NewPyNode(t, w.Hostname(), queue, url)
-	control.CheckCeleryEvents(t, n, func() { runWorker(t, w) }, "5")
+	var done <-chan struct{}
+	control.CheckCeleryEvents(t, n, func() { done = runWorker(t, w) }, "5")
 	if got := n.Inspect(t, "ping"); !control.JSONEqual(got, map[string]any{"ok": "pong"}) {
 		t.Errorf("celery inspect ping of %s = %v", w.Hostname(), got)
+	}
+	n.Celery(t, "control", "shutdown", "-d", w.Hostname())
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("celery control shutdown did not stop the worker")
 	}
 }

@@ -24,6 +24,9 @@ func NewPyNode(t *testing.T, name, queue, url string, extraEnv ...string) *PyNod
 // Inspect is `celery inspect <method>` of the node: its reply.
 func (n *node) Inspect(t *testing.T, method string) any { return n.inspect(t, method) }
 
+// Celery runs the celery command line with the test app.
+func (n *node) Celery(t *testing.T, args ...string) []byte { return n.celery(t, args...) }
+
 // Client runs testdata/client.py against the node.
 func (n *node) Client(t *testing.T, args ...string) map[string]any { return n.client(t, args...) }
 
