@@ -307,15 +307,3 @@ func (b *backoff) next() time.Duration {
 }
 
 func (b *backoff) reset() { b.attempt = 0 }
-
-// sleep waits d or until ctx is done; it reports whether the wait completed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func assertNoSecret(t *testing.T, s, secret string) {
@@ -136,7 +137,7 @@ func TestPasswordNeverLogged(t *testing.T) {
 		}
 		return all, refused
 	}
-	waitFor(t, "the consumer logs the refused login", 18*time.Second, func() bool {
+	testkit.WaitFor(t, "the consumer logs the refused login", 18*time.Second, func() bool {
 		_, refused := lines()
 		return refused["amqp.consumer"]
 	})

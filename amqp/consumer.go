@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // DefaultPrefetch is the prefetch count used when ConsumerConfig.Prefetch is 0.
@@ -279,7 +280,7 @@ func (c *Consumer) Run(ctx context.Context, handle func(*Delivery)) error {
 		c.reconnects.Add(1)
 		c.log.Warn("consumer disconnected; reconnecting", zap.Error(err), zap.Duration("consumed_for", consumed),
 			zap.Int("failures_in_a_row", b.attempt), zap.Duration("backoff", wait))
-		if !sleep(ctx, wait) {
+		if !pause.For(ctx, wait) {
 			return nil
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func TestConsumeAndAck(t *testing.T) {
@@ -18,7 +19,7 @@ func TestConsumeAndAck(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 10})
 	got := make(chan *Delivery, 100)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 20*time.Second)
@@ -46,7 +47,7 @@ func TestConsumeAndAck(t *testing.T) {
 			t.Fatalf("second ack: %v, want ErrAlreadySettled", err)
 		}
 	}
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 	// The channel survived the refused double acks: consuming goes on.
 	must(t, p.Publish(ctx, "", q, textMessage(`"last"`), PublishOptions{}), "publish last")
 	must(t, recv(t, got, 10*time.Second).Ack(), "ack last")
@@ -83,7 +84,7 @@ func TestLateAckRedelivered(t *testing.T) {
 		t.Fatalf("redelivery: redelivered=%t body=%q", again.Redelivered, again.Body)
 	}
 	must(t, again.Ack(), "ack redelivery")
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 }
 
 // The broker closes the consumer's connection: Run reconnects and resumes,
@@ -95,7 +96,7 @@ func TestReconnectAfterBrokerClosesConnection(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 5})
 	got := make(chan *Delivery, 10)
 	stop := runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 	must(t, c.SetPrefetch(7), "set prefetch")
 
 	p := newPublisher(t, cfg)
@@ -122,7 +123,7 @@ func TestReconnectAfterBrokerClosesConnection(t *testing.T) {
 	must(t, back.Ack(), "ack redelivery")
 	must(t, p.Publish(ctx, "", q, textMessage(`"two"`), PublishOptions{}), "publish after reconnect")
 	must(t, recv(t, got, 10*time.Second).Ack(), "ack two")
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 	must(t, stop(), "stop")
 }
 
@@ -205,7 +206,7 @@ func TestDrainOnShutdown(t *testing.T) {
 		t.Fatal("Run did not return after the last ack")
 	}
 	noRecv(t, got, 50*time.Millisecond)
-	if n := queueDepth(t, q); n != 1 {
+	if n := testkit.QueueDepth(t, testenv.AMQPURL(t), q); n != 1 {
 		t.Fatalf("queue depth after drain = %d, want 1 (message b back in the queue)", n)
 	}
 }
@@ -217,7 +218,7 @@ func TestConsumeSeveralQueues(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q1), CeleryQueue(q2)}})
 	got := make(chan *Delivery, 10)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 20*time.Second)
 	must(t, p.Publish(ctx, q1, q1, textMessage("1"), PublishOptions{Mandatory: true}), "publish q1")
@@ -242,7 +243,7 @@ func TestQueueDeletedRedeclared(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}})
 	got := make(chan *Delivery, 10)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 30*time.Second)
 	_, err := p.DeleteQueue(ctx, q)
@@ -315,12 +316,12 @@ func TestConcurrentAcksAcrossReconnect(t *testing.T) {
 		}()
 	}
 	stop := runConsumer(t, c, func(d *Delivery) { work <- d })
-	waitFor(t, "100 acks", 20*time.Second, func() bool { return count() >= 100 })
+	testkit.WaitFor(t, "100 acks", 20*time.Second, func() bool { return count() >= 100 })
 	if k := closeConnection(t, cfg.Name+" consume"); k != 1 {
 		t.Fatalf("closed %d consumer connections", k)
 	}
 	close(gate)
-	waitFor(t, "every message acknowledged", 40*time.Second, func() bool { return count() == n })
+	testkit.WaitFor(t, "every message acknowledged", 40*time.Second, func() bool { return count() == n })
 	must(t, stop(), "stop")
 	close(work)
 	wg.Wait()
@@ -331,7 +332,7 @@ func TestConcurrentAcksAcrossReconnect(t *testing.T) {
 	if stale == 0 {
 		t.Fatal("no ack was refused as stale although deliveries were held across the close")
 	}
-	if d := queueDepth(t, q); d != 0 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 0 {
 		t.Fatalf("queue depth %d after all acks", d)
 	}
 }
@@ -422,7 +423,7 @@ func TestCoalescedAcksAroundASlowDelivery(t *testing.T) {
 	before := d.ch.acks.counters()
 	publish(n)
 	settleAll(again, n)
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 	after := d.ch.acks.counters()
 	acks, frames := after.acks-before.acks, after.frames-before.frames
 	if acks != n || frames >= acks {

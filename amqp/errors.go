@@ -6,9 +6,10 @@ import (
 	"regexp"
 	"sort"
 	"strings"
-	"unicode/utf8"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Errors that callers act on. Match them with errors.Is.
@@ -115,11 +116,7 @@ func cut(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
-	i := n
-	for i > 0 && !utf8.RuneStart(s[i]) {
-		i--
-	}
-	return fmt.Sprintf("%s...(%d bytes)", s[:i], len(s))
+	return fmt.Sprintf("%s...(%d bytes)", clip.Prefix(s, n), len(s))
 }
 
 func refused(op, exchange, key string, code int, reason string, err error) *RefusedError {

@@ -9,6 +9,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // A loss that repeats as soon as consuming starts (here a message whose
@@ -35,7 +37,7 @@ func TestReconnectBackoffGrowsWhenTheLossRepeats(t *testing.T) {
 		must(t, d.Ack(), "ack")
 		acked <- struct{}{}
 	})
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 	must(t, p.Publish(ctx, "", q, textMessage(`"poison"`), PublishOptions{}), "publish")
 
 	// Waits of 10-20 ms, then 20-40, 40-80 ... up to 0.5-1 s: at most
@@ -59,7 +61,7 @@ func TestReconnectBackoffGrowsWhenTheLossRepeats(t *testing.T) {
 	if closeConnection(t, cfg.Name+" consume") != 1 {
 		t.Fatal("consumer connection not found")
 	}
-	waitFor(t, "reconnect", 10*time.Second, func() bool { return c.reconnects.Load() > before && c.Ready() })
+	testkit.WaitFor(t, "reconnect", 10*time.Second, func() bool { return c.reconnects.Load() > before && c.Ready() })
 	last := logs.FilterMessage("consumer disconnected; reconnecting").All()
 	fields := last[len(last)-1].ContextMap()
 	if fields["failures_in_a_row"] != int64(1) || fields["backoff"].(time.Duration) > cfg.MinBackoff {

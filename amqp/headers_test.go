@@ -9,6 +9,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // pyPublishShapes publishes, with py-amqp (Celery's client), one message per
@@ -51,7 +52,7 @@ func TestHeaderShapesKeepTheConnection(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 4})
 	got := make(chan *Delivery, 16)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
 
 	cmd := exec.Command(py, "-c", pyPublishShapes, testenv.AMQPURL(t), q)
 	cmd.Dir = t.TempDir() // not beside our own amqp package
@@ -94,7 +95,7 @@ func TestHeaderShapesKeepTheConnection(t *testing.T) {
 		}
 		must(t, d.Ack(), "ack %s", name)
 	}
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 	if n := c.gen.Load(); n != 1 {
 		t.Fatalf("%d consumer sessions, want 1: the connection was lost", n)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -14,8 +13,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/onceler/onceler/celeryproto"
-	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func TestMain(m *testing.M) {
@@ -40,42 +39,7 @@ func testConfig(t *testing.T) Config {
 func cleanupQueue(t *testing.T, names ...string) {
 	t.Helper()
 	url := testenv.AMQPURL(t)
-	t.Cleanup(func() {
-		conn, err := amqp091.Dial(url)
-		if err != nil {
-			t.Logf("cleanup dial: %v", err)
-			return
-		}
-		defer conn.Close()
-		for _, n := range names {
-			ch, err := conn.Channel()
-			if err != nil {
-				return
-			}
-			_, _ = ch.QueueDelete(n, false, false, false)
-			_ = ch.ExchangeDelete(n, false, false)
-			_ = ch.Close()
-		}
-	})
-}
-
-// queueDepth returns the ready message count of queue.
-func queueDepth(t *testing.T, queue string) int {
-	t.Helper()
-	conn, err := amqp091.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatalf("dial: %v", err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatalf("channel: %v", err)
-	}
-	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
-	if err != nil {
-		t.Fatalf("inspect queue %s: %v", queue, err)
-	}
-	return q.Messages
+	t.Cleanup(func() { testkit.DeleteQueues(t, url, names...) })
 }
 
 // closeConnection closes, from the broker side, the connections whose name
@@ -85,23 +49,9 @@ func closeConnection(t *testing.T, prefix string) int {
 	if !strings.HasPrefix(prefix, "onceler_amqp_test_") {
 		t.Fatalf("refusing to close a connection not named by this test: %q", prefix)
 	}
-	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
-	if err != nil {
-		testenv.Unavailable(t, "rabbitmqctl: %v: %s", err, out)
-	}
-	n := 0
-	for _, line := range strings.Split(string(out), "\n") {
-		pid, props, ok := strings.Cut(line, "\t")
-		// The connection name is a client property: {"connection_name","<name>"}.
-		if !ok || !strings.Contains(props, `{"connection_name","`+prefix) {
-			continue
-		}
-		if o, err := exec.Command("rabbitmqctl", "-q", "close_connection", strings.TrimSpace(pid), "test closes it").CombinedOutput(); err != nil {
-			t.Fatalf("close_connection %s: %v: %s", pid, err, o)
-		}
-		n++
-	}
-	return n
+	pids := testkit.ConnectionPIDs(t, prefix)
+	testkit.CloseConnections(t, pids)
+	return len(pids)
 }
 
 // declaredQueue declares a fresh Celery queue named after prefix (deleted
@@ -116,18 +66,6 @@ func declaredQueue(t *testing.T, prefix string, d time.Duration) (Config, string
 	ctx := ctxTimeout(t, d)
 	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
 	return cfg, q, p, ctx
-}
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // runConsumer runs c in the background; the returned stop cancels it and

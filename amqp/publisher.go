@@ -12,6 +12,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // PublishOptions tune one Publish.
@@ -196,7 +197,7 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 		lastErr = err
 		wait := p.backoff.next()
 		p.log.Warn("publisher connect failed; retrying", zap.Error(err), zap.Duration("backoff", wait))
-		if !sleep(ctx, wait) {
+		if !pause.For(ctx, wait) {
 			return nil, fmt.Errorf("connect: %w (last error: %w)", ctx.Err(), err)
 		}
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // Everything handed to Publish arrives as sent, headers included.
@@ -58,7 +59,7 @@ func TestPublishConfirmedRoundTrip(t *testing.T) {
 		!h["when"].(time.Time).Equal(when) || string(h["raw"].([]byte)) != "\x00\x01" {
 		t.Fatalf("headers differ: %#v", h)
 	}
-	if d := queueDepth(t, q); d != 0 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 0 {
 		t.Fatalf("queue depth %d after Remove, want 0", d)
 	}
 }
@@ -93,7 +94,7 @@ func TestPublishMandatoryUnroutableReturned(t *testing.T) {
 			t.Fatalf("unroutable publish %d: %v, want *ReturnedError 312 NO_ROUTE", i, err)
 		}
 	}
-	if d := queueDepth(t, q); d != 100 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 100 {
 		t.Fatalf("queue depth %d, want 100 routed messages", d)
 	}
 	// Without mandatory the broker drops it and confirms: no error.
@@ -128,7 +129,7 @@ func TestPublishMissingExchange(t *testing.T) {
 		t.Fatalf("publish to a missing exchange = %v, want ErrNotFound", err)
 	}
 	must(t, p.Publish(ctx, q, q, textMessage("2"), PublishOptions{Mandatory: true}), "publish after")
-	if d := queueDepth(t, q); d != 2 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 2 {
 		t.Fatalf("queue depth %d, want 2", d)
 	}
 }
@@ -140,13 +141,13 @@ func TestPublisherReconnects(t *testing.T) {
 	if n := closeConnection(t, cfg.Name+" publish"); n != 1 {
 		t.Fatalf("closed %d publisher connections, want 1", n)
 	}
-	waitFor(t, "publisher notices the close", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "publisher notices the close", 10*time.Second, func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		return p.cur == nil || p.cur.isDead()
 	})
 	must(t, p.Publish(ctx, "", q, textMessage("2"), PublishOptions{Mandatory: true}), "publish after")
-	if d := queueDepth(t, q); d != 2 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 2 {
 		t.Fatalf("queue depth %d, want 2", d)
 	}
 	must(t, p.Close(), "close")
@@ -172,7 +173,7 @@ func TestInspectKeepRemoveStop(t *testing.T) {
 	if n != 4 || fmt.Sprint(bodies) != "[0 1 2 3]" {
 		t.Fatalf("inspect saw %d: %v", n, bodies)
 	}
-	waitFor(t, "3 messages left", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	testkit.WaitFor(t, "3 messages left", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 3 })
 	bodies = nil
 	stopErr := errors.New("stop here")
 	n, err = p.Inspect(ctx, q, 0, func(d *Delivery) (InspectAction, error) {
@@ -190,7 +191,7 @@ func TestInspectKeepRemoveStop(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("Stop after %d messages, want 1", n)
 	}
-	waitFor(t, "3 messages kept", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	testkit.WaitFor(t, "3 messages kept", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 3 })
 	// A walk of all sees what the queue held when it began: a message put
 	// back meanwhile (a worker quarantining a requeued message again) waits
 	// for the next walk, rather than keeping this one going.
@@ -204,7 +205,7 @@ func TestInspectKeepRemoveStop(t *testing.T) {
 	if n != 3 {
 		t.Fatalf("walk while putting back saw %d messages, want the 3 queued", n)
 	}
-	waitFor(t, "3 messages put back", 5*time.Second, func() bool { return queueDepth(t, q) == 3 })
+	testkit.WaitFor(t, "3 messages put back", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 3 })
 	if _, err := p.Inspect(ctx, testenv.Name("onceler_amqp_missing"), 0, nil); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("inspect of a missing queue = %v, want ErrNotFound", err)
 	}
@@ -298,7 +299,7 @@ func TestPublishDuringConnectionLoss(t *testing.T) {
 	if len(other) > 0 {
 		t.Fatalf("%d publishes failed otherwise, first: %v", len(other), other[0])
 	}
-	depth := queueDepth(t, q)
+	depth := testkit.QueueDepth(t, testenv.AMQPURL(t), q)
 	t.Logf("confirmed %d, unknown %d, in queue %d", confirmed, unknown, depth)
 	if depth < confirmed || depth > confirmed+unknown {
 		t.Fatalf("queue holds %d messages; confirmed %d, unknown %d", depth, confirmed, unknown)

@@ -12,6 +12,8 @@ import (
 	"go.uber.org/zap"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // pubSession is one connection with its confirm-mode channel.
@@ -441,7 +443,7 @@ func (p *Publisher) publishIsolated(ctx context.Context, key string, pub amqp091
 			if errors.Is(err, ErrClosed) || errors.Is(err, ErrConfig) || ctx.Err() != nil || p.refusedFirst(err) {
 				return fmt.Errorf("publish to %q: %w", shown(key), err)
 			}
-			if !sleep(ctx, bo.next()) {
+			if !pause.For(ctx, bo.next()) {
 				return fmt.Errorf("publish to %q: connect: %w (last error: %w)", shown(key), ctx.Err(), err)
 			}
 			continue

@@ -11,6 +11,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // celeryPriorityApp declares its queue as a Celery application does, with
@@ -71,7 +72,7 @@ func TestExistingQueueServedAsDeclared(t *testing.T) {
 	}
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 30*time.Second)
-	waitFor(t, "consuming again", 15*time.Second, c.Ready)
+	testkit.WaitFor(t, "consuming again", 15*time.Second, c.Ready)
 	must(t, p.Publish(ctx, q, q, textMessage(`"again"`), PublishOptions{Mandatory: true}), "publish through the exchange")
 	if d := recv(t, got, 15*time.Second); string(d.Body) != `"again"` {
 		t.Fatalf("after reconnect got %q", d.Body)
@@ -117,7 +118,7 @@ func TestExistingQueueFlagsAndTypeLearned(t *testing.T) {
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{asQuorum, CeleryQueue(quorum)}, Prefetch: 2})
 	got := make(chan *Delivery, 8)
 	runConsumer(t, c, func(d *Delivery) { got <- d })
-	waitFor(t, "consumer ready", 15*time.Second, c.Ready)
+	testkit.WaitFor(t, "consumer ready", 15*time.Second, c.Ready)
 	qs := c.Queues()
 	if qs[0].Durable || qs[0].IsQuorum() || qs[0].Args != nil || qs[0].Exchange != DefaultExchange || qs[1].Exchange != quorum {
 		t.Fatalf("transient queue found as %+v", qs[0])

@@ -11,6 +11,7 @@ import (
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // current returns the publisher's shared session.
@@ -92,7 +93,7 @@ func TestPublishRefusedIsPermanent(t *testing.T) {
 			}
 		})
 	}
-	if d := queueDepth(t, q); d != 1+10*20 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 1+10*20 {
 		t.Errorf("queue depth %d, want %d", d, 1+10*20)
 	}
 
@@ -107,7 +108,7 @@ func TestPublishRefusedIsPermanent(t *testing.T) {
 	fresh := newPublisher(t, testConfig(t))
 	must(t, fresh.Publish(ctx, q, q, textMessage("first"), PublishOptions{Mandatory: true}), "first publish to a named exchange")
 	must(t, fresh.Publish(ctx, q, q, textMessage("second"), PublishOptions{Mandatory: true}), "second publish to a named exchange")
-	if d := queueDepth(t, q); d != 1+10*20+2 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 1+10*20+2 {
 		t.Errorf("queue depth %d, want %d", d, 1+10*20+2)
 	}
 
@@ -195,7 +196,7 @@ func TestPublishFrameBoundary(t *testing.T) {
 	if p.current() != shared {
 		t.Fatal("the shared publishing connection was replaced")
 	}
-	if d := queueDepth(t, q); d != 3 {
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 3 {
 		t.Fatalf("queue depth %d, want 3", d)
 	}
 }

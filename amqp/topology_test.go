@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // Celery declares its queue exactly as Celery's app.amqp does, then sends a
@@ -217,7 +218,7 @@ func TestQuorumSetPrefetchTakesEffect(t *testing.T) {
 	for range 2 {
 		must(t, recv(t, got, 5*time.Second).Ack(), "ack rest")
 	}
-	waitFor(t, "queue empty", 5*time.Second, func() bool { return queueDepth(t, q) == 0 })
+	testkit.WaitFor(t, "queue empty", 5*time.Second, func() bool { return testkit.QueueDepth(t, testenv.AMQPURL(t), q) == 0 })
 }
 
 // Celery's rpc:// client gets the result this package publishes to its

@@ -1,20 +1,10 @@
 package celeryproto
 
 import (
-	"syscall"
 	"testing"
-	"time"
-)
 
-// cpuTime is the process's user+system CPU time: on a shared machine it
-// shows the cost per operation better than wall time does.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
+	"github.com/onceler/onceler/internal/testkit"
+)
 
 // typicalDelivery is a protocol 2 JSON task message of about 1 KiB, with the
 // headers Celery 5.2 sends and a link, as a worker sees it from amqp091.
@@ -50,26 +40,26 @@ func BenchmarkDecodeJSON(b *testing.B) {
 	}
 	b.SetBytes(int64(len(d.Body)))
 	b.ReportAllocs()
-	start := cpuTime()
+	start := testkit.CPUTime()
 	for b.Loop() {
 		if _, err := Decode(d); err != nil {
 			b.Fatal(err)
 		}
 	}
-	b.ReportMetric(float64(cpuTime()-start)/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64(testkit.CPUTime()-start)/float64(b.N), "cpu-ns/op")
 }
 
 func BenchmarkEncodeResult(b *testing.B) {
 	r := &Result{TaskID: "d5c8a0b4-3c1e-4f9a-9d8e-2b7f6a1c0e11", Status: StateSuccess,
 		Value: map[string]any{"charged": 129.95, "currency": "EUR", "payment_id": "pay_7d1e9a", "attempt": int64(1)}}
 	b.ReportAllocs()
-	start := cpuTime()
+	start := testkit.CPUTime()
 	for b.Loop() {
 		if _, err := EncodeResult(r); err != nil {
 			b.Fatal(err)
 		}
 	}
-	b.ReportMetric(float64(cpuTime()-start)/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64(testkit.CPUTime()-start)/float64(b.N), "cpu-ns/op")
 }
 
 func BenchmarkEncodeTask(b *testing.B) {

@@ -29,25 +29,11 @@ func EncodeChordPart(r *Result) ([]byte, error) {
 	if ser == "" {
 		ser = "json"
 	}
-	_, _, b, err := marshal(ser, []any{int64(1), r.TaskID, string(r.Status), resultValue(r)})
+	_, _, b, err := marshal(ser, []any{int64(1), r.TaskID, string(r.Status), r.resultValue()})
 	if err != nil {
 		return nil, fmt.Errorf("celeryproto: encode chord part of %s: %w", r.TaskID, err)
 	}
 	return b, nil
-}
-
-// resultValue is what a backend stores as a result: the value, or the
-// exception as Celery's prepare_exception encodes it.
-func resultValue(r *Result) any {
-	e := r.Exception
-	if e == nil {
-		return r.Value
-	}
-	msg := []any{}
-	if e.Message != "" {
-		msg = []any{e.Message}
-	}
-	return map[string]any{"exc_type": e.Type, "exc_message": msg, "exc_module": e.module()}
 }
 
 // DecodeChordPart reads a chord join entry written in serializer (json,
@@ -104,43 +90,11 @@ func (p *ChordPart) ExceptionRepr() string {
 			b.WriteString(", ")
 		}
 		if s, ok := a.(string); ok {
-			b.WriteString(pyStringRepr(s))
+			b.WriteString(StringRepr(s))
 		} else {
 			fmt.Fprint(&b, a)
 		}
 	}
 	b.WriteByte(')')
-	return b.String()
-}
-
-// pyStringRepr is Python's repr of a str: single quotes, unless the text
-// holds a single quote and no double quote.
-func pyStringRepr(s string) string {
-	q := byte('\'')
-	if strings.ContainsRune(s, '\'') && !strings.ContainsRune(s, '"') {
-		q = '"'
-	}
-	var b strings.Builder
-	b.WriteByte(q)
-	for _, r := range s {
-		switch {
-		case r == '\\':
-			b.WriteString(`\\`)
-		case r == rune(q):
-			b.WriteByte('\\')
-			b.WriteRune(r)
-		case r == '\n':
-			b.WriteString(`\n`)
-		case r == '\r':
-			b.WriteString(`\r`)
-		case r == '\t':
-			b.WriteString(`\t`)
-		case r < 0x20 || r == 0x7f:
-			fmt.Fprintf(&b, `\x%02x`, r)
-		default:
-			b.WriteRune(r)
-		}
-	}
-	b.WriteByte(q)
 	return b.String()
 }

@@ -12,6 +12,8 @@ import (
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/zstd"
 	"github.com/ulikunitz/xz"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Compression header values, as kombu writes them.
@@ -45,7 +47,7 @@ func compressionFor(name string) (string, bool) {
 func decompress(compression string, body []byte, limit int) ([]byte, error) {
 	kind, ok := compressionFor(compression)
 	if !ok {
-		return nil, decodeErr(ErrCompression, nil, "unsupported compression %q", truncate(compression, 100))
+		return nil, decodeErr(ErrCompression, nil, "unsupported compression %q", clip.String(compression, 100))
 	}
 	var r io.Reader
 	src := bytes.NewReader(body)

@@ -76,3 +76,9 @@ func ExampleCanonicalArgs() {
 	// Output:
 	// [[1, 2.0], {"a": 7, "b": "x"}]
 }
+
+// KeyHash identifies an operation in events without revealing its key.
+func ExampleKeyHash() {
+	fmt.Println(celeryproto.KeyHash("order-42"))
+	// Output: 3bf8b157c4238eef
+}

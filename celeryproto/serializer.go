@@ -10,6 +10,8 @@ import (
 	"time"
 
 	yaml "go.yaml.in/yaml/v3"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Content types of the serializers Celery uses.
@@ -36,7 +38,7 @@ func serializerFor(contentType string) (string, error) {
 	case ContentTypePickle, "pickle", "application/python-pickle":
 		return "", decodeErr(ErrPickle, nil, "unsupported content type %q: pickle is never decoded", contentType)
 	default:
-		return "", decodeErr(ErrUnsupportedContentType, nil, "unsupported content type %q", truncate(contentType, 100))
+		return "", decodeErr(ErrUnsupportedContentType, nil, "unsupported content type %q", clip.String(contentType, 100))
 	}
 }
 
@@ -191,7 +193,7 @@ func safeYAML(n *yaml.Node, depth int) error {
 		return fmt.Errorf("yaml nested deeper than 10000")
 	}
 	if !safeYAMLTags[n.ShortTag()] && n.Kind != yaml.DocumentNode && n.Kind != yaml.AliasNode {
-		return fmt.Errorf("yaml tag %q is not allowed (safe load only)", truncate(n.Tag, 64))
+		return fmt.Errorf("yaml tag %q is not allowed (safe load only)", clip.String(n.Tag, 64))
 	}
 	for _, c := range n.Content {
 		if err := safeYAML(c, depth+1); err != nil {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 var timeLayouts = []string{
@@ -30,7 +32,7 @@ func ParseTime(s string) (time.Time, error) {
 			return t.UTC(), nil
 		}
 	}
-	return time.Time{}, fmt.Errorf("unparsable time %q", truncate(s, 64))
+	return time.Time{}, fmt.Errorf("unparsable time %q", clip.String(s, 64))
 }
 
 // FormatTime writes t the way Celery 5.2 itself writes and parses times:
@@ -43,11 +45,4 @@ func FormatTime(t time.Time) string {
 func appendTime(b []byte, t time.Time) []byte {
 	b = t.UTC().AppendFormat(b, "2006-01-02T15:04:05.000000")
 	return append(b, "+00:00"...)
-}
-
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n] + "..."
 }

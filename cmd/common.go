@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/url"
-	"os"
 	"regexp"
 	"slices"
 	"strconv"
@@ -20,6 +19,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/logging"
 )
 
 // connectTimeout bounds the first contact with a service, so an unreachable
@@ -191,31 +191,11 @@ func newLogger(cmd, level, format string, w io.Writer) (*zap.Logger, error) {
 	if err != nil {
 		return nil, usagef(cmd, "invalid --log-level %q: use debug, info, warn or error", level)
 	}
-	var enc zapcore.Encoder
-	switch format {
-	case "json":
-		ec := zap.NewProductionEncoderConfig()
-		ec.EncodeTime = zapcore.ISO8601TimeEncoder
-		enc = zapcore.NewJSONEncoder(ec)
-	case "console":
-		ec := zap.NewDevelopmentEncoderConfig()
-		ec.EncodeTime = zapcore.TimeEncoderOfLayout("15:04:05.000")
-		ec.CallerKey = ""
-		ec.EncodeLevel = zapcore.CapitalLevelEncoder
-		if f, ok := w.(*os.File); ok && isTerminal(f) {
-			ec.EncodeLevel = zapcore.CapitalColorLevelEncoder
-		}
-		enc = zapcore.NewConsoleEncoder(ec)
-	default:
+	logger, err := logging.New(lvl, format, w)
+	if err != nil {
 		return nil, usagef(cmd, "invalid --log-format %q: use json or console", format)
 	}
-	core := zapcore.NewCore(enc, zapcore.Lock(zapcore.AddSync(w)), lvl)
-	return zap.New(core), nil
-}
-
-func isTerminal(f *os.File) bool {
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
+	return logger, nil
 }
 
 // maxDays is the most days parseSince takes: 100 years.

@@ -12,7 +12,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
-	"github.com/onceler/onceler/tasks"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // crashCase is one demo task under crash injection: what to send, and how
@@ -113,7 +113,7 @@ func crashCases() []crashCase {
 // recorded leaves the operation held (the caller is answered OperationHeld),
 // and an operator resolves it.
 func TestCrashInjection(t *testing.T) {
-	points := []string{tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck}
+	points := []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck}
 	for _, c := range crashCases() {
 		for _, point := range points {
 			t.Run(c.task+"/"+point, func(t *testing.T) {
@@ -136,7 +136,7 @@ func runCrashCase(t *testing.T, c crashCase, point string) {
 	}
 	// A held delivery is answered FAILURE OperationHeld and acknowledged;
 	// the operator resolves the operation afterwards.
-	held := c.task == demo.TaskEmail && point != tasks.CrashBeforeAck
+	held := c.task == demo.TaskEmail && point != workerhooks.BeforeAck
 	timeout := 90 * time.Second
 	sender := s.sendTasks(t, timeout, call{c.task, c.args(key)})
 	_ = w1.wait(60 * time.Second)
@@ -187,7 +187,7 @@ func resolveHeldEmail(t *testing.T, s *stack, pool *pgxpool.Pool, point, key str
 		time.Sleep(100 * time.Millisecond)
 	}
 	sends, err := demo.CountEmailSends(ctx, pool, key)
-	if point == tasks.CrashAfterClaim {
+	if point == workerhooks.AfterClaim {
 		wantCount(t, "email sends before resolving", sends, err, 0)
 		r := runBin(t, s.env, "resolve", demo.TaskEmail, key, "--retry")
 		if r.code != 0 || !strings.Contains(r.stdout, "released and republished to queue "+s.queue) {

@@ -12,9 +12,8 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
-
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // stack is a test's own record schema and queue, and the environment that
@@ -38,7 +37,7 @@ func newStack(t *testing.T) *stack {
 		"ONCELER_QUEUE":        s.queue, // quarantine --queue
 		"ONCELER_LOG_FORMAT":   "json",
 	}
-	t.Cleanup(func() { deleteQueues(t, amqpURL, s.queue, s.queue+".quarantine") })
+	t.Cleanup(func() { testkit.DeleteQueues(t, amqpURL, s.queue, s.queue+".quarantine") })
 	return s
 }
 
@@ -52,25 +51,6 @@ func (s *stack) with(extra map[string]string) map[string]string {
 		env[k] = v
 	}
 	return env
-}
-
-// deleteQueues removes the test's own queues and their exchanges.
-func deleteQueues(t *testing.T, url string, names ...string) {
-	conn, err := amqp091.Dial(url)
-	if err != nil {
-		t.Logf("cleanup: %v", err)
-		return
-	}
-	defer func() { _ = conn.Close() }()
-	for _, n := range names {
-		ch, err := conn.Channel()
-		if err != nil {
-			return
-		}
-		_, _ = ch.QueueDelete(n, false, false, false)
-		_ = ch.ExchangeDelete(n, false, false)
-		_ = ch.Close()
-	}
 }
 
 // syncBuffer is a bytes.Buffer safe for a process writing and a test reading.

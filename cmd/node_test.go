@@ -1,21 +1,15 @@
 package cmd
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
+	"context"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -65,78 +59,15 @@ func celeryInspect(t *testing.T, env map[string]string, node string) map[string]
 	return got
 }
 
-// writeSelfSigned writes a self-signed certificate (its own CA) and its key.
-func writeSelfSigned(t *testing.T) (certFile, keyFile string, cert *x509.Certificate) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "onceler test client"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true,
-		KeyUsage:    x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	certFile, keyFile = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cert, err = x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return certFile, keyFile, cert
-}
-
-// TestControlConfigUsesBrokerTLS: the remote control connection gets the
-// worker's broker URL, CA and client certificate.
-func TestControlConfigUsesBrokerTLS(t *testing.T) {
-	certFile, keyFile, cert := writeSelfSigned(t)
-	f := &workerFlags{concurrency: 3, prefetch: 7, events: true}
-	f.broker = brokerFlags{url: "amqps://u:p@rabbit.example:5671//", caFile: certFile, certFile: certFile, keyFile: keyFile}
-	cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cc.URL != f.broker.url || cc.NodeName != "n@h" || !cc.TaskEvents || cc.Concurrency != 3 || cc.Prefetch != 7 {
-		t.Fatalf("control config %+v", cc)
-	}
-	if cc.TLS == nil || len(cc.TLS.Certificates) != 1 {
-		t.Fatalf("control TLS %+v: want the client certificate", cc.TLS)
-	}
-	leaf, err := x509.ParseCertificate(cc.TLS.Certificates[0].Certificate[0])
-	if err != nil || !leaf.Equal(cert) {
-		t.Fatalf("control client certificate is not --broker-cert-file (%v)", err)
-	}
-	if _, err := cert.Verify(x509.VerifyOptions{Roots: cc.TLS.RootCAs, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
-		t.Fatalf("control RootCAs do not hold --broker-ca-file: %v", err)
-	}
-	if cc.TLS.ServerName != "rabbit.example" {
-		t.Fatalf("control TLS ServerName %q", cc.TLS.ServerName)
-	}
-
-	// Plain amqp://: no TLS; TLS files on it: a usage error, as for the worker.
-	f.broker = brokerFlags{url: "amqp://localhost//"}
-	if cc, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7); err != nil || cc.TLS != nil {
-		t.Fatalf("amqp:// control config TLS %v, %v", cc.TLS, err)
-	}
-	f.broker.certFile, f.broker.keyFile = certFile, keyFile
+// TestWorkerBrokerTLSOnPlainURL: TLS files on an amqp:// broker URL are a
+// usage error of the worker command, found before any connection (the
+// worker's and its remote control's alike).
+func TestWorkerBrokerTLSOnPlainURL(t *testing.T) {
+	f := brokerFlags{url: "amqp://localhost//", certFile: "cert.pem", keyFile: "key.pem"}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
 	var u *usageError
-	if _, err := f.controlConfig(f.broker.config("n@h"), "n@h", 3, 7); !errors.As(err, &u) {
+	if _, err := probeBroker(ctx, f.config("n@h"), []amqp.QueueSpec{amqp.CeleryQueue("q1")}); !errors.As(err, &u) {
 		t.Fatalf("TLS files on amqp:// = %v, want a usage error", err)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 func migrateCommand() *command {
@@ -278,12 +279,14 @@ func printRecord(w io.Writer, prog string, r idempotency.Record) {
 	_ = tw.Flush()
 }
 
+// truncate folds the white space of s and cuts it to about n bytes for a
+// table cell, marking the cut.
 func truncate(s string, n int) string {
 	s = strings.Join(strings.Fields(s), " ")
 	if len(s) <= n {
 		return s
 	}
-	return s[:n-1] + "…"
+	return clip.Prefix(s, n-1) + "…"
 }
 
 func repeatsCommand() *command {

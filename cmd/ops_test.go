@@ -49,7 +49,7 @@ func (e *recordEnv) complete(t *testing.T, task, key, result string, duplicates 
 	if err != nil || c.Outcome != idempotency.OutcomeFirst {
 		t.Fatalf("claim %s %s: %v %v", task, key, c.Outcome, err)
 	}
-	if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(result)); err != nil {
+	if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(result)); err != nil {
 		t.Fatal(err)
 	}
 	for range duplicates {

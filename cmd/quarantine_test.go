@@ -6,29 +6,9 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
-
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
-
-func queueDepth(t *testing.T, name string) int {
-	t.Helper()
-	conn, err := amqp091.Dial(testenv.AMQPURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ch.Close() }()
-	q, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
-	if err != nil {
-		t.Fatalf("queue %s: %v", name, err)
-	}
-	return q.Messages
-}
 
 func listQuarantine(t *testing.T, s *stack) []quarantined {
 	t.Helper()
@@ -83,7 +63,7 @@ func TestQuarantineListRequeueDrop(t *testing.T) {
 	if r.code != 0 || !strings.Contains(r.stdout, "requeued "+ids[0]+" (demo.nope, unknown_task)") {
 		t.Fatalf("requeue: exit %d\n%s%s", r.code, r.stdout, r.stderr)
 	}
-	if n := queueDepth(t, s.queue); n != 1 {
+	if n := testkit.QueueDepth(t, testenv.AMQPURL(t), s.queue); n != 1 {
 		t.Fatalf("queue %s holds %d messages after requeue, want 1", s.queue, n)
 	}
 	if ms := listQuarantine(t, s); len(ms) != 1 || ms[0].TaskID != ids[1] {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // appPy is a Celery application that declares its queue as kombu does,
@@ -182,7 +183,7 @@ func TestWorkerDeclaresMissingQueuesWithQueueArg(t *testing.T) {
 	s := newStack(t)
 	other := testenv.Name("q")
 	url := testenv.AMQPURL(t)
-	t.Cleanup(func() { deleteQueues(t, url, other, other+".quarantine") })
+	t.Cleanup(func() { testkit.DeleteQueues(t, url, other, other+".quarantine") })
 	w := startWorker(t, s.env, "--queues", s.queue+","+other, "--queue-arg", "x-max-priority=5",
 		"--queue-arg", s.queue+":x-message-ttl=600000,"+other+`:x-dead-letter-exchange="7"`)
 	w.waitLog(`"priority_queues":["`+s.queue+`","`+other+`"]`, 10*time.Second)

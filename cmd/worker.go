@@ -22,6 +22,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -155,12 +156,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if a.user.Register == nil {
 		return usagef("worker", "no tasks to serve: this binary's cmd.App has no Register function")
 	}
-	crash := tasks.CrashConfig{At: a.getenv("ONCELER_CRASH_AT"), Task: a.getenv("ONCELER_CRASH_TASK")}
-	switch crash.At {
-	case "", tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined:
-	default:
+	crash := workerhooks.CrashFromEnv(a.getenv)
+	if crash.Validate() != nil {
 		return usagef("worker", "invalid ONCELER_CRASH_AT=%q: use %s, %s, %s or %s", crash.At,
-			tasks.CrashAfterClaim, tasks.CrashAfterEffect, tasks.CrashBeforeAck, tasks.CrashChordJoined)
+			workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck, workerhooks.ChordJoined)
 	}
 	node, err := control.NodeName(f.hostname)
 	if err != nil {
@@ -240,25 +239,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		logger.Warn("!!! --no-record: running every task WITHOUT the idempotency record; duplicate and redelivered messages WILL repeat their effects. Never do this in production. !!!")
 	}
 
-	runCtx, stopRun := context.WithCancel(ctx)
-	defer stopRun()
-	var ctl *control.Controller
-	if !f.noControl {
-		cc, err := f.controlConfig(broker, node, concurrency, prefetch)
-		if err != nil {
-			return err
-		}
-		cc.Shutdown = stopRun
-		cc.Logger = logger.Named("control")
-		ctl, err = control.New(nil, cc)
-		if err != nil {
-			return fmt.Errorf("remote control: %w", err)
-		}
-	}
-
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	w, err := tasks.NewWorker(reg, tasks.Config{
+	cfg := tasks.Config{
 		Broker:           broker,
 		Queues:           queues,
 		Pool:             pool,
@@ -270,10 +253,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Hostname:         node,
 		Logger:           logger,
 		Metrics:          metrics,
-		NoRecord:         f.noRecord,
-		Crash:            crash,
 		LogArguments:     f.logArguments,
-		Observer:         observer(ctl),
+		NoControl:        f.noControl,
+		TaskEvents:       f.events,
 		ResultSerializer: f.resultSer,
 		MemoryBudget:     budget,
 		StallAfter:       f.stallAfter,
@@ -281,7 +263,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		ResultExpires:    resultExpires(f.resultExp),
 		ResultExtended:   f.resultExt,
 		TrackStarted:     f.trackStarted,
-	})
+	}
+	workerhooks.Set(&cfg, workerhooks.Hooks{NoRecord: f.noRecord, Crash: crash})
+	w, err := tasks.NewWorker(reg, cfg)
 	if err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}
@@ -308,52 +292,14 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 			serveHTTP(httpCtx, ln, metrics, w.Ready, logger)
 		}()
 	}
-	ctlCtx, stopCtl := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopCtl()
-	if ctl != nil {
-		ctl.SetWorker(control.FromTasks(w))
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := ctl.Run(ctlCtx); err != nil {
-				logger.Error("remote control stopped", zap.Error(err))
-			}
-		}()
-	}
-	err = w.Run(runCtx)
-	stopCtl() // worker-offline once the tasks are done
+	// The worker runs its remote control (unless --no-control) until its
+	// tasks are done; a shutdown command ends Run as a signal does.
+	err = w.Run(ctx)
 	stopHTTP()
 	if err != nil {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
-}
-
-// controlConfig configures the remote control connection like the worker's
-// own: same broker, same TLS (CA and client certificate), same node name;
-// concurrency and prefetch are what the worker runs with, for 'celery
-// inspect conf' and 'stats'.
-func (f *workerFlags) controlConfig(broker amqp.Config, node string, concurrency, prefetch int) (control.Config, error) {
-	tc, err := broker.TLSClientConfig()
-	if err != nil {
-		return control.Config{}, brokerError("worker", broker, err)
-	}
-	return control.Config{
-		URL:         broker.URL,
-		TLS:         tc,
-		NodeName:    node,
-		TaskEvents:  f.events,
-		Concurrency: concurrency,
-		Prefetch:    prefetch,
-	}, nil
-}
-
-// observer returns ctl as the worker's event observer, or none.
-func observer(ctl *control.Controller) tasks.Observer {
-	if ctl == nil {
-		return nil
-	}
-	return ctl
 }
 
 // serveHTTP serves metrics and health until ctx is done.

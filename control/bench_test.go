@@ -1,11 +1,10 @@
-package control
+package control_test
 
 import (
 	"context"
 	"fmt"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -14,15 +13,17 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
 // BenchmarkWorkerEvents measures the real tasks.Worker draining b.N
-// pre-published tasks with events off (no controller) and on (a Controller
-// as Observer with task events enabled, its events routed to a celeryev
+// pre-published tasks with events off (no remote control) and on (its
+// remote control with task events on, its events routed to a celeryev
 // queue as Flower binds one). Run it with a fixed count, e.g.
 //
 //	go test -run '^$' -bench WorkerEvents -benchtime 20000x ./control/
@@ -32,9 +33,9 @@ func BenchmarkWorkerEvents(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/events=%v", task, events), func(b *testing.B) {
 				w := newBenchWorker(b, task, events, b.N)
 				b.ResetTimer()
-				cpu0 := cpuTime()
+				cpu0 := testkit.CPUTime()
 				elapsed := w.run(b)
-				cpu := cpuTime() - cpu0
+				cpu := testkit.CPUTime() - cpu0
 				b.StopTimer()
 				b.ReportMetric(float64(b.N)/elapsed.Seconds(), "tasks/s")
 				b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/task")
@@ -70,11 +71,11 @@ type benchWorker struct {
 	n         int
 	node, evq string
 	ch        *amqp091.Channel
-	ctl       *Controller
+	ctl       *control.Controller
 	w         *tasks.Worker
 }
 
-// newBenchWorker makes a worker (and, with events, its controller) for a
+// newBenchWorker makes a worker (with events, with its remote control) for a
 // queue holding n tasks named task; everything is removed when b ends.
 func newBenchWorker(b *testing.B, task string, events bool, n int) *benchWorker {
 	b.Helper()
@@ -134,7 +135,7 @@ func newBenchWorker(b *testing.B, task string, events bool, n int) *benchWorker 
 		if err != nil {
 			b.Fatal(err)
 		}
-		if err := ch.PublishWithContext(ctx, "", queue, false, false, publishing(p)); err != nil {
+		if err := ch.PublishWithContext(ctx, "", queue, false, false, control.Publishing(p)); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -154,7 +155,7 @@ func newBenchWorker(b *testing.B, task string, events bool, n int) *benchWorker 
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := ch.QueueBind(evq.Name, "task.#", EventExchange, false, nil); err != nil {
+	if err := ch.QueueBind(evq.Name, "task.#", control.EventExchange, false, nil); err != nil {
 		b.Fatal(err)
 	}
 	bw.evq = evq.Name
@@ -162,36 +163,24 @@ func newBenchWorker(b *testing.B, task string, events bool, n int) *benchWorker 
 	cfg := tasks.Config{
 		Broker: amqp.Config{URL: url, Name: "onceler bench " + bw.node}, Queues: []amqp.QueueSpec{amqp.CeleryQueue(queue)},
 		Store: store, Pool: pool, Hostname: bw.node, Logger: zap.NewNop(),
-	}
-	if events {
-		bw.ctl, err = New(nil, Config{URL: url, NodeName: bw.node, TaskEvents: true, Logger: zap.NewNop()})
-		if err != nil {
-			b.Fatal(err)
-		}
-		cfg.Observer = bw.ctl
+		NoControl: !events, TaskEvents: events,
 	}
 	if bw.w, err = tasks.NewWorker(reg, cfg); err != nil {
 		b.Fatal(err)
 	}
-	if bw.ctl != nil {
-		bw.ctl.SetWorker(FromTasks(bw.w))
-	}
+	bw.ctl = bw.w.Controller()
 	return bw
 }
 
-// run starts the worker (and controller), waits until it has processed all
-// n tasks, stops it and returns how long that took.
+// run starts the worker (with its remote control), waits until it has
+// processed all n tasks, stops it and returns how long that took.
 func (bw *benchWorker) run(b *testing.B) time.Duration {
 	ctx, stop := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	start := time.Now()
-	if bw.ctl != nil {
-		wg.Add(1)
-		go func() { defer wg.Done(); _ = bw.ctl.Run(ctx) }()
-	}
 	wg.Add(1)
 	go func() { defer wg.Done(); _ = bw.w.Run(ctx) }()
-	for processed(bw.w.Stats()) < int64(bw.n) {
+	for control.Processed(bw.w.Stats()) < int64(bw.n) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	elapsed := time.Since(start)
@@ -226,13 +215,4 @@ func countEvents(b *testing.B, ch *amqp091.Channel, q, node string) int {
 			n += strings.Count(string(d.Body), `"type":`)
 		}
 	}
-}
-
-// cpuTime is the process's user+system CPU time.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -31,9 +31,10 @@ const (
 )
 
 // Controller sends a worker's events on celeryev and answers remote control
-// on celery.pidbox. It implements tasks.Observer (and
-// tasks.TaskEventObserver, which spares the worker a map per event): give it
-// to the worker as Config.Observer.
+// on celery.pidbox. A tasks.Worker runs one of its own; one made with New
+// goes to a worker without (tasks.Config.NoControl) as its Config.Observer:
+// it implements tasks.Observer (and tasks.TaskEventObserver, which spares
+// the worker a map per event).
 type Controller struct {
 	cfg     Config
 	w       atomic.Pointer[workerBox]

@@ -5,13 +5,22 @@
 //
 // # Wiring
 //
-// A Controller wraps the task worker through the small Worker interface
-// (FromTasks adapts a *tasks.Worker) and is itself the worker's
-// tasks.Observer:
+// A tasks.Worker runs a Controller of its own, for as long as its Run runs,
+// on a connection of its own to the worker's broker (same URL and TLS) and
+// under the worker's node name (tasks.Config.Hostname, "onceler-<pid>@<host>"
+// by default); tasks.Config.TaskEvents is Celery's -E and
+// tasks.Config.NoControl turns it off, as the onceler command's --events and
+// --no-control do. tasks.Worker.Controller returns it.
+//
+// A Controller configured otherwise (another heartbeat, event buffer or
+// backoff) runs beside a worker that runs none: it wraps the worker through
+// the small Worker interface (a *tasks.Worker is one) and is itself the
+// worker's tasks.Observer:
 //
 //	node, _ := control.NodeName(hostnameFlag)     // "onceler-<pid>@<host>" by default
-//	ctl, err := control.New(worker, control.Config{URL: brokerURL, NodeName: node, TaskEvents: eventsFlag})
-//	// tasks.Config{Hostname: node, Observer: ctl, ...}
+//	ctl, err := control.New(nil, control.Config{URL: brokerURL, NodeName: node, Heartbeat: 5 * time.Second})
+//	w, err := tasks.NewWorker(reg, tasks.Config{Hostname: node, Observer: ctl, NoControl: true, ...})
+//	ctl.SetWorker(w)
 //	go ctl.Run(ctx)                                // until ctx is done
 //
 // # Events
@@ -28,8 +37,9 @@
 // Every event carries Celery's common fields (type, hostname, pid, clock,
 // timestamp, utcoffset); the worker supplies the per-type fields. onceler
 // adds two fields that Celery's readers keep as plain attributes:
-// FieldDuplicate (the delivery was a duplicate answered from the record) and
-// FieldKeyHash (KeyHash of the operation key, never the key itself).
+// celeryproto.FieldDuplicate (the delivery was a duplicate answered from the
+// record) and celeryproto.FieldKeyHash (celeryproto.KeyHash of the operation
+// key, never the key itself).
 //
 // Publishing never slows a task: Event stamps the event and puts it in a
 // bounded buffer (Config.EventBuffer); a single publisher goroutine sends

@@ -17,23 +17,6 @@ import (
 // Version is the software version reported as sw_ver in worker events.
 const Version = "0.1.0"
 
-// onceler-specific event fields; Celery's readers keep unknown fields as
-// attributes of the task or worker, so Flower and celery.events.State show
-// them without breaking.
-const (
-	// FieldDuplicate is set true on task-succeeded / task-failed when the
-	// delivery was a duplicate whose stored outcome was replied instead of
-	// running the task again.
-	FieldDuplicate = celeryproto.FieldDuplicate
-	// FieldKeyHash is KeyHash(operation key): it identifies the operation
-	// without revealing the key.
-	FieldKeyHash = celeryproto.FieldKeyHash
-)
-
-// KeyHash returns the first 16 hex digits of the SHA-256 of an operation
-// key, for FieldKeyHash.
-func KeyHash(key string) string { return celeryproto.KeyHash(key) }
-
 // queuedEvent is an event waiting for the publisher: its stamp and the
 // caller's fields (a task event's as a value, any other's as a map),
 // encoded only by the publisher goroutine.

@@ -2,14 +2,13 @@ package control
 
 import (
 	"encoding/json"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
-	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // closeConnection closes, from the broker side, the connection this test's
@@ -19,24 +18,11 @@ func closeConnection(t *testing.T, name string) {
 	if !strings.HasPrefix(name, "onceler_control_test_") {
 		t.Fatalf("refusing to close a connection not named by this test: %q", name)
 	}
-	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
-	if err != nil {
-		testenv.Unavailable(t, "rabbitmqctl: %v: %s", err, out)
+	pids := testkit.ConnectionPIDs(t, name)
+	if len(pids) != 1 {
+		t.Fatalf("found %d connections named %s, want 1", len(pids), name)
 	}
-	n := 0
-	for _, line := range strings.Split(string(out), "\n") {
-		pid, props, ok := strings.Cut(line, "\t")
-		if !ok || !strings.Contains(props, `{"connection_name","`+name+`"}`) {
-			continue
-		}
-		if o, err := exec.Command("rabbitmqctl", "-q", "close_connection", strings.TrimSpace(pid), "test closes it").CombinedOutput(); err != nil {
-			t.Fatalf("close_connection %s: %v: %s", pid, err, o)
-		}
-		n++
-	}
-	if n != 1 {
-		t.Fatalf("closed %d connections named %s", n, name)
-	}
+	testkit.CloseConnections(t, pids)
 }
 
 type rawEvent struct {

@@ -6,9 +6,10 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"unicode/utf8"
 
 	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Bounds of the revoke command's reply and log line. A revoke may name any
@@ -96,7 +97,10 @@ func (c *Controller) revoke(ctx context.Context, arg any, terminate bool) map[st
 	first, rest := firstIDs(arg, total, revokeReplyBytes)
 	logged := make([]string, 0, revokeLogIDs)
 	for _, id := range first[:min(len(first), revokeLogIDs)] {
-		logged = append(logged, clip(id, revokeLogIDBytes))
+		if len(id) > revokeLogIDBytes {
+			id = clip.Prefix(id, revokeLogIDBytes) + "…"
+		}
+		logged = append(logged, id)
 	}
 	c.log.Info("tasks revoked", zap.Int("count", total), zap.Strings("first_ids", logged),
 		zap.Int("kept", len(keep)), zap.Bool("terminate", terminate))
@@ -166,17 +170,6 @@ func joinBounded(ids []string, rest, limit int) string {
 		b.WriteString(" and " + strconv.Itoa(rest) + " more")
 	}
 	return b.String()
-}
-
-// clip cuts s to at most n bytes (on a rune boundary), marking the cut.
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
-	}
-	return s[:n] + "…"
 }
 
 // mergeRevoked takes the revoked ids another node sent in a hello (Celery's

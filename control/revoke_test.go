@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
@@ -33,7 +34,7 @@ func (s *logSink) Write(p []byte) (int, error) {
 	defer s.mu.Unlock()
 	for line := range bytes.Lines(p) {
 		s.max = max(s.max, len(line))
-		s.lines = append(s.lines, clip(string(line), 300))
+		s.lines = append(s.lines, clip.String(string(line), 300))
 	}
 	return len(p), nil
 }

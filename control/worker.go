@@ -8,8 +8,9 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 )
 
-// Worker is what the controller needs from the task worker. *tasks.Worker
-// provides it through FromTasks; tests may provide their own.
+// Worker is what the controller needs from the task worker: *tasks.Worker
+// is one (it runs a Controller of its own unless tasks.Config.NoControl is
+// set); tests may provide their own.
 type Worker interface {
 	// Registered lists the registered task names.
 	Registered() []string
@@ -36,18 +37,23 @@ type Worker interface {
 type TaskInfo struct {
 	ID, Name string
 	// ArgsRepr and KwargsRepr are what the producer put in the argsrepr and
-	// kwargsrepr headers; inspect shows these rather than argument values.
+	// kwargsrepr headers (they may hold secrets); inspect shows these rather
+	// than argument values.
 	ArgsRepr, KwargsRepr string
 	// Started is when the task started running (zero if not yet).
 	Started time.Time
-	// Acknowledged is whether the message was acknowledged.
+	// Acknowledged is whether the message was acknowledged (a onceler
+	// worker acknowledges late: never while it holds the task).
 	Acknowledged bool
-	// Exchange, RoutingKey, Priority and Redelivered are the delivery info.
-	Exchange, RoutingKey string
-	Priority             uint8
-	Redelivered          bool
-	// ETA is when a scheduled task is due.
+	// Queue, Exchange, RoutingKey, Priority and Redelivered are the
+	// delivery info.
+	Queue, Exchange, RoutingKey string
+	Priority                    uint8
+	Redelivered                 bool
+	// ETA is when a scheduled task is due (zero if it has none).
 	ETA time.Time
+	// Hostname is the node name of the worker holding the task.
+	Hostname string
 }
 
 // request returns the task as Celery's Request.info() does.

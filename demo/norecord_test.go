@@ -13,11 +13,12 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
 // TestNoRecordWorkerRunsSameDBTasks: the demo tasks run under a worker
-// without the record (tasks.Config.NoRecord): each copy of a
+// without the record (workerhooks NoRecord): each copy of a
 // ledger credit commits its own entry, as a run without the record shows.
 func TestNoRecordWorkerRunsSameDBTasks(t *testing.T) {
 	d := newDemo(t)
@@ -27,15 +28,16 @@ func TestNoRecordWorkerRunsSameDBTasks(t *testing.T) {
 	if err := Register(reg, d.pool, WithLogger(d.log)); err != nil {
 		t.Fatal(err)
 	}
-	w, err := tasks.NewWorker(reg, tasks.Config{
+	cfg := tasks.Config{
 		Broker:   amqp.Config{URL: url, Name: testenv.Name("demo-worker"), Logger: zaptest.NewLogger(t)},
 		Queues:   []amqp.QueueSpec{{Name: queue, Durable: true}},
 		Pool:     d.pool,
-		NoRecord: true,
 		Grace:    5 * time.Second,
 		Hostname: testenv.Name("node"),
 		Logger:   zaptest.NewLogger(t),
-	})
+	}
+	workerhooks.Set(&cfg, workerhooks.Hooks{NoRecord: true})
+	w, err := tasks.NewWorker(reg, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -128,7 +128,7 @@ func (s *Store) notHeld(ctx context.Context, task, key string) error {
 // ResolveCompleted marks a held record completed, with an optional JSON
 // result: a person found that the operation happened.
 func (s *Store) ResolveCompleted(ctx context.Context, task, key string, result []byte) error {
-	res, err := checkResult(result)
+	_, res, err := checkResult(result)
 	if err != nil {
 		return fmt.Errorf("resolve completed: %w", err)
 	}

@@ -97,7 +97,7 @@ func TestListResolveHeld(t *testing.T) {
 	}
 	p := params("wire", "done")
 	c := mustClaim(t, e.store, p, idempotency.OutcomeFirst)
-	if err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 	held, err := e.store.List(ctx, idempotency.Filter{Task: "wire", Status: idempotency.StatusHeld})
@@ -142,7 +142,7 @@ func TestRepeatsReport(t *testing.T) {
 		t.Fatal(err)
 	}
 	c = mustClaim(t, e.store, p, idempotency.OutcomeFirst)
-	if err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 	mustClaim(t, e.store, p, idempotency.OutcomeCompleted)
@@ -193,7 +193,7 @@ func TestPurgeBoundedNeverClaimedOrHeld(t *testing.T) {
 	}
 	recent := params("old", "recent")
 	c = mustClaim(t, e.store, recent, idempotency.OutcomeFirst)
-	if err := e.store.Complete(ctx, recent.Ref(c.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, recent.Ref(c.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 	cutoff := time.Now().Add(-30 * 24 * time.Hour)

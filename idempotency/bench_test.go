@@ -65,7 +65,7 @@ func claimComplete(ctx context.Context, s *idempotency.Store, run string, i int6
 	if err != nil || c.Outcome != idempotency.OutcomeFirst {
 		return fmt.Errorf("claim: %v %v", c.Outcome, err)
 	}
-	if err := s.Complete(ctx, p.Ref(c.Token), []byte(`{"ok":true}`)); err != nil {
+	if _, err := s.Complete(ctx, p.Ref(c.Token), []byte(`{"ok":true}`)); err != nil {
 		return fmt.Errorf("complete: %w", err)
 	}
 	return nil

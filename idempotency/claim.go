@@ -251,7 +251,8 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 		cancel()
 		switch {
 		case lerr == nil && found:
-			if err := s.Complete(ctx, p.Ref(c.Token), result); err != nil {
+			stored, err := s.Complete(ctx, p.Ref(c.Token), result)
+			if err != nil {
 				if IsDefinite(err) {
 					// Done, but its result cannot be stored: held for a
 					// person, who knows from the reason what the lookup found.
@@ -260,7 +261,7 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 				}
 				return Claim{}, fmt.Errorf("complete after lookup: %w", err)
 			}
-			c.Outcome, c.Status, c.Result, c.Token = OutcomeCompleted, StatusCompleted, result, ""
+			c.Outcome, c.Status, c.Result, c.Token = OutcomeCompleted, StatusCompleted, stored, ""
 			return c, nil
 		case lerr == nil:
 			return c, nil // not found: run it again, under the new claim

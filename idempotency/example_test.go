@@ -62,7 +62,7 @@ func Example() {
 	runCtx, stop := s.Keep(ctx, p.Ref(c.Token), p.Lease)
 	_ = runCtx // charge the card with "order-42" as the provider's idempotency key
 	stop()
-	if err := s.Complete(ctx, p.Ref(c.Token), []byte(`{"charge":"ch_1"}`)); err != nil {
+	if _, err := s.Complete(ctx, p.Ref(c.Token), []byte(`{"charge":"ch_1"}`)); err != nil {
 		fmt.Println(err)
 		return
 	}

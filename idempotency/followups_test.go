@@ -23,7 +23,7 @@ func TestFollowups(t *testing.T) {
 	if err := e.store.AddFollowups(ctx, "t", "k", []string{"a"}); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Fatalf("AddFollowups on a claimed record: %v", err)
 	}
-	if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`1`)); err != nil {
+	if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`1`)); err != nil {
 		t.Fatal(err)
 	}
 	ids, err := e.store.Followups(ctx, "t", "k")

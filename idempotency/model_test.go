@@ -173,7 +173,7 @@ func TestModel(t *testing.T) {
 			"complete": func(rt *rapid.T) {
 				w, k := rapid.IntRange(0, workers-1).Draw(rt, "w"), rapid.IntRange(0, keys-1).Draw(rt, "k")
 				ok := owns(w, k)
-				err := e.store.Complete(ctx, param(w, k).Ref(tokens[w][k]), []byte(fmt.Sprint(w)))
+				_, err := e.store.Complete(ctx, param(w, k).Ref(tokens[w][k]), []byte(fmt.Sprint(w)))
 				if !ok && err == nil && outside[k].status == idempotency.StatusCompleted && outside[k].token == tokens[w][k] {
 					return // repeated completion by the same claim: a no-op
 				}

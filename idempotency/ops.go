@@ -12,28 +12,32 @@ import (
 	"go.uber.org/zap"
 )
 
-// checkResult returns result as the record stores it (StorableJSON), or
-// ErrInvalidResult.
-func checkResult(result []byte) (*string, error) {
+// checkResult returns result as the record stores it (StorableJSON) and
+// as the text the statements write, or ErrInvalidResult. A nil result
+// stays nil (no result).
+func checkResult(result []byte) ([]byte, *string, error) {
 	if result == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	b, err := StorableJSON(result)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	r := string(b)
-	return &r, nil
+	return b, &r, nil
 }
 
 // Complete records the operation as completed with its JSON result (nil
-// for none). It fails with ErrFenced when ref.Token is no longer the current
-// claim (taken over, failed, released); completing again with the same
-// token is a no-op. An error that may have committed is ErrUnknownOutcome.
-func (s *Store) Complete(ctx context.Context, ref Ref, result []byte) error {
-	res, err := checkResult(result)
+// for none) and returns the result as the record keeps it (StorableJSON:
+// what a duplicate reads back), so that the caller answers with the same
+// without converting it again. It fails with ErrFenced when ref.Token is
+// no longer the current claim (taken over, failed, released); completing
+// again with the same token is a no-op. An error that may have committed
+// is ErrUnknownOutcome.
+func (s *Store) Complete(ctx context.Context, ref Ref, result []byte) ([]byte, error) {
+	stored, res, err := checkResult(result)
 	if err != nil {
-		return fmt.Errorf("complete: %w", err)
+		return nil, fmt.Errorf("complete: %w", err)
 	}
 	var done bool
 	if s.batch != nil {
@@ -42,12 +46,14 @@ func (s *Store) Complete(ctx context.Context, ref Ref, result []byte) error {
 		done, err = s.completeOne(ctx, s.pool, ref, res)
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if !done {
-		return s.checkFenced(ctx, ref, StatusCompleted)
+		if err := s.checkFenced(ctx, ref, StatusCompleted); err != nil {
+			return nil, err
+		}
 	}
-	return nil
+	return stored, nil
 }
 
 func (s *Store) completeOne(ctx context.Context, q querier, ref Ref, res *string) (bool, error) {
@@ -331,7 +337,8 @@ func (s *Store) keep(ctx context.Context, cancel context.CancelCauseFunc, stop <
 // fn does not run and that outcome is returned (a duplicate is counted).
 // An error from fn rolls everything back (no record, no effect) and is
 // returned. On success the Claim has OutcomeFirst, StatusCompleted and the
-// result. A commit that may have succeeded is ErrUnknownOutcome.
+// result as the record keeps it (StorableJSON). A commit that may have
+// succeeded is ErrUnknownOutcome.
 //
 // A failure caused by fn's own work is a *TaskTxError: fn returned nil
 // with the transaction failed (it caught the error of one of its
@@ -381,7 +388,7 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 	if failedTx(tx) {
 		return Claim{}, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
 	}
-	res, err := checkResult(result)
+	stored, res, err := checkResult(result)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: %w", err)
 	}
@@ -403,7 +410,7 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 		}
 		return Claim{}, writeError("run tx: commit", err)
 	}
-	c.Status, c.Result, c.LeaseUntil = StatusCompleted, result, time.Time{}
+	c.Status, c.Result, c.LeaseUntil = StatusCompleted, stored, time.Time{}
 	return c, nil
 }
 
@@ -415,9 +422,10 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 func (s *Store) completeEnded(ctx context.Context, p ClaimParams, c Claim, result []byte) (Claim, error) {
 	s.log.Error("a same-database task ended its transaction itself; the worker commits it",
 		zap.String("task", p.Task))
-	switch err := s.Complete(ctx, p.Ref(c.Token), result); {
+	stored, err := s.Complete(ctx, p.Ref(c.Token), result)
+	switch {
 	case err == nil:
-		c.Status, c.Result, c.LeaseUntil = StatusCompleted, result, time.Time{}
+		c.Status, c.Result, c.LeaseUntil = StatusCompleted, stored, time.Time{}
 		return c, nil
 	case errors.Is(err, ErrNotFound) || errors.Is(err, ErrFenced):
 		return Claim{}, &TaskTxError{What: "the task ended its transaction itself (rolled back: nothing committed)"}

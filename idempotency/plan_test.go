@@ -40,7 +40,7 @@ func TestBatchedCompletionsNeverScan(t *testing.T) {
 					p := params("plan", fmt.Sprintf("%s-%d-%d", prefix, c, i))
 					cl, err := s.Claim(ctx, p)
 					if err == nil && cl.Outcome == idempotency.OutcomeFirst {
-						err = s.Complete(ctx, p.Ref(cl.Token), []byte(`1`))
+						_, err = s.Complete(ctx, p.Ref(cl.Token), []byte(`1`))
 					}
 					if err != nil || cl.Outcome != idempotency.OutcomeFirst {
 						t.Errorf("claim+complete %s: %v %v", p.Key, cl.Outcome, err)

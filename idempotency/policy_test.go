@@ -116,12 +116,12 @@ func TestCrashPolicies(t *testing.T) {
 			if got.Outcome == idempotency.OutcomeFirst {
 				// The redelivery runs the task and completes.
 				out.do(t, task+"/"+p.Key)
-				if err := e.store.Complete(ctx, p.Ref(got.Token), []byte(`"done"`)); err != nil {
+				if _, err := e.store.Complete(ctx, p.Ref(got.Token), []byte(`"done"`)); err != nil {
 					t.Fatal(err)
 				}
 			}
 			// The crashed owner cannot complete whatever happened.
-			if err := e.store.Complete(ctx, p.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
+			if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
 				t.Fatalf("crashed owner complete: %v", err)
 			}
 			r := e.get(t, task, p.Key)

@@ -20,7 +20,8 @@ func (e *env) finish(t *testing.T, p idempotency.ClaimParams, i int) idempotency
 	var st idempotency.Status
 	switch i % 3 {
 	case 0:
-		err, st = e.store.Complete(ctx, p.Ref(c.Token), nil), idempotency.StatusCompleted
+		_, err = e.store.Complete(ctx, p.Ref(c.Token), nil)
+		st = idempotency.StatusCompleted
 	case 1:
 		err, st = e.store.Fail(ctx, p.Ref(c.Token), "x"), idempotency.StatusFailed
 	default:
@@ -61,7 +62,7 @@ func TestPurgeDryRunCountsWhatPurgeDeletes(t *testing.T) {
 	}
 	recent := params("purge.a", "recent")
 	c = mustClaim(t, e.store, recent, idempotency.OutcomeFirst)
-	if err := e.store.Complete(ctx, recent.Ref(c.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, recent.Ref(c.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 	mustClaim(t, e.store, recent, idempotency.OutcomeCompleted) // a recent event

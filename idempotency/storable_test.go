@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/onceler/onceler/idempotency"
 )
 
@@ -51,7 +53,7 @@ func TestUnstorableOutcomesAreStored(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(res)); err != nil {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(res)); err != nil {
 			t.Fatalf("complete %q: %v", res, err)
 		}
 		if r := e.get(t, "unstorable", p.Key); r.Status != idempotency.StatusCompleted {
@@ -76,4 +78,55 @@ func TestUnstorableOutcomesAreStored(t *testing.T) {
 	if _, err := e.store.Claim(ctx, params("unstorable", strings.Repeat("k", idempotency.MaxKeyBytes))); err != nil {
 		t.Fatalf("key of MaxKeyBytes: %v", err)
 	}
+}
+
+// TestStoredResultReturned: Complete and RunTx (alone, batched, in a
+// transaction group) return the result as the record keeps it, so that a
+// worker answers its caller with what a duplicate reads back.
+func TestStoredResultReturned(t *testing.T) {
+	const in, want = `{"v": "a\u0000b"}`, `{"v": "a\\u0000b"}`
+	for name, batch := range map[string]idempotency.BatchConfig{
+		"solo": {Disabled: true}, "batched": {}, "group": {GroupTx: 4, GroupFlushers: 1},
+	} {
+		t.Run(name, func(t *testing.T) {
+			e := newEnv(t, batch)
+			ctx := context.Background()
+			p := params("stored", "complete")
+			c, err := e.store.Claim(ctx, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stored, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(in))
+			if err != nil || string(stored) != want {
+				t.Fatalf("Complete = %q, %v; want %q", stored, err, want)
+			}
+			if r := e.get(t, "stored", "complete"); !jsonSame(t, r.Result, stored) {
+				t.Errorf("record keeps %s, Complete returned %s", r.Result, stored)
+			}
+			c, err = e.store.RunTx(ctx, params("stored", "runtx"), func(context.Context, pgx.Tx) ([]byte, error) {
+				return []byte(in), nil
+			})
+			if err != nil || string(c.Result) != want {
+				t.Fatalf("RunTx result = %q, %v; want %q", c.Result, err, want)
+			}
+			if r := e.get(t, "stored", "runtx"); !jsonSame(t, r.Result, c.Result) {
+				t.Errorf("record keeps %s, RunTx returned %s", r.Result, c.Result)
+			}
+		})
+	}
+}
+
+// jsonSame reports whether two JSON documents hold the same value.
+func jsonSame(t *testing.T, a, b []byte) bool {
+	t.Helper()
+	var va, vb any
+	if err := json.Unmarshal(a, &va); err != nil {
+		t.Fatalf("%q: %v", a, err)
+	}
+	if err := json.Unmarshal(b, &vb); err != nil {
+		t.Fatalf("%q: %v", b, err)
+	}
+	ja, _ := json.Marshal(va)
+	jb, _ := json.Marshal(vb)
+	return string(ja) == string(jb)
 }

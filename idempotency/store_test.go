@@ -27,11 +27,11 @@ func TestClaimCompleteDuplicate(t *testing.T) {
 		if in.Token != "" || in.TaskID != "tid-k1" {
 			t.Fatalf("in progress exposes %+v", in)
 		}
-		if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{"paid":42}`)); err != nil {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{"paid":42}`)); err != nil {
 			t.Fatal(err)
 		}
 		// Completing again with the same token is a no-op.
-		if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{"paid":42}`)); err != nil {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{"paid":42}`)); err != nil {
 			t.Fatalf("repeat complete: %v", err)
 		}
 		d := mustClaim(t, e.store, p, idempotency.OutcomeCompleted)
@@ -43,13 +43,13 @@ func TestClaimCompleteDuplicate(t *testing.T) {
 			r.CompletedAt.IsZero() || r.Message != nil || !r.LeaseUntil.IsZero() {
 			t.Fatalf("record %+v", r)
 		}
-		if err := e.store.Complete(ctx, p.Ref("bogus"), nil); !errors.Is(err, idempotency.ErrFenced) {
+		if _, err := e.store.Complete(ctx, p.Ref("bogus"), nil); !errors.Is(err, idempotency.ErrFenced) {
 			t.Fatalf("complete with a wrong token: %v", err)
 		}
-		if err := e.store.Complete(ctx, idempotency.Ref{Task: "pay", Key: "nope", Token: "x"}, nil); !errors.Is(err, idempotency.ErrNotFound) {
+		if _, err := e.store.Complete(ctx, idempotency.Ref{Task: "pay", Key: "nope", Token: "x"}, nil); !errors.Is(err, idempotency.ErrNotFound) {
 			t.Fatalf("complete missing: %v", err)
 		}
-		if err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{bad`)); !errors.Is(err, idempotency.ErrInvalidResult) {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), []byte(`{bad`)); !errors.Is(err, idempotency.ErrInvalidResult) {
 			t.Fatalf("invalid json: %v", err)
 		}
 	})
@@ -74,7 +74,7 @@ func TestFailThenReclaim(t *testing.T) {
 			t.Fatalf("reclaim %+v", c2)
 		}
 		// The failed run's token is fenced out of the new claim.
-		if err := e.store.Complete(ctx, p.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
 			t.Fatalf("old token complete: %v", err)
 		}
 		if err := e.store.Release(ctx, p.Ref(c2.Token)); err != nil {
@@ -102,7 +102,7 @@ func TestMismatch(t *testing.T) {
 		if m.Token != "" || m.Status != idempotency.StatusClaimed {
 			t.Fatalf("mismatch %+v", m)
 		}
-		if err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
+		if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
 			t.Fatal(err)
 		}
 		mustClaim(t, e.store, other, idempotency.OutcomeMismatch)
@@ -153,8 +153,9 @@ func TestStaleTakeOverFencesOldOwner(t *testing.T) {
 			t.Fatalf("takeover %+v", nw)
 		}
 		// The slow old owner is fenced out of everything.
+		_, completeErr := e.store.Complete(ctx, p.Ref(old.Token), []byte(`1`))
 		for name, err := range map[string]error{
-			"complete": e.store.Complete(ctx, p.Ref(old.Token), []byte(`1`)),
+			"complete": completeErr,
 			"renew":    e.store.Renew(ctx, p.Ref(old.Token), time.Minute),
 			"fail":     e.store.Fail(ctx, p.Ref(old.Token), "late"),
 			"release":  e.store.Release(ctx, p.Ref(old.Token)),
@@ -169,7 +170,7 @@ func TestStaleTakeOverFencesOldOwner(t *testing.T) {
 		if err := e.store.Renew(ctx, p.Ref(nw.Token), time.Minute); err != nil {
 			t.Fatal(err)
 		}
-		if err := e.store.Complete(ctx, p.Ref(nw.Token), []byte(`"ok"`)); err != nil {
+		if _, err := e.store.Complete(ctx, p.Ref(nw.Token), []byte(`"ok"`)); err != nil {
 			t.Fatal(err)
 		}
 		if r := e.get(t, "ship", "k"); r.Status != idempotency.StatusCompleted || string(r.Result) != `"ok"` || r.Owner != "node2" {
@@ -235,7 +236,7 @@ func TestSettleRefusesALiveClaim(t *testing.T) {
 			if err != nil || cb.Outcome != idempotency.OutcomeInProgress {
 				t.Fatalf("B's %s on A's live claim: %+v %v, want in progress", pol, cb, err)
 			}
-			if err := e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"sent"`)); err != nil {
+			if _, err := e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"sent"`)); err != nil {
 				t.Fatalf("A's completion: %v", err)
 			}
 			if r := e.get(t, "mail", "k"); r.Status != idempotency.StatusCompleted || string(r.Result) != `"sent"` {
@@ -266,7 +267,7 @@ func TestSettledClaimFencesItsOldOwner(t *testing.T) {
 				if err := e.store.ResolveCompleted(ctx, "mail", "k", []byte(`"by a person"`)); err != nil {
 					t.Fatal(err)
 				}
-				err = e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"A's result"`))
+				_, err = e.store.Complete(ctx, a.Ref(ca.Token), []byte(`"A's result"`))
 			} else {
 				if _, err := e.store.ResolveRetry(ctx, "mail", "k"); err != nil {
 					t.Fatal(err)
@@ -377,7 +378,7 @@ func TestKeepRenewsAndLosesLease(t *testing.T) {
 	}
 	stop()
 	stop()
-	if err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, p.Ref(c.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 
@@ -399,7 +400,7 @@ func TestKeepRenewsAndLosesLease(t *testing.T) {
 	if !errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost) {
 		t.Fatalf("cause %v", context.Cause(kctx))
 	}
-	if err := e.store.Complete(ctx, q.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
+	if _, err := e.store.Complete(ctx, q.Ref(c.Token), nil); !errors.Is(err, idempotency.ErrFenced) {
 		t.Fatalf("complete after lease lost: %v", err)
 	}
 }
@@ -472,7 +473,7 @@ func TestBatchIsolatesABadCall(t *testing.T) {
 			if i == 7 {
 				result = []byte(`1e999999`) // valid JSON beyond jsonb's numeric range
 			}
-			errs[i] = e.store.Complete(ctx, p.Ref(c.Token), result)
+			_, errs[i] = e.store.Complete(ctx, p.Ref(c.Token), result)
 		})
 	}
 	wg.Wait()
@@ -500,7 +501,7 @@ func TestCancelQueuedCall(t *testing.T) {
 	ctx := context.Background()
 	a := params("slow", "a")
 	ca := mustClaim(t, e.store, a, idempotency.OutcomeFirst)
-	if err := e.store.Complete(ctx, a.Ref(ca.Token), nil); err != nil {
+	if _, err := e.store.Complete(ctx, a.Ref(ca.Token), nil); err != nil {
 		t.Fatal(err)
 	}
 	// Hold the row so the next flush (a duplicate claim of a) waits.
@@ -559,7 +560,7 @@ func TestLingerNeverHoldsALoneCall(t *testing.T) {
 			p := params("linger", fmt.Sprint("lone-", i))
 			c, err := e.store.Claim(context.Background(), p)
 			if err == nil {
-				err = e.store.Complete(context.Background(), p.Ref(c.Token), []byte(`1`))
+				_, err = e.store.Complete(context.Background(), p.Ref(c.Token), []byte(`1`))
 			}
 			done <- err
 		}()

@@ -166,12 +166,12 @@ func (g *txGroup) take() []*txOp {
 type member struct {
 	op     *txOp
 	claim  Claim
-	result []byte
-	res    *string
-	commit bool  // its claim (and, when first, its effect) commits with the group
-	done   bool  // its turn in the group is over
-	ran    bool  // its function returned without an error
-	err    error // its own answer when it does not commit
+	result []byte  // what its function returned; as the record keeps it once checked
+	res    *string // the checked result as text, for the completion
+	commit bool    // its claim (and, when first, its effect) commits with the group
+	done   bool    // its turn in the group is over
+	ran    bool    // its function returned without an error
+	err    error   // its own answer when it does not commit
 }
 
 // flush runs one group and answers every op of it.
@@ -372,9 +372,11 @@ func (m *member) run(tx pgx.Tx) error {
 	}
 	m.result = result
 	m.ran = true
-	if m.res, err = checkResult(result); err != nil {
+	stored, res, err := checkResult(result)
+	if err != nil {
 		return fmt.Errorf("run tx: %w", err)
 	}
+	m.result, m.res = stored, res
 	return nil
 }
 
@@ -401,9 +403,9 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 			m.commit = false // answered as found: the claim statement's answer
 		case m.commit && m.ran:
 			m.commit = false
-			err := s.Complete(ctx, m.op.p.Ref(m.claim.Token), m.result)
+			stored, err := s.Complete(ctx, m.op.p.Ref(m.claim.Token), m.result)
 			if err == nil {
-				m.claim.Status, m.claim.Result, m.claim.LeaseUntil = StatusCompleted, m.result, time.Time{}
+				m.claim.Status, m.claim.Result, m.claim.LeaseUntil = StatusCompleted, stored, time.Time{}
 				continue
 			}
 			if !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {

@@ -39,12 +39,12 @@ func TestUnknownOutcomeIsReportedNotGuessed(t *testing.T) {
 		p := params("pay", "k")
 		c := mustClaim(t, s, p, idempotency.OutcomeFirst)
 		proxy.Arm(string(c.Token))
-		err := s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`))
+		_, err := s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`))
 		if !idempotency.IsUnknownOutcome(err) || idempotency.IsRetryable(err) {
 			t.Fatalf("batched=%v: complete over a cut connection: %v, want unknown outcome", !disabled, err)
 		}
 		// It did commit; completing again with the same token is a no-op.
-		if err := s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`)); err != nil {
+		if _, err := s.Complete(ctx, p.Ref(c.Token), []byte(`"paid"`)); err != nil {
 			t.Fatalf("complete again: %v", err)
 		}
 		if r, err := s.Get(ctx, "pay", "k"); err != nil || r.Status != idempotency.StatusCompleted {
@@ -103,7 +103,7 @@ func TestUnknownClaimRetriedWithItsToken(t *testing.T) {
 			}
 			time.Sleep(2 * p.Lease) // lapsed: still its own
 			c = mustClaim(t, s, p, idempotency.OutcomeFirst)
-			if err := s.Complete(ctx, p.Ref(c.Token), []byte(`"sent"`)); err != nil {
+			if _, err := s.Complete(ctx, p.Ref(c.Token), []byte(`"sent"`)); err != nil {
 				t.Fatalf("complete: %v", err)
 			}
 			r, err := s.Get(ctx, "mail", "same-token")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // These tests run onceler worker processes (the onceler binary, worker
@@ -98,9 +99,9 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 	t.Run("within_grace", func(t *testing.T) {
 		e := demoEnv(t)
 		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=30s"}})
-		running := sendSleeps(e, "termin"+replay.NewID()[:4], 4, 3)
-		waiting := sendSleeps(e, "termwait"+replay.NewID()[:4], 4, 0.1)
-		if !replay.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
+		running := sendSleeps(e, "termin"+testkit.NewID()[:4], 4, 3)
+		waiting := sendSleeps(e, "termwait"+testkit.NewID()[:4], 4, 0.1)
+		if !testkit.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
 			t.Fatalf("%d tasks started, want 4", sleepStarted(a))
 		}
 		if got := e.ReplyCount(); got != 0 {
@@ -144,8 +145,8 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 	t.Run("past_grace", func(t *testing.T) {
 		e := demoEnv(t)
 		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=1s"}})
-		running := sendSleeps(e, "termpast"+replay.NewID()[:4], 4, 6)
-		if !replay.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
+		running := sendSleeps(e, "termpast"+testkit.NewID()[:4], 4, 6)
+		if !testkit.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
 			t.Fatalf("%d tasks started, want 4", sleepStarted(a))
 		}
 		sent := time.Now()
@@ -168,7 +169,7 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 				t.Errorf("caller %s answered %v by the stopped worker", id, reps)
 			}
 		}
-		if !replay.Eventually(10*time.Second, func() bool {
+		if !testkit.Eventually(10*time.Second, func() bool {
 			n, err := e.QueueDepth(e.Queue)
 			return err == nil && n == len(running)
 		}) {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // blackhole is a TCP proxy that can stop passing bytes, both ways, on every
@@ -215,7 +216,7 @@ func TestBlackhole(t *testing.T) {
 				task := []string{demo.TaskCredit, demo.TaskCharge, demo.TaskCredit, "replay.notify"}[i%4]
 				wl.send(task, wl.op("hole"+service, i))
 			}
-			replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
+			testkit.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
 			hole.on.Store(true)
 			at := wl.answered()
 			time.Sleep(12 * time.Second)
@@ -276,7 +277,7 @@ func TestBlackholeIdlePostgres(t *testing.T) {
 		wl.send(tasks[i%4], wl.op("idlehole", i))
 	}
 	var first time.Duration
-	replay.Eventually(26*time.Second, func() bool {
+	testkit.Eventually(26*time.Second, func() bool {
 		if first == 0 && wl.answered() > n/2 {
 			first = time.Since(start)
 		}

@@ -10,6 +10,8 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -40,7 +42,7 @@ func TestKillMidTaskFullPrefetch(t *testing.T) {
 		task := []string{demo.TaskSleep, "replay.notify", demo.TaskCharge, demo.TaskSleep}[i%4]
 		wl.send(task, wl.op("kill", i))
 	}
-	if !replay.Eventually(60*time.Second, func() bool { return wl.answered() >= 4 }) {
+	if !testkit.Eventually(60*time.Second, func() bool { return wl.answered() >= 4 }) {
 		t.Fatalf("only %d answered before the kill", wl.answered())
 	}
 	before := wl.answered()
@@ -70,12 +72,12 @@ func TestKillMidTaskFullPrefetch(t *testing.T) {
 func TestStopPastLeaseSameDB(t *testing.T) {
 	e := ownEnv(t, "ONCELER_HEARTBEAT=2s")
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1})
-	op := opName(replay.NewID()[:8], 0)
-	m := e.Message(demo.TaskSleep, replay.NewID(), []any{op, 3}, nil)
+	op := opName(testkit.NewID()[:8], 0)
+	m := e.Message(demo.TaskSleep, testkit.NewID(), []any{op, 3}, nil)
 	e.Publish(m)
 	// Stop it while the task sleeps inside its open transaction (its
 	// connection idle in transaction).
-	inTx := replay.Eventually(30*time.Second, func() bool {
+	inTx := testkit.Eventually(30*time.Second, func() bool {
 		var n int
 		err := e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
 			WHERE application_name = $1 AND state = 'idle in transaction'`, w1.Name).Scan(&n)
@@ -129,10 +131,10 @@ func TestStopPastLeaseSameDB(t *testing.T) {
 func TestStopPastLeaseOutside(t *testing.T) {
 	e := ownEnv(t, "ONCELER_HEARTBEAT=2s")
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1})
-	op := opName(replay.NewID()[:8], 0)
-	first := e.Message("replay.slow", replay.NewID(), []any{op, 2}, nil)
+	op := opName(testkit.NewID()[:8], 0)
+	first := e.Message("replay.slow", testkit.NewID(), []any{op, 2}, nil)
 	e.Publish(first)
-	if !replay.Eventually(30*time.Second, func() bool {
+	if !testkit.Eventually(30*time.Second, func() bool {
 		rec, err := e.Store.Get(context.Background(), "replay.slow", op)
 		return err == nil && rec.Status == idempotency.StatusClaimed
 	}) {
@@ -143,7 +145,7 @@ func TestStopPastLeaseOutside(t *testing.T) {
 	}
 	start := time.Now()
 	w2 := e.StartWorker(replay.WorkerOptions{Concurrency: 1, Prefetch: 1, NoWait: true})
-	second := e.Message("replay.slow", replay.NewID(), []any{op, 2}, nil)
+	second := e.Message("replay.slow", testkit.NewID(), []any{op, 2}, nil)
 	e.Publish(second)
 	if !e.WaitReplies([]string{second.ID}, 1, time.Minute) {
 		t.Fatal("the re-sent operation got no result while the first owner was stopped")
@@ -195,9 +197,9 @@ func TestPoisonAlwaysFails(t *testing.T) {
 	e := demoEnv(t)
 	e.StartWorker(replay.WorkerOptions{})
 	fail := e.Send(demo.TaskFail, []any{"always"}, nil)
-	op := opName(replay.NewID()[:8], 0)
+	op := opName(testkit.NewID()[:8], 0)
 	flaky := e.Send(demo.TaskFlaky, []any{op, 100}, nil)
-	if !replay.Eventually(60*time.Second, func() bool {
+	if !testkit.Eventually(60*time.Second, func() bool {
 		return len(e.Replies(fail)) >= 1 && hasStatus(e.Replies(flaky), "FAILURE")
 	}) {
 		t.Fatalf("fail: %v; flaky: %v", e.Replies(fail), e.Replies(flaky))
@@ -265,14 +267,14 @@ func TestPoisonCrashLoop(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			e := replay.NewEnv(t, replay.Config{Binary: ownBin, Quorum: c.quorum})
 			migrate(t, e)
-			op := opName(replay.NewID()[:8], 0)
-			m := e.Message(c.task, replay.NewID(), args(c.task, op), nil)
+			op := opName(testkit.NewID()[:8], 0)
+			m := e.Message(c.task, testkit.NewID(), args(c.task, op), nil)
 			e.Publish(m)
 			crashes := 0
 			for {
-				w := e.StartWorker(replay.WorkerOptions{CrashAt: tasks.CrashAfterClaim, CrashTask: c.task, Concurrency: 1, Prefetch: 1, NoWait: true})
+				w := e.StartWorker(replay.WorkerOptions{CrashAt: workerhooks.AfterClaim, CrashTask: c.task, Concurrency: 1, Prefetch: 1, NoWait: true})
 				quarantined := func() bool { n, err := e.QueueDepth(e.Quarantine); return err == nil && n > 0 }
-				if !replay.Eventually(30*time.Second, func() bool { return w.Exited() || quarantined() }) {
+				if !testkit.Eventually(30*time.Second, func() bool { return w.Exited() || quarantined() }) {
 					t.Fatalf("worker %s neither crashed nor quarantined the message", w.Name)
 				}
 				if !w.Exited() {
@@ -314,7 +316,7 @@ func TestDuplicateIDDifferentArguments(t *testing.T) {
 	e := demoEnv(t)
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
-	id := replay.NewID()
+	id := testkit.NewID()
 	op := opName(id[:8], 0)
 	e.Publish(e.Message(demo.TaskCredit, id, []any{"acct-" + op, op, 100}, nil))
 	e.Publish(e.Message(demo.TaskCredit, id, []any{"acct-" + op, op, 9900}, nil))
@@ -386,9 +388,9 @@ func TestTerminateWorkerBackends(t *testing.T) {
 			}
 		}
 	}
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
+	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= n/5 })
 	k1 := terminateSome()
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= n/2 })
+	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= n/2 })
 	k2 := terminateSome()
 	if !wl.wait(2 * time.Minute) {
 		t.Errorf("%d of %d answered", wl.answered(), n)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // The TestFault tests restart or disconnect services: a private RabbitMQ
@@ -72,15 +73,6 @@ func finish(t *testing.T, e *replay.Env, wl *workload, reask bool) tally {
 	return wl.check(t)
 }
 
-func rabbitmqctl(t *testing.T, args ...string) string {
-	t.Helper()
-	out, err := sharedCtl(args...)
-	if err != nil {
-		t.Fatalf("%v\n%s", err, out)
-	}
-	return out
-}
-
 // closeWorkerConnections closes, from the broker, the connections of the
 // given workers only (by connection name), and returns how many.
 func closeWorkerConnections(t *testing.T, workers ...*replay.Worker) int {
@@ -96,23 +88,9 @@ func closeWorkerConnections(t *testing.T, workers ...*replay.Worker) int {
 // (a client property) starts with one of the prefixes, and returns how many.
 func closeConnections(t *testing.T, prefixes ...string) int {
 	t.Helper()
-	out := rabbitmqctl(t, "-q", "list_connections", "client_properties", "pid")
-	n := 0
-	for _, line := range strings.Split(out, "\n") {
-		i := strings.LastIndexByte(line, '\t')
-		if i < 0 {
-			continue
-		}
-		props, pid := line[:i], line[i+1:]
-		for _, p := range prefixes {
-			if strings.Contains(props, `{"connection_name","`+p) {
-				rabbitmqctl(t, "-q", "close_connection", pid, "onceler fault test")
-				n++
-				break
-			}
-		}
-	}
-	return n
+	pids := testkit.ConnectionPIDs(t, prefixes...)
+	testkit.CloseConnections(t, pids)
+	return len(pids)
 }
 
 // TestBrokerResetWorkerConnections closes, from the broker, the test's own
@@ -126,7 +104,7 @@ func TestBrokerResetWorkerConnections(t *testing.T) {
 	w2 := e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	mixed(wl, "reset", 300)
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
+	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= 60 })
 	n := closeConnections(t, w1.Name, w2.Name, "replay-harness-"+e.Queue)
 	if n < 3 {
 		t.Fatalf("closed %d connections, want the workers' and the producer's (at least 3)", n)
@@ -150,7 +128,7 @@ func TestFaultBrokerCloseAllConnections(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	wl := newWorkload(e)
 	mixed(wl, "closeall", faultOps)
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
+	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
 	at := wl.answered()
 	rb.mustCtl(t, "close_all_connections", "onceler fault test")
 	if err := e.Reconnect(); err != nil {
@@ -182,7 +160,7 @@ func TestFaultBrokerRestart(t *testing.T) {
 	wl := newWorkload(e)
 	wl.ctl = rb.ctl
 	mixed(wl, "restart", 400)
-	replay.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
+	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= 80 })
 	rb.mustCtl(t, "stop_app")
 	time.Sleep(5 * time.Second)
 	rb.mustCtl(t, "start_app")
@@ -214,7 +192,7 @@ func TestFaultPostgresRestart(t *testing.T) {
 			wl := newWorkload(e)
 			wl.outsideDown = true
 			mixed(wl, "pg"+mode, faultOps)
-			replay.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
+			testkit.Eventually(time.Minute, func() bool { return wl.answered() >= faultOps/5 })
 			at := wl.answered()
 			took := pg.restart(t, mode)
 			tl := finish(t, e, wl, false)

@@ -12,6 +12,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // pyPublishHeaderShapes publishes, with py-amqp (Celery's own client), one
@@ -78,7 +79,7 @@ func TestHostileInputs(t *testing.T) {
 		want want
 	}{
 		{"header shapes py-amqp writes and the library refused", func() []string {
-			ids := []string{replay.NewID(), replay.NewID(), replay.NewID(), replay.NewID()}
+			ids := []string{testkit.NewID(), testkit.NewID(), testkit.NewID(), testkit.NewID()}
 			cmd := exec.Command(py, append([]string{"-c", pyPublishHeaderShapes, e.AMQPURL, e.Queue, e.ReplyTo}, ids...)...)
 			cmd.Dir = t.TempDir()
 			if out, err := cmd.CombinedOutput(); err != nil {

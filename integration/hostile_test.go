@@ -19,6 +19,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // The hostile loads of docs/limits.md, published as bytes through a real
@@ -122,7 +123,7 @@ type hostile struct {
 }
 
 func rawTask(e *replay.Env, task, contentType string, body []byte, h map[string]any) *celeryproto.Publishing {
-	id := replay.NewID()
+	id := testkit.NewID()
 	headers := map[string]any{"lang": "py", "task": task, "id": id, "root_id": id}
 	for k, v := range h {
 		headers[k] = v
@@ -214,7 +215,7 @@ func TestHostileMemoryLoads(t *testing.T) {
 			}
 		} else {
 			var quarantined []replay.Quarantined
-			ok := replay.Eventually(3*time.Minute, func() bool {
+			ok := testkit.Eventually(3*time.Minute, func() bool {
 				q, err := e.TakeQuarantined()
 				if err != nil {
 					t.Fatalf("%s: quarantine: %v", load.name, err)
@@ -282,25 +283,25 @@ func TestReadyzWhileSlotsStuck(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	if !replay.Eventually(10*time.Second, func() bool { return status() == http.StatusOK }) {
+	if !testkit.Eventually(10*time.Second, func() bool { return status() == http.StatusOK }) {
 		t.Fatalf("/readyz %d at start, want 200", status())
 	}
 	ids := []string{
-		e.Send(demo.TaskSleep, nil, map[string]any{"op": "stuck-" + replay.NewID(), "seconds": 12}),
-		e.Send(demo.TaskSleep, nil, map[string]any{"op": "stuck-" + replay.NewID(), "seconds": 12}),
+		e.Send(demo.TaskSleep, nil, map[string]any{"op": "stuck-" + testkit.NewID(), "seconds": 12}),
+		e.Send(demo.TaskSleep, nil, map[string]any{"op": "stuck-" + testkit.NewID(), "seconds": 12}),
 	}
 	time.Sleep(time.Second)
 	if s := status(); s != http.StatusOK {
 		t.Errorf("/readyz %d as the slots fill, want 200 (not stalled yet)", s)
 	}
 	start := time.Now()
-	if !replay.Eventually(8*time.Second, func() bool { return status() == http.StatusServiceUnavailable }) {
+	if !testkit.Eventually(8*time.Second, func() bool { return status() == http.StatusServiceUnavailable }) {
 		t.Fatalf("/readyz %d with both slots held for %s, want 503", status(), time.Since(start).Round(time.Second))
 	}
 	if !e.WaitReplies(ids, 1, 30*time.Second) {
 		t.Fatal("the sleeps were not answered")
 	}
-	if !replay.Eventually(5*time.Second, func() bool { return status() == http.StatusOK }) {
+	if !testkit.Eventually(5*time.Second, func() bool { return status() == http.StatusOK }) {
 		t.Fatalf("/readyz %d after the tasks finished, want 200", status())
 	}
 }

@@ -10,13 +10,14 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // The binaries the tests start, built once per test run by TestMain.
 var (
 	oncelerBin string // cmd/onceler
 	ownBin     string // integration/testdata/replayworker: "your own binary"
-	runID      = replay.NewID()[:8]
+	runID      = testkit.NewID()[:8]
 )
 
 func TestMain(m *testing.M) {

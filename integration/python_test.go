@@ -11,6 +11,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestPythonProducerDuplicates has real Python Celery (rpc backend) send the
@@ -23,7 +24,7 @@ func TestPythonProducerDuplicates(t *testing.T) {
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})
 	credit, charge := opName("py-credit", 0), opName("py-charge", 0)
-	idA, idC := replay.NewID(), replay.NewID()
+	idA, idC := testkit.NewID(), testkit.NewID()
 	creditArgs := []any{"acct-" + credit, credit, 700}
 	calls := []map[string]any{
 		{"task": demo.TaskCredit, "args": creditArgs, "task_id": idA},

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
@@ -16,25 +14,13 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
-	"github.com/onceler/onceler/tasks"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // redisURL is the Redis result backend of the tests: database 9 of
-// ONCELER_TEST_REDIS_ADDR, else 127.0.0.1:6379. The test skips when it does
-// not answer, unless services are required.
-func redisURL(t *testing.T) string {
-	t.Helper()
-	addr := os.Getenv("ONCELER_TEST_REDIS_ADDR")
-	if addr == "" {
-		addr = "127.0.0.1:6379"
-	}
-	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
-	if err != nil {
-		testenv.Unavailable(t, "Redis not available at %s: %v", addr, err)
-	}
-	_ = c.Close()
-	return "redis://" + addr + "/9"
-}
+// testkit.RedisAddr.
+func redisURL(t *testing.T) string { return "redis://" + testkit.RedisAddr(t) + "/9" }
 
 // TestReplayDemoRedis runs the replay suite on every demo task with the
 // workers' results in Redis (--result-backend): every caller finds its
@@ -56,7 +42,7 @@ func TestReplayDemoRedis(t *testing.T) {
 // has completed a chord's header and not yet published its body: each body
 // is published exactly once, with its parts' results, and gives its sum.
 func TestChordsRedisKill(t *testing.T) {
-	for _, at := range []string{tasks.CrashBeforeAck, tasks.CrashChordJoined} {
+	for _, at := range []string{workerhooks.BeforeAck, workerhooks.ChordJoined} {
 		t.Run(at, func(t *testing.T) { chordsRedisKill(t, at) })
 	}
 }
@@ -94,11 +80,11 @@ func chordsRedisKill(t *testing.T, crashAt string) {
 	if err := json.Unmarshal(out, &sent); err != nil || len(sent.Bodies) != chords {
 		t.Fatalf("chords.py output %q: %v", out, err)
 	}
-	if !replay.Eventually(60*time.Second, armed.Exited) || !armed.Crashed() {
+	if !testkit.Eventually(60*time.Second, armed.Exited) || !armed.Crashed() {
 		t.Fatalf("the armed worker did not die at %s: %s", crashAt, armed.State())
 	}
 	e.StartWorker(replay.WorkerOptions{})
-	if !replay.Eventually(60*time.Second, func() bool { n, _ := e.QueueDepth(bodyQ); return n >= chords }) {
+	if !testkit.Eventually(60*time.Second, func() bool { n, _ := e.QueueDepth(bodyQ); return n >= chords }) {
 		n, err := e.QueueDepth(bodyQ)
 		t.Fatalf("%d chord bodies published (err %v), want %d", n, err, chords)
 	}

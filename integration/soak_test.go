@@ -16,6 +16,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestSoak runs 20,000 demo tasks (ONCELER_SOAK_TASKS to change) of every
@@ -186,7 +187,7 @@ func (w *workload) add(task, op string) *celeryproto.Message {
 		w.by[op] = o
 		w.ops = append(w.ops, o)
 	}
-	m := w.e.Message(task, replay.NewID(), args(task, op), nil)
+	m := w.e.Message(task, testkit.NewID(), args(task, op), nil)
 	o.msgs = append(o.msgs, m)
 	return m
 }

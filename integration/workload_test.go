@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -54,7 +55,7 @@ type workload struct {
 }
 
 func newWorkload(e *replay.Env) *workload {
-	return &workload{e: e, salt: replay.NewID()[:8], by: make(map[string]*operation), ctl: localCtl(e.AMQPURL)}
+	return &workload{e: e, salt: testkit.NewID()[:8], by: make(map[string]*operation), ctl: localCtl(e.AMQPURL)}
 }
 
 // localCtl returns rabbitmqctl for the shared local broker when the URL is
@@ -82,7 +83,7 @@ func sharedCtl(args ...string) (string, error) { return runCtl([]string{"rabbitm
 // the record once their consumers are back: the queue check of check then
 // sees a delivery nobody takes, not a reconnect in progress.
 func (w *workload) stopWorkers() {
-	replay.Eventually(time.Minute, w.queueSettled)
+	testkit.Eventually(time.Minute, w.queueSettled)
 	w.e.StopAll()
 }
 
@@ -146,7 +147,7 @@ func (w *workload) send(task, op string) *celeryproto.Message {
 		w.by[op] = o
 		w.ops = append(w.ops, o)
 	}
-	m := w.e.Message(task, replay.NewID(), args(task, op), nil)
+	m := w.e.Message(task, testkit.NewID(), args(task, op), nil)
 	o.msgs = append(o.msgs, m)
 	w.e.Publish(m)
 	return m
@@ -209,7 +210,7 @@ func final(reps []replay.Reply) []replay.Reply {
 
 // wait waits until every call not held is answered.
 func (w *workload) wait(timeout time.Duration) bool {
-	return replay.Eventually(timeout, func() bool {
+	return testkit.Eventually(timeout, func() bool {
 		for _, o := range w.ops {
 			for _, m := range o.msgs {
 				if len(final(w.e.Replies(m.ID))) == 0 && !w.held(o) {

@@ -12,12 +12,14 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // TestCrashPointsPure: a pure task reaches after_claim before it runs and
 // after_effect after it returned (the kill is recorded instead of executed).
 func TestCrashPointsPure(t *testing.T) {
-	for _, at := range []string{CrashAfterClaim, CrashAfterEffect, CrashBeforeAck} {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
 		t.Run(at, func(t *testing.T) {
 			e := newEnv(t)
 			var ran atomic.Int32
@@ -29,7 +31,7 @@ func TestCrashPointsPure(t *testing.T) {
 				t.Fatal(err)
 			}
 			cfg := e.config()
-			cfg.Crash = CrashConfig{At: at, Task: "t.add"}
+			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.add"}
 			cfg.Concurrency = 1
 			w, err := NewWorker(reg, cfg)
 			if err != nil {
@@ -58,7 +60,7 @@ func TestCrashPointsPure(t *testing.T) {
 			results(t, replies, 2, 20*time.Second)
 			mu.Lock()
 			defer mu.Unlock()
-			want := map[string]string{CrashAfterClaim: "ran=0", CrashAfterEffect: "ran=1", CrashBeforeAck: "ran=1"}[at]
+			want := map[string]string{workerhooks.AfterClaim: "ran=0", workerhooks.AfterEffect: "ran=1", workerhooks.BeforeAck: "ran=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)
 			}
@@ -93,12 +95,12 @@ func TestNoRecordSameDB(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := e.config()
-	cfg.NoRecord, cfg.Store = true, nil
+	cfg.hooks.NoRecord, cfg.Store = true, nil
 	if _, err := NewWorker(reg, cfg); err == nil {
 		t.Fatal("NoRecord worker with a same-database task and no Pool accepted")
 	}
 	cfg.Pool = pool
-	cfg.Crash = CrashConfig{At: CrashAfterEffect, Task: "t.credit"}
+	cfg.hooks.Crash = workerhooks.Crash{At: workerhooks.AfterEffect, Task: "t.credit"}
 	cfg.Concurrency = 1
 	w, err := NewWorker(reg, cfg)
 	if err != nil {
@@ -188,7 +190,7 @@ func TestHeldAndSkippedAnswerPython(t *testing.T) {
 	if runs.Load() != 0 {
 		t.Errorf("task ran %d times", runs.Load())
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokedSetExpires: revoked ids are forgotten after their expiry, the
@@ -322,7 +324,7 @@ func TestResultRepr(t *testing.T) {
 			t.Errorf("repr(%s) = %s, want %s", in, got, want)
 		}
 	}
-	if got := resultRepr([]byte(`"` + strings.Repeat("x", 3000) + `"`)); len(got) != reprMax || !strings.HasSuffix(got, "...") {
+	if got := resultRepr([]byte(`"` + strings.Repeat("x", 3000) + `"`)); len(got) != 1024 || !strings.HasSuffix(got, "...") {
 		t.Errorf("long repr: %d bytes", len(got))
 	}
 }

@@ -13,6 +13,8 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // BackendSchemes are the result backend URL schemes a worker takes
@@ -160,24 +162,24 @@ func (w *Worker) storeResult(ctx context.Context, j *job, r *celeryproto.Result)
 				// value too large for it, say).
 				nr := &celeryproto.Result{TaskID: r.TaskID, Status: celeryproto.StateFailure, Serializer: r.Serializer,
 					Exception: &celeryproto.Exception{Type: "ResultNotStored", Module: "onceler.exceptions",
-						Message: "the result backend refused the result: " + clip(err.Error(), maxLogField)}}
+						Message: "the result backend refused the result: " + clip.String(err.Error(), maxLogField)}}
 				if _, nm, nerr := celeryproto.EncodeMeta(nr, w.metaRequest(j, r.TaskID), time.Now()); nerr == nil {
 					r, meta = nr, nm
 					continue
 				}
 			}
 			w.log.Error("result refused by the result backend; the caller cannot be answered", w.fields(j,
-				zap.String("result_task_id", clip(r.TaskID, maxLogField)), zap.String("status", string(r.Status)),
-				zap.String("error", clip(err.Error(), maxLogField)))...)
+				zap.String("result_task_id", clip.String(r.TaskID, maxLogField)), zap.String("status", string(r.Status)),
+				zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			return true
 		}
 		if attempt%10 == 0 {
 			w.log.Warn("result backend write failed; retrying, delivery held unacknowledged", w.fields(j,
 				zap.Stringer("backend", w.backend), zap.Int("write_attempt", attempt+1),
-				zap.String("error", clip(err.Error(), maxLogField)))...)
+				zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		}
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
-			w.log.Warn("result not stored; delivery requeued unanswered", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+			w.log.Warn("result not stored; delivery requeued unanswered", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false
 		}
@@ -213,7 +215,7 @@ func (w *Worker) markStarted(ctx context.Context, j *job) {
 		}
 	}
 	if err != nil {
-		w.log.Warn("STARTED not reported", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("STARTED not reported", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 	}
 }
 
@@ -245,7 +247,7 @@ func (w *Worker) checkBackend(ctx context.Context) {
 	defer cancel()
 	if err := w.backend.ping(pctx); err != nil {
 		w.log.Warn("result backend does not answer yet; results wait for it", zap.Stringer("backend", w.backend),
-			zap.String("error", clip(err.Error(), maxLogField)))
+			zap.String("error", clip.String(err.Error(), maxLogField)))
 		return
 	}
 	w.log.Info("result backend", zap.Stringer("backend", w.backend), zap.Duration("result_expires", w.cfg.ResultExpires),

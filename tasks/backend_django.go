@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // DjangoTaskTable is the table of django-celery-results' TaskResult model,
@@ -132,7 +133,7 @@ func (b *djangoBackend) put(ctx context.Context, taskID string, meta []byte) err
 	}
 	_, err = b.pool.Exec(ctx, djangoStore, taskID, m.Status, result, traceback, metaText, args, kwargs, name, worker)
 	if err != nil {
-		return fmt.Errorf("django-db store of task %s: %w", clip(taskID, maxLogField), err)
+		return fmt.Errorf("django-db store of task %s: %w", clip.String(taskID, maxLogField), err)
 	}
 	return nil
 }
@@ -204,7 +205,12 @@ func reprText(raw json.RawMessage, tuple bool) (*string, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := pyRepr(v, tuple)
+	var r string
+	if args, ok := v.([]any); ok && tuple {
+		r = celeryproto.ArgsRepr(args)
+	} else {
+		r = celeryproto.Repr(v)
+	}
 	var out strings.Builder
 	pyJSONString(&out, r)
 	s := out.String()

@@ -19,6 +19,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // djangoApp is a throwaway Django project whose django-celery-results
@@ -342,7 +343,7 @@ func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
 	}
 	a.migrate()
 	var status, result string
-	waitFor(t, "the row after migrate", 30*time.Second, func() bool {
+	testkit.WaitFor(t, "the row after migrate", 30*time.Second, func() bool {
 		err := a.pool.QueryRow(context.Background(), "SELECT status, result FROM "+
 			pgx.Identifier{a.schema, DjangoTaskTable}.Sanitize()+" WHERE task_id = $1", id).Scan(&status, &result)
 		return err == nil
@@ -350,7 +351,7 @@ func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
 	if status != "SUCCESS" || result != "42" {
 		t.Errorf("row: %s %s", status, result)
 	}
-	waitFor(t, "the delivery settled", 10*time.Second, func() bool { return unacked(t, e.queue) == 0 })
+	testkit.WaitFor(t, "the delivery settled", 10*time.Second, func() bool { return unacked(t, e.queue) == 0 })
 	if n := e.queueDepth(e.queue); n != 0 {
 		t.Errorf("queue depth %d after the result landed", n)
 	}
@@ -427,7 +428,7 @@ func TestDjangoBackendChords(t *testing.T) {
 		!strings.HasPrefix(failed.Message, "Dependency ") || !strings.HasSuffix(failed.Message, ` raised ValueError('part boom')`) {
 		t.Errorf("chord_fail: %+v, want celery.exceptions.ChordError Dependency <id> raised ValueError('part boom')", failed)
 	}
-	waitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
+	testkit.WaitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
 	if got := rec.byTag("chord-errback"); len(got) != 1 || got[0].Value != failed.ID {
 		t.Errorf("chord errback calls %+v, want one with the body's id %s", got, failed.ID)
 	}

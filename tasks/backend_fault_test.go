@@ -14,7 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // redisProc is a private redis-server started by a test (the shared one on
@@ -54,7 +56,7 @@ func (p *redisProc) start(bin string) {
 	if err := p.cmd.Start(); err != nil {
 		p.t.Fatal(err)
 	}
-	waitFor(p.t, "redis-server to listen", 10*time.Second, func() bool {
+	testkit.WaitFor(p.t, "redis-server to listen", 10*time.Second, func() bool {
 		c, err := net.DialTimeout("tcp", p.addr(), 200*time.Millisecond)
 		if err != nil {
 			return false
@@ -87,7 +89,7 @@ func TestRedisRestartWhileDraining(t *testing.T) {
 	url := "redis://" + rp.addr() + "/0"
 	reg := NewRegistry()
 	if err := Register(reg, Task[addArgs]{Name: "t.slowadd", Run: func(ctx context.Context, _ *Call, a addArgs) (any, error) {
-		sleepCtx(ctx, 20*time.Millisecond)
+		pause.For(ctx, 20*time.Millisecond)
 		return a.X + a.Y, nil
 	}}); err != nil {
 		t.Fatal(err)
@@ -139,7 +141,7 @@ func TestRedisRestartWhileDraining(t *testing.T) {
 		t.Fatal("client.py did not send its calls within 2 minutes")
 	}
 	c := redisClient(t, rp.addr(), 0)
-	waitFor(t, "200 results in Redis", time.Minute, func() bool {
+	testkit.WaitFor(t, "200 results in Redis", time.Minute, func() bool {
 		k, err := c.DBSize(context.Background()).Result()
 		return err == nil && k >= 200
 	})

@@ -16,6 +16,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // TaskKeyPrefix is the prefix of the key of a task's meta in a key-value
@@ -239,7 +241,7 @@ func (b *redisBackend) put(ctx context.Context, taskID string, meta []byte) erro
 	}
 	err := storeMeta.Run(ctx, b.c, []string{TaskKeyPrefix + taskID}, meta, b.expires).Err()
 	if err != nil {
-		return fmt.Errorf("redis store %s: %w", TaskKeyPrefix+clip(taskID, maxLogField), err)
+		return fmt.Errorf("redis store %s: %w", TaskKeyPrefix+clip.String(taskID, maxLogField), err)
 	}
 	return nil
 }

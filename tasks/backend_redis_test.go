@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -16,31 +15,12 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // redisTestDB is the database of the shared Redis the tests write to; keys
 // are unique per test (Celery's task ids).
 const redisTestDB = 9
-
-// redisAddr is the Redis of the tests: ONCELER_TEST_REDIS_ADDR, else
-// 127.0.0.1:6379. The test skips when it does not answer, unless services
-// are required.
-func redisAddr(t *testing.T) string {
-	t.Helper()
-	addr := os.Getenv("ONCELER_TEST_REDIS_ADDR")
-	if addr == "" {
-		addr = "127.0.0.1:6379"
-	}
-	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
-	if err != nil {
-		if testenv.Required() {
-			t.Fatalf("Redis is required (ONCELER_REQUIRE_SERVICES=1) but not available at %s: %v", addr, err)
-		}
-		t.Skipf("Redis not available at %s: %v", addr, err)
-	}
-	_ = c.Close()
-	return addr
-}
 
 // redisClient opens a client of addr's database db for the test.
 func redisClient(t *testing.T, addr string, db int) *redis.Client {
@@ -112,7 +92,7 @@ func redisRegistry(t *testing.T, onceRuns *atomic.Int32) *Registry {
 // traceback, children, date_done, the request with result_extended) with
 // the configured expiry.
 func TestRedisBackendCelery(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	var onceRuns atomic.Int32
 	cfg := e.config()
@@ -286,7 +266,7 @@ func TestResultBackendURL(t *testing.T) {
 // as Celery's _store_result; every write that stores publishes the meta on
 // the key's channel, with the expiry set.
 func TestRedisStoreKeepsSuccess(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	ctx := context.Background()
 	b, err := newBackend(&Config{ResultBackend: fmt.Sprintf("redis://%s/%d", addr, redisTestDB), ResultExpires: time.Minute})
 	if err != nil {
@@ -349,7 +329,7 @@ func TestRedisStoreKeepsSuccess(t *testing.T) {
 // ({"pid", "hostname"}) while the task runs, then its outcome: in Redis
 // (the meta, published) and on the reply queue (rpc://).
 func TestTrackStarted(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	for _, backend := range []string{"redis", "rpc"} {
 		t.Run(backend, func(t *testing.T) {
 			e := newEnv(t)
@@ -376,7 +356,7 @@ func TestTrackStarted(t *testing.T) {
 			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.block", ID: id, Args: []any{int64(2), int64(3)}, ReplyTo: replyTo})
 			var states []string
 			if backend == "redis" {
-				waitFor(t, "STARTED in Redis", 10*time.Second, func() bool {
+				testkit.WaitFor(t, "STARTED in Redis", 10*time.Second, func() bool {
 					b, err := c.Get(context.Background(), TaskKeyPrefix+id).Bytes()
 					return err == nil && strings.Contains(string(b), `"STARTED"`)
 				})
@@ -386,7 +366,7 @@ func TestTrackStarted(t *testing.T) {
 					t.Errorf("STARTED meta: %v", m)
 				}
 				close(release)
-				waitFor(t, "SUCCESS in Redis", 10*time.Second, func() bool { return taskMeta(t, c, id)["status"] == "SUCCESS" })
+				testkit.WaitFor(t, "SUCCESS in Redis", 10*time.Second, func() bool { return taskMeta(t, c, id)["status"] == "SUCCESS" })
 				return
 			}
 			for range 2 {
@@ -417,7 +397,7 @@ func TestTrackStarted(t *testing.T) {
 // caller is answered from Redis; a failure carried along a chain reaches
 // chain.get(). Chords: TestChordsWithRedis.
 func TestWorkflowsWithRedis(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
 	pyq := testenv.Name("pyq")
@@ -457,7 +437,7 @@ func TestWorkflowsWithRedis(t *testing.T) {
 	if err := json.Unmarshal(res["link_error"].OK, &linkErr); err != nil || linkErr.ExcType != "ValueError" {
 		t.Errorf("link_error: %s %v", res["link_error"].OK, err)
 	}
-	waitFor(t, "callback and errback", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "callback and errback", 10*time.Second, func() bool {
 		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0
 	})
 }

@@ -9,6 +9,9 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // chordBackend is a result backend that keeps chord counters (Redis,
@@ -78,7 +81,7 @@ func (w *Worker) chordPartReturn(ctx context.Context, j *job, r *celeryproto.Res
 		return true
 	}
 	if j.h != nil {
-		w.crash(CrashChordJoined, j)
+		w.crash(workerhooks.ChordJoined, j)
 	}
 	results := make([]any, 0, len(joined))
 	var failed *celeryproto.ChordPart
@@ -104,7 +107,7 @@ func (w *Worker) chordPartReturn(ctx context.Context, j *job, r *celeryproto.Res
 			return w.chordError(ctx, j, cb, fmt.Sprintf("Callback error: %v", err))
 		}
 		// Not published: the redelivery of this part publishes it.
-		w.log.Warn("chord body not published; delivery requeued", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("chord body not published; delivery requeued", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		w.giveBack(j)
 		return false
 	}
@@ -119,8 +122,8 @@ func (w *Worker) chordPartReturn(ctx context.Context, j *job, r *celeryproto.Res
 func (w *Worker) chordError(ctx context.Context, j *job, cb chordBackend, msg string) bool {
 	body := *j.msg.Chord
 	bodyID := body.TaskID()
-	w.log.Warn("chord failed; its body gets ChordError", w.fields(j, zap.String("body", clip(body.Task, maxLogField)),
-		zap.String("body_id", clip(bodyID, maxLogField)), zap.String("error", clip(msg, maxLogField)))...)
+	w.log.Warn("chord failed; its body gets ChordError", w.fields(j, zap.String("body", clip.String(body.Task, maxLogField)),
+		zap.String("body_id", clip.String(bodyID, maxLogField)), zap.String("error", clip.String(msg, maxLogField)))...)
 	errbacks, err := optSignatures(body.Options, "link_error")
 	if err != nil {
 		w.log.Error("chord body errbacks cannot be read", w.fields(j, zap.Error(err))...)
@@ -139,11 +142,11 @@ func (w *Worker) chordError(ctx context.Context, j *job, cb chordBackend, msg st
 	}
 	if len(steps) > 0 {
 		if err := w.publishSteps(ctx, j, steps); err != nil && !amqp.IsPermanent(err) {
-			w.log.Warn("chord errbacks not published; delivery requeued", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+			w.log.Warn("chord errbacks not published; delivery requeued", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false
 		} else if err != nil {
-			w.log.Error("chord errback refused by the broker", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+			w.log.Error("chord errback refused by the broker", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		}
 	}
 	if bodyID != "" {
@@ -162,7 +165,7 @@ func (w *Worker) forgetChord(ctx context.Context, j *job, cb chordBackend) {
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	if err := cb.chordDone(dctx, j.msg.GroupID); err != nil {
-		w.log.Warn("chord counters not deleted; they expire", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("chord counters not deleted; they expire", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 	}
 }
 
@@ -182,16 +185,16 @@ func (w *Worker) retryBackend(ctx context.Context, j *job, what string, op func(
 			// part; said once, and the delivery goes on (its own result is
 			// stored).
 			w.log.Error("result backend "+what+" refused; the chord cannot complete from this part", w.fields(j,
-				zap.Stringer("backend", w.backend), zap.String("error", clip(err.Error(), maxLogField)))...)
+				zap.Stringer("backend", w.backend), zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			return true
 		}
 		if attempt%10 == 0 {
 			w.log.Warn("result backend "+what+" failed; retrying, delivery held unacknowledged", w.fields(j,
 				zap.Stringer("backend", w.backend), zap.Int("write_attempt", attempt+1),
-				zap.String("error", clip(err.Error(), maxLogField)))...)
+				zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		}
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
-			w.log.Warn(what+" not stored; delivery requeued", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+			w.log.Warn(what+" not stored; delivery requeued", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false
 		}

@@ -7,6 +7,8 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // DjangoChordTable is the table of django-celery-results' ChordCounter
@@ -26,7 +28,7 @@ const DjangoChordTable = "django_celery_results_chordcounter"
 func (b *djangoBackend) chordPart(ctx context.Context, gid, taskID string, _ *int, _ []byte) (fire bool, joined [][]byte, err error) {
 	tx, err := b.pool.Begin(ctx)
 	if err != nil {
-		return false, nil, fmt.Errorf("django-db chord part of group %s: %w", clip(gid, maxLogField), err)
+		return false, nil, fmt.Errorf("django-db chord part of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	var subTasks string
@@ -37,22 +39,22 @@ func (b *djangoBackend) chordPart(ctx context.Context, gid, taskID string, _ *in
 		return false, nil, nil
 	}
 	if err != nil {
-		return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip(gid, maxLogField), err)
+		return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	if count > 0 {
 		count--
 		if _, err := tx.Exec(ctx, `UPDATE `+DjangoChordTable+` SET count = $2 WHERE group_id = $1`, gid, count); err != nil {
-			return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip(gid, maxLogField), err)
+			return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip.String(gid, maxLogField), err)
 		}
 	}
 	if count == 0 {
 		joined, err = b.chordJoin(ctx, tx, subTasks)
 		if err != nil {
-			return false, nil, fmt.Errorf("django-db chord join of group %s: %w", clip(gid, maxLogField), err)
+			return false, nil, fmt.Errorf("django-db chord join of group %s: %w", clip.String(gid, maxLogField), err)
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip(gid, maxLogField), err)
+		return false, nil, fmt.Errorf("django-db chord counter of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	return joined != nil, joined, nil
 }
@@ -118,7 +120,7 @@ func (b *djangoBackend) chordJoin(ctx context.Context, tx pgx.Tx, subTasks strin
 
 func (b *djangoBackend) chordDone(ctx context.Context, gid string) error {
 	if _, err := b.pool.Exec(ctx, `DELETE FROM `+DjangoChordTable+` WHERE group_id = $1`, gid); err != nil {
-		return fmt.Errorf("django-db delete chord counter of group %s: %w", clip(gid, maxLogField), err)
+		return fmt.Errorf("django-db delete chord counter of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	return nil
 }

@@ -6,6 +6,8 @@ import (
 	"strconv"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // GroupKeyPrefix is the prefix of a group's keys in a key-value result
@@ -68,7 +70,7 @@ func (b *redisBackend) chordPart(ctx context.Context, gid, taskID string, index 
 	}
 	res, err := chordPartScript.Run(ctx, b.c, chordKeys(gid), entry, score, b.expires, taskID).Slice()
 	if err != nil {
-		return false, nil, fmt.Errorf("redis chord part of group %s: %w", clip(gid, maxLogField), err)
+		return false, nil, fmt.Errorf("redis chord part of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	if len(res) == 0 || res[0] != int64(1) {
 		return false, nil, nil
@@ -77,7 +79,7 @@ func (b *redisBackend) chordPart(ctx context.Context, gid, taskID string, index 
 	for _, e := range res[1:] {
 		s, ok := e.(string)
 		if !ok {
-			return false, nil, fmt.Errorf("redis chord part of group %s: join entry of type %T", clip(gid, maxLogField), e)
+			return false, nil, fmt.Errorf("redis chord part of group %s: join entry of type %T", clip.String(gid, maxLogField), e)
 		}
 		joined = append(joined, []byte(s))
 	}
@@ -86,7 +88,7 @@ func (b *redisBackend) chordPart(ctx context.Context, gid, taskID string, index 
 
 func (b *redisBackend) chordDone(ctx context.Context, gid string) error {
 	if err := b.c.Del(ctx, chordKeys(gid)...).Err(); err != nil {
-		return fmt.Errorf("redis delete chord counters of group %s: %w", clip(gid, maxLogField), err)
+		return fmt.Errorf("redis delete chord counters of group %s: %w", clip.String(gid, maxLogField), err)
 	}
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 type xsumArgs struct {
@@ -89,7 +90,7 @@ func chordRegistry(t *testing.T, rec *callRecorder, g *gate) *Registry {
 // errback is called with the body's task id; the chord counters are gone
 // once the body is out.
 func TestChordsWithRedis(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
 	pyq := testenv.Name("pyq")
@@ -119,7 +120,7 @@ func TestChordsWithRedis(t *testing.T) {
 		!strings.HasPrefix(failed.Message, "Dependency ") || !strings.HasSuffix(failed.Message, " raised ValueError('part boom')") {
 		t.Errorf("chord_fail: %+v, want celery.exceptions.ChordError Dependency <id> raised ValueError('part boom')", failed)
 	}
-	waitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
+	testkit.WaitFor(t, "the chord body's errback", 10*time.Second, func() bool { return len(rec.byTag("chord-errback")) > 0 })
 	if got := rec.byTag("chord-errback"); len(got) != 1 || got[0].Value != failed.ID {
 		t.Errorf("chord errback calls %+v, want one with the body's id %s", got, failed.ID)
 	}
@@ -140,7 +141,7 @@ func TestChordsWithRedis(t *testing.T) {
 // so that both finish at the same moment: each chord body is published
 // once, with both results.
 func TestChordPartsFinishTogether(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	e := newEnv(t)
 	e.backend = fmt.Sprintf("redis://%s/%d", addr, redisTestDB)
 	rec := &callRecorder{}
@@ -203,7 +204,7 @@ func TestChordPartEntry(t *testing.T) {
 // out) publishes it again, a redelivery of another part never does, and
 // once the chord is done nothing does.
 func TestRedisChordFinisher(t *testing.T) {
-	addr := redisAddr(t)
+	addr := testkit.RedisAddr(t)
 	b, err := newRedisBackend(fmt.Sprintf("redis://%s/%d", addr, redisTestDB), &Config{ResultExpires: time.Minute})
 	if err != nil {
 		t.Fatal(err)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"runtime"
 	"slices"
 	"strings"
@@ -16,7 +15,10 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/logging"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // Config configures a Worker. Zero values take the documented defaults.
@@ -32,8 +34,7 @@ type Config struct {
 	Queues []amqp.QueueSpec
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
-	// effects). Required unless every task is pure, or NoRecord is set and no
-	// task is same-database.
+	// effects). Required unless every task is pure.
 	Pool *pgxpool.Pool
 	// Store is the idempotency record. Default: idempotency.New(Pool, ...)
 	// with the default schema, opened and closed by the worker. The schema
@@ -82,19 +83,18 @@ type Config struct {
 	// goroutine busy, or the prefetch window full of deliveries not held
 	// for their ETA, or deliveries waiting for memory. Default 1 minute.
 	StallAfter time.Duration
-	// Hostname is the node name. Default "onceler@<host>".
+	// Hostname is the node name, "name@host": the record's claim owner, the
+	// worker of stored results and events, the name remote control answers
+	// to. Default: control.NodeName's default, "onceler-<pid>@<host>",
+	// unique per process (the onceler command's default).
 	Hostname string
-	// Logger receives structured logs. Default: none.
+	// Logger receives structured logs. Default: info and above to standard
+	// error in the onceler command's console format; zap.NewNop() for none.
 	Logger *zap.Logger
 	// Metrics registers the worker's Prometheus collectors. Default: not
 	// registered (the collectors still count).
 	Metrics prometheus.Registerer
 
-	// NoRecord runs every task without the record, as if pure: duplicates
-	// run again. For demonstrating what the record prevents. A same-database
-	// task then runs its RunTx in a transaction of its own on Pool (the
-	// effect commits, nothing is recorded): Pool is required for it.
-	NoRecord bool
 	// RevokedExpiry is how long a revoked task id (Worker.Revoke) is
 	// remembered, as Celery's REVOKE_EXPIRES. Default 3 h; the set also keeps
 	// at most the last 50,000 ids.
@@ -105,10 +105,26 @@ type Config struct {
 	// idempotency CountAttempt) before the message is quarantined as poison.
 	// Default 5.
 	MaxAttempts int
-	// Crash injects a process crash at a pipeline point (tests, replay suite).
-	Crash CrashConfig
-	// Observer receives task events (task-received, task-started, ...).
+	// Observer receives task events (task-received, task-started, ...),
+	// besides the worker's remote control when task events are on. It must
+	// not be a *control.Controller unless NoControl is set (the worker runs
+	// one of its own).
 	Observer Observer
+	// NoControl turns off the worker's remote control: by default the
+	// worker runs a control.Controller of its own on a connection to Broker,
+	// which answers Celery's remote control ('celery inspect', 'celery
+	// control', a shutdown command ends Run as its context would) and sends
+	// worker events (worker-online, worker-heartbeat every 2 s,
+	// worker-offline once Run's tasks are done) as a Celery worker does, for
+	// 'celery events' and Flower. To run a Controller configured otherwise,
+	// set NoControl and give it the worker (control.New) and make it the
+	// Observer.
+	NoControl bool
+	// TaskEvents sends task events (task-received, task-started,
+	// task-succeeded, ...) through the remote control from the start, as
+	// Celery's -E; the enable_events and disable_events commands switch them
+	// at run time. Off by default.
+	TaskEvents bool
 	// Routes maps task names to the queue their workflow steps (chain steps,
 	// link callbacks, errbacks) are published to when the step's signature
 	// names no queue, exchange or routing key, as Celery's task_routes.
@@ -141,6 +157,16 @@ type Config struct {
 	// LogArguments adds argsrepr/kwargsrepr to logs. Off by default:
 	// arguments may carry secrets.
 	LogArguments bool
+
+	// hooks are the settings of internal/workerhooks (crash injection,
+	// running without the record), set only through workerhooks.Set.
+	hooks workerhooks.Hooks
+}
+
+func init() {
+	// The settings that are no part of this package's API reach a Config
+	// through internal/workerhooks only.
+	workerhooks.Install(func(c *Config, h workerhooks.Hooks) { c.hooks = h })
 }
 
 // DefaultConcurrency is Config.Concurrency's default: 4 × GOMAXPROCS, at
@@ -181,14 +207,14 @@ func (c *Config) setDefaults() error {
 		c.MaxHold = 25 * time.Minute
 	}
 	if c.Hostname == "" {
-		h, err := os.Hostname()
-		if err != nil || h == "" {
-			h = "localhost"
+		name, err := control.NodeName("")
+		if err != nil {
+			return fmt.Errorf("tasks: default node name: %w", err)
 		}
-		c.Hostname = "onceler@" + h
+		c.Hostname = name
 	}
 	if c.Logger == nil {
-		c.Logger = zap.NewNop()
+		c.Logger = logging.Default()
 	}
 	if c.RevokedExpiry <= 0 {
 		c.RevokedExpiry = 3 * time.Hour
@@ -205,47 +231,10 @@ func (c *Config) setDefaults() error {
 	if !slices.Contains(celeryproto.Serializers, c.ResultSerializer) {
 		return fmt.Errorf("tasks: result serializer %q: use %s", c.ResultSerializer, strings.Join(celeryproto.Serializers, ", "))
 	}
-	return c.Crash.validate()
-}
-
-// Crash points for CrashConfig.At.
-const (
-	// CrashAfterClaim: the claim is committed (same-database: taken in the
-	// open transaction), the task has not run. Tasks without a record (pure,
-	// or any task under NoRecord): just before the task runs.
-	CrashAfterClaim = "after_claim"
-	// CrashAfterEffect: same-database, after the task's effect and before the
-	// commit; outside, after Run returned and before Complete. Tasks without
-	// a record: after the task returned (NoRecord same-database: before its
-	// own transaction commits), before the reply.
-	CrashAfterEffect = "after_effect"
-	// CrashBeforeAck: after completion and the result publish, before the ack.
-	CrashBeforeAck = "before_ack"
-	// CrashChordJoined: a chord header part completed its chord (Redis
-	// result backend), before the chord's body is published.
-	CrashChordJoined = "chord_joined"
-)
-
-// CrashConfig makes the process kill itself with SIGKILL the first time a
-// task named Task (any task when empty) reaches the point At. The zero value
-// injects nothing.
-type CrashConfig struct {
-	At   string
-	Task string
-}
-
-func (c CrashConfig) validate() error {
-	switch c.At {
-	case "", CrashAfterClaim, CrashAfterEffect, CrashBeforeAck, CrashChordJoined:
-		return nil
+	if err := c.hooks.Crash.Validate(); err != nil {
+		return fmt.Errorf("tasks: %w", err)
 	}
-	return fmt.Errorf("tasks: unknown crash point %q (want %s, %s, %s or %s)", c.At, CrashAfterClaim, CrashAfterEffect,
-		CrashBeforeAck, CrashChordJoined)
-}
-
-// FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK.
-func FromEnv() CrashConfig {
-	return CrashConfig{At: os.Getenv("ONCELER_CRASH_AT"), Task: os.Getenv("ONCELER_CRASH_TASK")}
+	return nil
 }
 
 // Observer receives the worker's task events with Celery's field names (see

@@ -8,22 +8,8 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 )
-
-// TaskInfo describes a delivery the worker holds, for remote control
-// (celery inspect active/reserved/scheduled).
-type TaskInfo struct {
-	ID, Name             string
-	ArgsRepr, KwargsRepr string    // Celery's argsrepr/kwargsrepr (may hold secrets)
-	Started              time.Time // zero unless running
-	ETA                  time.Time // zero unless scheduled
-	Queue, Exchange      string
-	RoutingKey           string
-	Priority             uint8
-	Redelivered          bool
-	Acknowledged         bool // always false: onceler acknowledges late
-	Hostname             string
-}
 
 // Registered returns the names of the tasks this worker serves, sorted.
 func (w *Worker) Registered() []string { return w.reg.Names() }
@@ -36,8 +22,8 @@ func (w *Worker) Queues() []amqp.QueueSpec { return w.consumer.Queues() }
 // Hostname returns the worker's node name.
 func (w *Worker) Hostname() string { return w.cfg.Hostname }
 
-func (w *Worker) info(j *job, started time.Time) TaskInfo {
-	ti := TaskInfo{Started: started, Queue: j.d.Queue, Exchange: j.d.Exchange, RoutingKey: j.d.RoutingKey,
+func (w *Worker) info(j *job, started time.Time) control.TaskInfo {
+	ti := control.TaskInfo{Started: started, Queue: j.d.Queue, Exchange: j.d.Exchange, RoutingKey: j.d.RoutingKey,
 		Priority: j.d.Priority, Redelivered: j.d.Redelivered, Hostname: w.cfg.Hostname}
 	if j.msg != nil {
 		ti.ID, ti.Name, ti.ArgsRepr, ti.KwargsRepr, ti.ETA = j.msg.ID, j.msg.Task, j.msg.ArgsRepr, j.msg.KwargsRepr, j.msg.ETA
@@ -48,10 +34,10 @@ func (w *Worker) info(j *job, started time.Time) TaskInfo {
 }
 
 // Active returns the tasks running now.
-func (w *Worker) Active() []TaskInfo {
+func (w *Worker) Active() []control.TaskInfo {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	out := make([]TaskInfo, 0, len(w.active))
+	out := make([]control.TaskInfo, 0, len(w.active))
 	for j, rs := range w.active {
 		out = append(out, w.info(j, rs.started))
 	}
@@ -60,10 +46,10 @@ func (w *Worker) Active() []TaskInfo {
 
 // Reserved returns the deliveries received and waiting to run (not those
 // scheduled for an ETA).
-func (w *Worker) Reserved() []TaskInfo {
+func (w *Worker) Reserved() []control.TaskInfo {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	out := make([]TaskInfo, 0, len(w.reserved))
+	out := make([]control.TaskInfo, 0, len(w.reserved))
 	for j := range w.reserved {
 		if _, held := w.timers[j]; held && j.msg != nil && !j.msg.ETA.IsZero() {
 			continue
@@ -74,10 +60,10 @@ func (w *Worker) Reserved() []TaskInfo {
 }
 
 // Scheduled returns the deliveries held until their ETA.
-func (w *Worker) Scheduled() []TaskInfo {
+func (w *Worker) Scheduled() []control.TaskInfo {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []TaskInfo
+	var out []control.TaskInfo
 	for j := range w.timers {
 		if j.msg != nil && !j.msg.ETA.IsZero() && time.Now().Before(j.msg.ETA) {
 			out = append(out, w.info(j, time.Time{}))
@@ -221,7 +207,7 @@ func (s *revokedSet) len() int { return len(s.ids) }
 // longer. An Observer with a TaskEvent method gets the value; any other gets
 // its fields as a map.
 func (w *Worker) event(ctx context.Context, j *job, e *celeryproto.TaskEvent) {
-	if w.cfg.Observer == nil || j.msg == nil {
+	if w.obs == nil || j.msg == nil {
 		return
 	}
 	e.UUID = j.msg.ID
@@ -239,7 +225,7 @@ func (w *Worker) event(ctx context.Context, j *job, e *celeryproto.TaskEvent) {
 		w.taskObs.TaskEvent(ctx, e)
 		return
 	}
-	w.cfg.Observer.Event(ctx, e.Type, e.Fields())
+	w.obs.Event(ctx, e.Type, e.Fields())
 }
 
 func receivedEvent(j *job) *celeryproto.TaskEvent {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func TestDBFault(t *testing.T) {
@@ -98,7 +99,7 @@ func TestSameDBBackendTerminated(t *testing.T) {
 			cfg := e.config()
 			cfg.Concurrency = 2
 			if noRecord {
-				cfg.NoRecord, cfg.Store, cfg.Pool = true, nil, pool
+				cfg.hooks.NoRecord, cfg.Store, cfg.Pool = true, nil, pool
 			}
 			e.start(reg, cfg)
 			replyTo, replies := e.replyQueue()
@@ -128,7 +129,7 @@ func TestSameDBBackendTerminated(t *testing.T) {
 				t.Errorf("bad-1 ran %d times, want 1", runs["bad-1"])
 			}
 			mu.Unlock()
-			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+			testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 		})
 	}
 }
@@ -215,7 +216,7 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 		}
 	}
 	var q []string
-	waitFor(t, "the poison message in quarantine", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "the poison message in quarantine", 10*time.Second, func() bool {
 		for _, d := range e.quarantined() {
 			q = append(q, fmt.Sprint(d.Headers[HeaderReason], " ", d.Headers["id"]))
 		}
@@ -246,7 +247,7 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 			t.Errorf("%s: next attempt count %d (err %v), want %d", key, n, err, want)
 		}
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestLostClaimAnswer: the record's connection is cut just after a claim
@@ -305,7 +306,7 @@ func TestFailedPolicyStepDecidesAgain(t *testing.T) {
 	if err != nil || rec.Status != idempotency.StatusCompleted {
 		t.Errorf("record %+v %v, want completed", rec.Status, err)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 func TestLostClaimAnswer(t *testing.T) {
@@ -350,5 +351,5 @@ func TestLostClaimAnswer(t *testing.T) {
 			t.Errorf("%s: record %+v %v, want completed under attempt 1", task, rec, err)
 		}
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }

@@ -101,7 +101,7 @@
 //
 // A task error is a failure (Fail: the operation may be claimed again by a
 // later delivery), answered FAILURE and acknowledged, as Celery does. A
-// same-database task (with the record or under NoRecord) whose transaction
+// same-database task (with the record or without it) whose transaction
 // fails for the database's sake is not failed: a lost or terminated
 // connection (SQLSTATE class 08, 57P01-57P03, a FATAL error, a network
 // error, also when the task wrapped it), a serialization failure or
@@ -289,22 +289,6 @@
 // is the command's to handle (exit at once: the broker and the record make
 // that safe too).
 //
-// # Crash injection
-//
-// Config.Crash (FromEnv reads ONCELER_CRASH_AT and ONCELER_CRASH_TASK) makes
-// the process SIGKILL itself the first time a task reaches after_claim,
-// after_effect or before_ack, for testing recovery. A task without a record
-// (pure, or any task under Config.NoRecord) reaches after_claim just before
-// it runs and after_effect just after it returns (a same-database task under
-// NoRecord: before its own transaction commits).
-//
-// # Without the record
-//
-// Config.NoRecord runs every task without the record, to show what the
-// record prevents: every delivery runs, duplicates repeat their effects.
-// A same-database task then runs its RunTx in a transaction of its own on
-// Config.Pool, committed when it succeeds and rolled back when it fails.
-//
 // # Observability
 //
 // Logs carry task, task_id, key and retries, never argument values (unless
@@ -337,7 +321,20 @@
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming, its database answers and it is not stalled: Worker.Stalled).
-// docs/limits.md describes the memory budget and readiness. The Observer receives Celery's task
+// docs/limits.md describes the memory budget and readiness.
+//
+// # Remote control and events
+//
+// A worker answers Celery's remote control ('celery inspect', 'celery
+// control') and sends worker events (online, heartbeats, offline) as a
+// Celery worker does, through a control.Controller of its own that runs
+// with Run on a connection of its own to the broker, under the node name
+// Config.Hostname ("onceler-<pid>@<host>" by default); Config.TaskEvents
+// sends task events from the start (Celery's -E), Config.NoControl turns
+// it all off (see package control). Without a Logger, the worker logs at
+// info to standard error as the onceler command does.
+//
+// The Observer receives Celery's task
 // events (task-received, task-started, task-succeeded, task-failed,
 // task-retried, task-revoked) with Celery's fields, plus
 // onceler_duplicate on answers from the record and onceler_key_sha256 (on
@@ -348,7 +345,8 @@
 // exception (its Python repr) and traceback (a short one in Python's shape
 // naming the Go task: there is no Python traceback). When the Observer has a
 // TaskEvents() bool method (control.Controller has), the worker asks it
-// first and builds no event when it says no.
+// first and builds no event when it says no. The remote control gets them
+// too while its task events are on.
 // Registered, Active, Reserved, Scheduled, Revoke and Stats serve remote
 // control.
 package tasks

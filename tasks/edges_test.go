@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // The tests of this file hold the guarantee at its edges:
@@ -137,7 +138,7 @@ func TestChainedCommitSettled(t *testing.T) {
 	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.chain", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
 		ReplyTo: replyTo, CorrelationID: taskID(1)})
 	res := collect(replies, 1, 10*time.Second)
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	var effects int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&effects); err != nil {
 		t.Fatal(err)
@@ -304,7 +305,7 @@ func TestLookupResultUnstorableSettled(t *testing.T) {
 	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.found", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
 		ReplyTo: replyTo, CorrelationID: taskID(1)})
 	res := collect(replies, 1, 10*time.Second)
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	rec, err := e.store.Get(ctx, "rv.found", "op-1")
 	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, err)
 	if err != nil || rec.Status != idempotency.StatusHeld {

@@ -16,6 +16,8 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestPoisonQuorum: a message redelivered more than MaxAttempts times on a
@@ -58,7 +60,7 @@ func TestPoisonQuorum(t *testing.T) {
 	cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
 	e.start(testRegistry(t, fx), cfg)
 	var got []amqp091.Delivery
-	waitFor(t, "poison in quarantine", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "poison in quarantine", 10*time.Second, func() bool {
 		d, ok, err := e.ch.Get(quarantineName(q), true)
 		if err == nil && ok {
 			got = append(got, d)
@@ -205,7 +207,7 @@ func TestHealthHandler(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
-	waitFor(t, "ready", 10*time.Second, func() bool { return status("/readyz") == http.StatusOK })
+	testkit.WaitFor(t, "ready", 10*time.Second, func() bool { return status("/readyz") == http.StatusOK })
 	if s := status("/healthz"); s != http.StatusOK {
 		t.Errorf("healthz while running: %d", s)
 	}
@@ -229,7 +231,7 @@ func TestTimeLimitsAndCountdownFromPython(t *testing.T) {
 	reg := NewRegistry()
 	err := Register(reg, Task[waitArgs]{Name: "t.wait",
 		Run: func(ctx context.Context, _ *Call, a waitArgs) (any, error) {
-			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+			if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 				return nil, context.Cause(ctx)
 			}
 			return time.Now().UnixMilli(), nil

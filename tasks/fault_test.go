@@ -3,8 +3,6 @@ package tasks
 import (
 	"context"
 	"fmt"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -12,47 +10,8 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
-
-// connectionPIDs lists the broker's pids of the connections whose name
-// starts with prefix (only this test's own).
-func connectionPIDs(t *testing.T, prefix string) []string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "rabbitmqctl", "-q", "list_connections", "pid", "client_properties").Output()
-	if err != nil {
-		testenv.Unavailable(t, "rabbitmqctl list_connections: %v", err)
-	}
-	var pids []string
-	for _, line := range strings.Split(string(out), "\n") {
-		pid, props, ok := strings.Cut(line, "\t")
-		_, name, named := strings.Cut(props, `{"connection_name","`)
-		if ok && named && strings.HasPrefix(name, prefix) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
-// closeConnections closes the connections with these pids from the broker
-// side, at the same time.
-func closeConnections(t *testing.T, pids []string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	errs := make(chan error, len(pids))
-	for _, pid := range pids {
-		go func() {
-			errs <- exec.CommandContext(ctx, "rabbitmqctl", "-q", "close_connection", pid, "onceler test: broker-side close").Run()
-		}()
-	}
-	for range pids {
-		if err := <-errs; err != nil {
-			t.Errorf("close_connection: %v", err)
-		}
-	}
-}
 
 // checkExactlyOnce asserts that every one of n operations had one effect.
 func checkExactlyOnce(t *testing.T, fx *effects, n int, key func(int) string) {
@@ -91,12 +50,12 @@ func TestBrokerConnectionsClosedMidStream(t *testing.T) {
 			res[id] = append(res[id], rs...)
 		}
 	}
-	pids := connectionPIDs(t, cfg.Broker.Name)
+	pids := testkit.ConnectionPIDs(t, cfg.Broker.Name)
 	if len(pids) != 2 {
 		t.Fatalf("found %d connections named %s*, want 2 (consume and publish)", len(pids), cfg.Broker.Name)
 	}
 	collect(100, 60*time.Second)
-	closeConnections(t, pids)
+	testkit.CloseConnections(t, pids)
 	if len(res) >= n {
 		t.Fatalf("all tasks were done before the connections closed: not a mid-stream test")
 	}
@@ -117,7 +76,7 @@ func TestBrokerConnectionsClosedMidStream(t *testing.T) {
 	}
 	checkPay(t, res, n, key)
 	checkExactlyOnce(t, fx, n, key)
-	waitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestDatabaseConnectionsKilledMidStream terminates the record's database
@@ -187,5 +146,5 @@ func TestDatabaseConnectionsKilledMidStream(t *testing.T) {
 	}
 	checkPay(t, res, n, key)
 	checkExactlyOnce(t, fx, n, key)
-	waitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }

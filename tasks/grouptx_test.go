@@ -12,6 +12,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestGroupTxAnswersTheLastCall: a transaction group may call a
@@ -77,5 +78,5 @@ func TestGroupTxAnswersTheLastCall(t *testing.T) {
 	if twice == 0 {
 		t.Fatal("no operation was called twice by its group: the test did not reach the case it checks")
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // The tests of this file hold the worker to its two promises where the
@@ -380,14 +381,14 @@ func TestPoisonCountWaitsForARunningTransaction(t *testing.T) {
 	replyTo, replies := e.replyQueue()
 	e.publish(&celeryproto.Message{Protocol: 2, Task: "p.slow", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
 		ReplyTo: replyTo, CorrelationID: taskID(1)})
-	waitFor(t, "the first run", 10*time.Second, func() bool { return started.Load() == 1 })
+	testkit.WaitFor(t, "the first run", 10*time.Second, func() bool { return started.Load() == 1 })
 	// Take the delivery away three times: each copy comes back redelivered.
 	for range 3 {
-		pids := connectionPIDs(t, cfg.Broker.Name)
+		pids := testkit.ConnectionPIDs(t, cfg.Broker.Name)
 		if len(pids) == 0 {
 			t.Fatal("no worker connection found")
 		}
-		closeConnections(t, pids)
+		testkit.CloseConnections(t, pids)
 		time.Sleep(700 * time.Millisecond)
 	}
 	if q := e.quarantined(); len(q) != 0 {
@@ -398,7 +399,7 @@ func TestPoisonCountWaitsForARunningTransaction(t *testing.T) {
 	if rs := res[taskID(1)]; rs[0]["status"] != "SUCCESS" || rs[0]["result"] != "slow done" {
 		t.Errorf("answered %v", rs)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&n); err != nil || n != 1 {
 		t.Errorf("%d effects (%v), want 1", n, err)

@@ -105,6 +105,8 @@ func (e *env) config() Config {
 		Grace:    10 * time.Second,
 		Hostname: testenv.Name("node"),
 		Logger:   zaptest.NewLogger(e.t),
+		// The tests of the worker's own remote control turn it on.
+		NoControl: true,
 	}
 }
 
@@ -290,17 +292,6 @@ func (e *env) quarantined() []amqp091.Delivery {
 			return out
 		}
 		out = append(out, d)
-	}
-}
-
-func waitFor(t *testing.T, what string, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(25 * time.Millisecond)
 	}
 }
 

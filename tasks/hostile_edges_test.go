@@ -13,6 +13,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // Hostile input at the edges of the memory budget and the broker's
@@ -73,7 +74,7 @@ func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
 	for i := range n {
 		e.publishBlock(taskID(i), 2<<20, "", later)
 	}
-	waitFor(t, "ETA deliveries held", 20*time.Second, func() bool {
+	testkit.WaitFor(t, "ETA deliveries held", 20*time.Second, func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		return len(w.held) == n

@@ -13,7 +13,10 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 type sleepArgs struct {
@@ -30,7 +33,7 @@ func sleepRegistry(t *testing.T, fx *effects) *Registry {
 		Name: "t.sleep", Mode: ModeOutside, Policy: PolicyRetry,
 		Key: func(a sleepArgs) (string, error) { return a.ID, nil },
 		Run: func(ctx context.Context, c *Call, a sleepArgs) (any, error) {
-			if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+			if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 				return nil, fmt.Errorf("interrupted: %w", context.Cause(ctx))
 			}
 			fx.add(c.Key)
@@ -73,7 +76,7 @@ func TestGracefulStop(t *testing.T) {
 			for i := range n {
 				e.publish(sleepMessage(i, tc.ms, replyTo))
 			}
-			waitFor(t, "4 running tasks", 10*time.Second, func() bool { return len(w1.w.Active()) == 4 })
+			testkit.WaitFor(t, "4 running tasks", 10*time.Second, func() bool { return len(w1.w.Active()) == 4 })
 			stopped := time.Now()
 			w1.stop(t)
 			t.Logf("stop took %s", time.Since(stopped).Round(time.Millisecond))
@@ -105,7 +108,7 @@ func TestGracefulStop(t *testing.T) {
 				}
 			}
 			checkExactlyOnce(t, fx, n, func(i int) string { return fmt.Sprintf("s-%d", i) })
-			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+			testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 		})
 	}
 }
@@ -151,7 +154,7 @@ func TestShutdownCutLeavesClaimToPolicy(t *testing.T) {
 	if n := fx.snapshot()["mail-1"]; n != 1 {
 		t.Errorf("effect ran %d times, want 1", n)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokeWhileWaiting: a task revoked after its delivery was taken up
@@ -196,7 +199,7 @@ func TestRevokeWhileWaiting(t *testing.T) {
 	}
 	second := payMessage("t.hold_conn", 2, "second", replyTo)
 	e.publish(second)
-	waitFor(t, "the second delivery taken up", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "the second delivery taken up", 10*time.Second, func() bool {
 		for _, ti := range r.w.Reserved() {
 			if ti.ID == second.ID {
 				return true
@@ -221,7 +224,7 @@ func TestRevokeWhileWaiting(t *testing.T) {
 	if _, err := e.store.Get(context.Background(), "t.hold_conn", "second"); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Errorf("record of the revoked task: %v, want none", err)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestRevokeExpiresETA: a revoked id is answered REVOKED without running; a
@@ -243,7 +246,7 @@ func TestRevokeExpiresETA(t *testing.T) {
 
 	long := sleepMessage(2, 30000, replyTo)
 	e.publish(long)
-	waitFor(t, "running", 10*time.Second, func() bool { return len(r.w.Active()) == 1 })
+	testkit.WaitFor(t, "running", 10*time.Second, func() bool { return len(r.w.Active()) == 1 })
 	if a := r.w.Active(); a[0].ID != long.ID || a[0].Name != "t.sleep" {
 		t.Errorf("Active = %+v", a)
 	}
@@ -267,7 +270,7 @@ func TestRevokeExpiresETA(t *testing.T) {
 	e.publish(eta)
 	quick := sleepMessage(5, 0, replyTo)
 	e.publish(quick)
-	waitFor(t, "scheduled", 5*time.Second, func() bool { return len(r.w.Scheduled()) == 1 })
+	testkit.WaitFor(t, "scheduled", 5*time.Second, func() bool { return len(r.w.Scheduled()) == 1 })
 	res := results(t, replies, 2, 10*time.Second)
 	if len(res[quick.ID]) != 1 || len(res[eta.ID]) != 1 {
 		t.Fatalf("results: %v", res)
@@ -278,18 +281,18 @@ func TestRevokeExpiresETA(t *testing.T) {
 	if c := fx.snapshot(); c["s-1"] != 0 || c["s-2"] != 0 || c["s-3"] != 0 || c["s-4"] != 1 || c["s-5"] != 1 {
 		t.Errorf("effects %v", c)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
 // TestCrashPoints: the configured crash point fires once, for the named
 // task only, at the right step (the kill is recorded instead of executed).
 func TestCrashPoints(t *testing.T) {
-	for _, at := range []string{CrashAfterClaim, CrashAfterEffect, CrashBeforeAck} {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
 		t.Run(at, func(t *testing.T) {
 			e := newEnv(t)
 			fx := &effects{}
 			cfg := e.config()
-			cfg.Crash = CrashConfig{At: at, Task: "t.pay"}
+			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.pay"}
 			cfg.Concurrency = 1
 			w, err := NewWorker(testRegistry(t, fx), cfg)
 			if err != nil {
@@ -319,7 +322,7 @@ func TestCrashPoints(t *testing.T) {
 			results(t, replies, 3, 20*time.Second)
 			mu.Lock()
 			defer mu.Unlock()
-			want := map[string]string{CrashAfterClaim: "effects=0", CrashAfterEffect: "effects=1", CrashBeforeAck: "effects=1"}[at]
+			want := map[string]string{workerhooks.AfterClaim: "effects=0", workerhooks.AfterEffect: "effects=1", workerhooks.BeforeAck: "effects=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)
 			}
@@ -332,7 +335,7 @@ func TestNoRecord(t *testing.T) {
 	e := newEnv(t)
 	fx := &effects{}
 	cfg := e.config()
-	cfg.NoRecord, cfg.Store = true, nil
+	cfg.hooks.NoRecord, cfg.Store = true, nil
 	e.start(testRegistry(t, fx), cfg)
 	replyTo, replies := e.replyQueue()
 	for i := range 3 {

@@ -12,6 +12,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // blockArgs are the arguments of t.block: Pad makes a message as large as
@@ -63,7 +64,7 @@ func TestMemoryBudgetHoldsDeliveriesBeforeDecoding(t *testing.T) {
 	for i := range n {
 		e.publishBlock(taskID(i), 5<<20, replyTo, time.Time{}) // about 21 MiB each before decoding, 10 MiB decoded
 	}
-	waitFor(t, "deliveries waiting for memory", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "deliveries waiting for memory", 10*time.Second, func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		return len(w.waiting) > 0
@@ -88,7 +89,7 @@ func TestMemoryBudgetHoldsDeliveriesBeforeDecoding(t *testing.T) {
 			t.Errorf("task %d answered %v, want one SUCCESS", i, r)
 		}
 	}
-	waitFor(t, "charges released", 5*time.Second, func() bool {
+	testkit.WaitFor(t, "charges released", 5*time.Second, func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		return w.memUsed == 0 && len(w.charged) == 0
@@ -110,7 +111,7 @@ func TestMessageLargerThanBudgetRefused(t *testing.T) {
 	e.publishRaw(&celeryproto.Publishing{ContentType: celeryproto.ContentTypeYAML, ContentEncoding: "utf-8", Body: []byte(body),
 		Headers: map[string]any{"task": "t.block", "id": id, "lang": "py"}, ReplyTo: replyTo, CorrelationID: id})
 	var got []amqp091.Delivery
-	waitFor(t, "quarantined", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "quarantined", 10*time.Second, func() bool {
 		got = append(got, e.quarantined()...)
 		return len(got) > 0
 	})
@@ -145,7 +146,7 @@ func TestETAHeldBoundedByBytes(t *testing.T) {
 	if r := results(t, replies, 1, 20*time.Second)[taskID(100)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
 		t.Errorf("task due now answered %v, want SUCCESS", r)
 	}
-	waitFor(t, "deliveries sent back for the ETA share", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "deliveries sent back for the ETA share", 10*time.Second, func() bool {
 		return counterValue(w.m.etaRequeued) > 0
 	})
 	w.mu.Lock()
@@ -186,12 +187,12 @@ func TestStalledNotReady(t *testing.T) {
 	if !r.w.Ready() {
 		t.Error("not ready right after the slots filled")
 	}
-	waitFor(t, "not ready", 5*time.Second, func() bool { return !r.w.Ready() })
+	testkit.WaitFor(t, "not ready", 5*time.Second, func() bool { return !r.w.Ready() })
 	if gaugeValue(r.w.m.stalled) != 1 {
 		t.Error("onceler_stalled is not 1")
 	}
 	close(release)
-	waitFor(t, "ready again", 5*time.Second, r.w.Ready)
+	testkit.WaitFor(t, "ready again", 5*time.Second, r.w.Ready)
 	results(t, replies, 2, 10*time.Second)
 }
 

@@ -8,19 +8,22 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
-// runOwnTx runs a same-database task without the record (Config.NoRecord):
-// its RunTx gets a transaction of its own on Config.Pool, committed when it
-// succeeds, rolled back when it fails. Nothing is recorded: every delivery
-// repeats the effect, which is what a run without the record shows.
+// runOwnTx runs a same-database task without the record (workerhooks
+// NoRecord): its RunTx gets a transaction of its own on Config.Pool,
+// committed when it succeeds, rolled back when it fails. Nothing is
+// recorded: every delivery repeats the effect, which is what a run without
+// the record shows.
 func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 	tx, err := w.cfg.Pool.Begin(ctx)
 	if err != nil {
 		w.recordTrouble(ctx, j, "begin", err)
 		return
 	}
-	w.crash(CrashAfterClaim, j)
+	w.crash(workerhooks.AfterClaim, j)
 	var ttx pgx.Tx = &taskTx{Tx: tx}
 	var guard *txGuard
 	if w.hardLimit(j) > 0 {
@@ -59,7 +62,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 		w.finish(ctx, j, nil, taskErr)
 		return
 	}
-	w.crash(CrashAfterEffect, j)
+	w.crash(workerhooks.AfterEffect, j)
 	cctx, cancel := final(ctx)
 	err = tx.Commit(cctx)
 	cancel()
@@ -77,7 +80,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 // one, and it has no TaskEvents method or that says yes. Event field maps
 // are built only after it said yes.
 func (w *Worker) wantEvents() bool {
-	if w.cfg.Observer == nil {
+	if w.obs == nil {
 		return false
 	}
 	return w.taskEvents == nil || w.taskEvents()

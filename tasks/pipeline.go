@@ -11,6 +11,8 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // Quarantine reasons, the value of the x-onceler-reason header.
@@ -66,11 +68,11 @@ func (w *Worker) process(ctx context.Context, j *job) {
 			return
 		}
 	}
-	if j.h.mode == ModeSameDB && w.cfg.NoRecord {
+	if j.h.mode == ModeSameDB && w.cfg.hooks.NoRecord {
 		w.runOwnTx(ctx, j)
 		return
 	}
-	if j.h.mode == ModePure || w.cfg.NoRecord {
+	if j.h.mode == ModePure || w.cfg.hooks.NoRecord {
 		w.runPure(ctx, j)
 		return
 	}
@@ -104,7 +106,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 	h, ok := w.reg.get(msg.Task)
 	if !ok {
 		w.m.received.WithLabelValues("unregistered").Inc()
-		w.log.Error("received unregistered task", zap.String("task", clip(msg.Task, maxLogField)), zap.String("task_id", clip(msg.ID, maxLogField)))
+		w.log.Error("received unregistered task", zap.String("task", clip.String(msg.Task, maxLogField)), zap.String("task_id", clip.String(msg.ID, maxLogField)))
 		exc := &celeryproto.Exception{Type: "NotRegistered", Module: "celery.exceptions", Message: msg.Task}
 		if w.wantEvents() {
 			// As Celery's consumer (on_unknown_task): task-failed, no
@@ -134,7 +136,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		if errors.As(err, &ae) {
 			ae.Task = h.name
 		}
-		w.log.Warn("bad arguments", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("bad arguments", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		exc := exceptionFor(err)
 		if w.wantEvents() {
 			w.event(ctx, j, failedEvent("task-failed", h.name, exc))
@@ -152,7 +154,7 @@ func (w *Worker) prepare(ctx context.Context, j *job) bool {
 		w.refuseWorkflow(ctx, j, why)
 		return false
 	}
-	if h.mode != ModePure && !w.cfg.NoRecord && !h.allowMismatch {
+	if h.mode != ModePure && !w.cfg.hooks.NoRecord && !h.allowMismatch {
 		fp, err := celeryproto.Fingerprint(msg.Args, msg.Kwargs)
 		if err != nil {
 			w.quarantine(ctx, j, ReasonBadArguments, fmt.Errorf("fingerprint: %w", err))
@@ -226,11 +228,11 @@ func (w *Worker) claimParams(j *job) idempotency.ClaimParams {
 // runPure runs a task without a record. Its crash points are before the
 // run (after_claim: there is no claim) and after it returns (after_effect).
 func (w *Worker) runPure(ctx context.Context, j *job) {
-	w.crash(CrashAfterClaim, j)
+	w.crash(workerhooks.AfterClaim, j)
 	res, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
-	w.crash(CrashAfterEffect, j)
+	w.crash(workerhooks.AfterEffect, j)
 	if errors.Is(err, errRevokedWaiting) {
 		w.revokeDelivery(ctx, j, false)
 		return
@@ -250,15 +252,14 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	p := w.claimParams(j)
 	var taskErr error
 	ran, connClosed := false, false
-	var res []byte
 	start := time.Now()
 	claim, err := w.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		// A transaction group may call this more than once (a first call
 		// rolled back with its group, then a call in a savepoint of its
 		// own): only the last call's outcome is the operation's.
-		taskErr, connClosed, res = nil, false, nil
+		taskErr, connClosed = nil, false
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
-		w.crash(CrashAfterClaim, j)
+		w.crash(workerhooks.AfterClaim, j)
 		ran = true
 		var ttx pgx.Tx = &taskTx{Tx: tx}
 		var guard *txGuard
@@ -281,11 +282,8 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 			connClosed = tx.Conn().IsClosed()
 			return nil, err
 		}
-		w.crash(CrashAfterEffect, j)
-		// As the record keeps it, so that this caller and a duplicate's
-		// get the same.
-		res = storable(out)
-		return res, nil
+		w.crash(workerhooks.AfterEffect, j)
+		return out, nil
 	})
 	switch {
 	case ran && errors.Is(taskErr, errRevokedWaiting):
@@ -313,7 +311,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	case err != nil:
 		w.recordTrouble(ctx, j, "same-database transaction", err)
 	default:
-		w.answerClaim(ctx, j, claim, res)
+		w.answerClaim(ctx, j, claim)
 	}
 }
 
@@ -325,26 +323,14 @@ func taskCaused(err error) bool {
 	return errors.As(err, &te) || idempotency.IsDefinite(err)
 }
 
-// storable returns a task's JSON result as the record keeps it
-// (idempotency.StorableJSON): NUL, unpaired surrogates and bytes that are
-// not UTF-8 escaped.
-func storable(res []byte) []byte {
-	if res == nil {
-		return nil
-	}
-	if b, err := idempotency.StorableJSON(res); err == nil {
-		return b
-	}
-	return res
-}
-
-// answerClaim acts on a claim outcome other than a run of our own.
-// ownResult is the result of the run in this delivery, when it ran.
-func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Claim, ownResult []byte) {
+// answerClaim acts on a claim outcome other than a run of our own, or on
+// the completed claim of a same-database run in this delivery.
+func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Claim) {
 	switch claim.Outcome {
 	case idempotency.OutcomeFirst:
-		// same-database: ran and committed here.
-		w.finish(ctx, j, ownResult, nil)
+		// same-database: ran and committed here. The result as the record
+		// keeps it, so that this caller and a duplicate's get the same.
+		w.finish(ctx, j, claim.Result, nil)
 	case idempotency.OutcomeCompleted:
 		w.duplicate(ctx, j, claim.Result)
 	case idempotency.OutcomeStale:
@@ -424,12 +410,7 @@ func (w *Worker) deferDelivery(j *job, leaseUntil time.Time) {
 // answers the delivery as held.
 func (w *Worker) holdSameDB(ctx context.Context, j *job, stale idempotency.Claim) {
 	p := w.claimParams(j)
-	msg, err := encodeHeld(j.d)
-	if err != nil {
-		w.recordTrouble(ctx, j, "hold", err)
-		return
-	}
-	p.Message = msg
+	p.Message = w.heldCopy(j)
 	w.m.stale.WithLabelValues(j.h.name, PolicyHold.String()).Inc()
 	w.log.Warn("same-database claim committed without its completion: held", w.fields(j)...)
 	c, err := w.store.ApplyPolicy(ctx, p, stale, idempotency.StalePolicy{Policy: PolicyHold,
@@ -442,7 +423,7 @@ func (w *Worker) holdSameDB(ctx context.Context, j *job, stale idempotency.Claim
 		w.deferDelivery(j, c.LeaseUntil)
 		return
 	}
-	w.answerClaim(ctx, j, c, nil)
+	w.answerClaim(ctx, j, c)
 }
 
 // recordTrouble handles a record error: the outcome is unknown or the
@@ -460,9 +441,9 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 		return
 	}
 	if schemaMissing(err) {
-		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	} else {
-		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip(err.Error(), maxLogField)))
+		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	}
 	j.checks++
 	w.later(j, min(100*time.Millisecond<<min(j.checks, 5), 2*time.Second))

@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // staleClaim leaves a claim of (task, key) by a dead owner whose lease has
@@ -123,7 +124,7 @@ func TestStalePolicies(t *testing.T) {
 					t.Errorf("held message: exchange %q key %q headers %v", ex, rk, p.Headers)
 				}
 			}
-			waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+			testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 		})
 	}
 	if lookups.Load() != 3 {
@@ -204,5 +205,5 @@ func TestSameDatabase(t *testing.T) {
 	if _, err := e.store.Get(context.Background(), "t.credit", "e-bad"); !errors.Is(err, idempotency.ErrNotFound) {
 		t.Errorf("failed same-database task left a record: %v", err)
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }

@@ -6,12 +6,12 @@ import (
 	"slices"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // HeaderTruncated is set on a quarantine copy whose headers were cut to fit
@@ -47,9 +47,9 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 	if j.verdict == nil {
 		w.m.quarantined.WithLabelValues(reason).Inc()
 	}
-	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", d.Queue), zap.String("error", clip(cause.Error(), maxLogField))}
+	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", d.Queue), zap.String("error", clip.String(cause.Error(), maxLogField))}
 	if j.msg != nil {
-		fields = append(fields, zap.String("task", clip(j.msg.Task, maxLogField)), zap.String("task_id", clip(j.msg.ID, maxLogField)))
+		fields = append(fields, zap.String("task", clip.String(j.msg.Task, maxLogField)), zap.String("task_id", clip.String(j.msg.ID, maxLogField)))
 	}
 	if j.verdict == nil {
 		w.log.Warn("quarantining message", fields...)
@@ -58,7 +58,7 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		HeaderReason: reason,
 		// Bounded: the cause may repeat a name from the message (a task or
 		// an argument) of any length.
-		HeaderDetail: clip(cause.Error(), maxDetail),
+		HeaderDetail: clip.String(cause.Error(), maxDetail),
 		HeaderQueue:  d.Queue,
 		HeaderTime:   time.Now().UTC().Format(time.RFC3339Nano),
 	}
@@ -72,7 +72,7 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 	err := w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
 	if amqp.IsPermanent(err) {
 		// Only the copy's own headers: the original ones could not go.
-		ours[HeaderTruncated] = clip("all original headers left out: "+err.Error(), maxDetail)
+		ours[HeaderTruncated] = clip.String("all original headers left out: "+err.Error(), maxDetail)
 		p.Headers = ours
 		err = w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
 	}
@@ -83,11 +83,11 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		}
 		if j.verdict == nil {
 			w.log.Error("quarantine publish failed; delivery kept and tried again", append(fields,
-				zap.String("publish_error", clip(err.Error(), maxLogField)))...)
+				zap.String("publish_error", clip.String(err.Error(), maxLogField)))...)
 			j.verdict = &verdict{reason: reason, cause: cause}
 			j.checks = 0
 		} else if ce := w.log.Check(zap.DebugLevel, "quarantine publish failed again"); ce != nil {
-			ce.Write(append(fields, zap.String("publish_error", clip(err.Error(), maxLogField)))...)
+			ce.Write(append(fields, zap.String("publish_error", clip.String(err.Error(), maxLogField)))...)
 		}
 		delay := min(time.Second<<min(j.checks, 5), 30*time.Second)
 		j.checks++
@@ -148,7 +148,7 @@ func fitHeaders(h, ours map[string]any) map[string]any {
 	if len(left) > 0 {
 		b.WriteString("; left out: " + strings.Join(left, ", "))
 	}
-	out[HeaderTruncated] = clip(b.String(), maxDetail)
+	out[HeaderTruncated] = clip.String(b.String(), maxDetail)
 	return out
 }
 
@@ -157,22 +157,9 @@ func fitHeaders(h, ours map[string]any) map[string]any {
 func cutValue(v any) any {
 	switch x := v.(type) {
 	case string:
-		return clip(x, maxQuarantineValue)
+		return clip.String(x, maxQuarantineValue)
 	case []byte:
-		return clip(string(x), maxQuarantineValue)
+		return clip.String(string(x), maxQuarantineValue)
 	}
-	return clip(fmt.Sprint(v), maxQuarantineValue)
-}
-
-// clip returns s cut to at most n bytes at a rune boundary, with "..." when
-// cut.
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	i := n
-	for i > 0 && !utf8.RuneStart(s[i]) {
-		i--
-	}
-	return s[:i] + "..."
+	return clip.String(fmt.Sprint(v), maxQuarantineValue)
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // hostileRegistry has h.add (pure), h.fail (pure, ValueError), h.retry
@@ -174,7 +175,7 @@ func TestRefusedPublishIsAnsweredOnce(t *testing.T) {
 		}
 	}
 	var got []amqp091.Delivery
-	waitFor(t, "quarantined", 20*time.Second, func() bool {
+	testkit.WaitFor(t, "quarantined", 20*time.Second, func() bool {
 		got = append(got, e.quarantined()...)
 		return len(got) >= len(wantQ)
 	})
@@ -273,7 +274,7 @@ func TestRefusedPublishesDoNotStallTheWorker(t *testing.T) {
 			t.Fatalf("the normal task behind %d refused ones was not answered in 60s (ran %d of them)", n, len(runs.snapshot()))
 		}
 	}
-	waitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 20*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	for id, c := range runs.snapshot() {
 		if c != 1 {
 			t.Errorf("task %.40s ran %d times", id, c)
@@ -298,7 +299,7 @@ func TestQuarantineCopyCutToFitAFrame(t *testing.T) {
 		Headers: map[string]any{"task": name, "id": taskID(1), "lang": "py", "x-big": strings.Repeat("b", 68_000)},
 		ReplyTo: replyTo, CorrelationID: taskID(1)})
 	var got []amqp091.Delivery
-	waitFor(t, "quarantined", 20*time.Second, func() bool {
+	testkit.WaitFor(t, "quarantined", 20*time.Second, func() bool {
 		got = append(got, e.quarantined()...)
 		return len(got) > 0
 	})

@@ -12,6 +12,8 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
 )
 
 // Quarantine headers set on every quarantined message, beside the original
@@ -105,12 +107,12 @@ func (w *Worker) publishResultTo(ctx context.Context, j *job, replyTo string, r 
 			// The reply address (or the result) is refused for what it is:
 			// the caller cannot be answered. Said once; the delivery goes on.
 			w.log.Error("result refused by the broker; the caller cannot be answered", w.fields(j,
-				zap.String("reply_to", clip(replyTo, maxLogField)), zap.String("result_task_id", clip(r.TaskID, maxLogField)),
-				zap.String("status", string(r.Status)), zap.String("error", clip(err.Error(), maxLogField)))...)
+				zap.String("reply_to", clip.String(replyTo, maxLogField)), zap.String("result_task_id", clip.String(r.TaskID, maxLogField)),
+				zap.String("status", string(r.Status)), zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			return true
 		}
-		if ctx.Err() != nil || attempt >= 20 || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
-			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		if ctx.Err() != nil || attempt >= 20 || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), time.Second)) {
+			w.log.Warn("result not published; delivery requeued unanswered", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 			w.giveBack(j)
 			return false
 		}
@@ -351,7 +353,7 @@ func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
 	f := make([]zap.Field, 0, 6+len(extra))
 	if j.msg != nil {
 		// Bounded: a producer may send names of any length.
-		f = append(f, zap.String("task", clip(j.msg.Task, maxLogField)), zap.String("task_id", clip(j.msg.ID, maxLogField)))
+		f = append(f, zap.String("task", clip.String(j.msg.Task, maxLogField)), zap.String("task_id", clip.String(j.msg.ID, maxLogField)))
 		if j.msg.Retries > 0 {
 			f = append(f, zap.Int("retries", j.msg.Retries))
 		}
@@ -360,7 +362,7 @@ func (w *Worker) fields(j *job, extra ...zap.Field) []zap.Field {
 		}
 	}
 	if j.key != "" {
-		f = append(f, zap.String("key", clip(j.key, maxLogField)))
+		f = append(f, zap.String("key", clip.String(j.key, maxLogField)))
 	}
 	if j.attempt > 0 {
 		f = append(f, zap.Int("attempt", j.attempt))
@@ -377,6 +379,19 @@ type heldMessage struct {
 	Publishing  *celeryproto.Publishing `json:"publishing"`
 	CapturedAt  time.Time               `json:"captured_at"`
 	Redelivered bool                    `json:"redelivered"`
+}
+
+// heldCopy encodes j's delivery for the held record it may go to, or keeps
+// none (nil, logged) when it cannot be encoded (a header value JSON cannot
+// hold): the operation is held all the same, without a message for
+// 'onceler resolve --retry' to replay.
+func (w *Worker) heldCopy(j *job) []byte {
+	b, err := encodeHeld(j.d)
+	if err != nil {
+		w.log.Error("the held operation keeps no copy of its message: it cannot be encoded", w.fields(j, zap.Error(err))...)
+		return nil
+	}
+	return b
 }
 
 func encodeHeld(d *amqp.Delivery) ([]byte, error) {

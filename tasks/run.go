@@ -13,6 +13,8 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 // runOutside claims the operation, applies the stale-claim policy if needed,
@@ -55,7 +57,7 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 	}
 	j.claimToken = ""
 	if claim.Outcome != idempotency.OutcomeFirst {
-		w.answerClaim(ctx, j, claim, nil)
+		w.answerClaim(ctx, j, claim)
 		return
 	}
 	if crashes := claim.Attempt - j.msg.Retries; j.d.Redelivered && crashes > w.cfg.MaxAttempts {
@@ -99,14 +101,14 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		}
 		since = renewed
 	}
-	w.crash(CrashAfterClaim, j)
+	w.crash(workerhooks.AfterClaim, j)
 	kctx, stop := w.store.KeepSince(ctx, ref, p.Lease, since)
 	res, taskErr := w.execute(kctx, j, w.call(j, claim.Attempt), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
 	})
 	leaseLost := errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost)
 	stop()
-	w.crash(CrashAfterEffect, j)
+	w.crash(workerhooks.AfterEffect, j)
 	switch {
 	case errors.Is(taskErr, errRevokedWaiting):
 		// It never ran: the claim is released, the caller told REVOKED.
@@ -121,12 +123,16 @@ func (w *Worker) runOutside(ctx context.Context, j *job) {
 		w.deferDelivery(j, time.Time{})
 	case taskErr == nil:
 		// Even after a lost lease: the token fences the completion if
-		// another delivery took the operation over. As the record keeps
-		// it, so that this caller and a duplicate's get the same.
-		res = storable(res)
-		switch err := w.write(ctx, j, "complete", func(c context.Context) error { return w.store.Complete(c, ref, res) }); {
+		// another delivery took the operation over. The caller gets the
+		// result as the record keeps it, as a duplicate's caller does.
+		var stored []byte
+		err := w.write(ctx, j, "complete", func(c context.Context) (err error) {
+			stored, err = w.store.Complete(c, ref, res)
+			return err
+		})
+		switch {
 		case err == nil:
-			w.finish(ctx, j, res, nil)
+			w.finish(ctx, j, stored, nil)
 		case errors.Is(err, idempotency.ErrFenced):
 			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
 			w.deferDelivery(j, time.Time{})
@@ -184,7 +190,7 @@ func (w *Worker) write(ctx context.Context, j *job, what string, op func(context
 			return err
 		}
 		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
-		if ctx.Err() != nil || !sleepCtx(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
+		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
 			w.giveBack(j)
 			return fmt.Errorf("%s: %w", what, err)
 		}
@@ -222,11 +228,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 	w.m.stale.WithLabelValues(h.name, h.policy.String()).Inc()
 	sp := idempotency.StalePolicy{Policy: h.policy, Fallback: h.fallback, LookupTimeout: h.lookupTimeout}
 	if h.policy == PolicyHold || h.fallback == PolicyHold {
-		msg, err := encodeHeld(j.d)
-		if err != nil {
-			return idempotency.Claim{}, err
-		}
-		p.Message = msg
+		p.Message = w.heldCopy(j)
 	}
 	if h.lookup != nil {
 		sp.Lookup = func(ctx context.Context, key string) ([]byte, bool, error) {
@@ -248,10 +250,7 @@ func (w *Worker) applyPolicy(ctx context.Context, j *job, p idempotency.ClaimPar
 // onceler.exceptions.ResultNotStored; then the delivery is acknowledged.
 func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, err error) {
 	w.log.Error("the record refuses the task's result; operation held", w.fields(j, zap.Error(err))...)
-	msg, merr := encodeHeld(j.d)
-	if merr != nil {
-		msg = nil
-	}
+	msg := w.heldCopy(j)
 	reason := "the task's result could not be stored: " + err.Error()
 	herr := w.write(ctx, j, "hold", func(c context.Context) error { return w.store.HoldOwn(c, ref, msg, reason) })
 	switch {
@@ -283,10 +282,7 @@ func (w *Worker) unstorable(ctx context.Context, j *job, ref idempotency.Ref, er
 // by then has lapsed into the policy).
 func (w *Worker) settleAbandoned(ctx context.Context, j *job, ref idempotency.Ref) bool {
 	reason := "the task was abandoned still running: its effect may or may not happen"
-	msg, merr := encodeHeld(j.d)
-	if merr != nil {
-		msg = nil
-	}
+	msg := w.heldCopy(j)
 	err := w.write(ctx, j, "settle abandoned", func(c context.Context) error {
 		switch j.h.policy {
 		case PolicySkip:
@@ -480,7 +476,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		if !w.followUp(ctx, j, res) || !w.replySuccess(ctx, j, res) {
 			return
 		}
-		w.crash(CrashBeforeAck, j)
+		w.crash(workerhooks.BeforeAck, j)
 		w.ack(j)
 		return
 	}
@@ -518,7 +514,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
 		return
 	}
-	w.crash(CrashBeforeAck, j)
+	w.crash(workerhooks.BeforeAck, j)
 	w.ack(j)
 }
 
@@ -537,15 +533,4 @@ func jsonValue(b []byte) (any, error) {
 		return nil, fmt.Errorf("decode stored result: %w", err)
 	}
 	return v, nil
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

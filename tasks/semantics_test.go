@@ -20,7 +20,9 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // wfCall is a wf.py call spec.
@@ -255,8 +257,8 @@ func TestETADoesNotStarve(t *testing.T) {
 				m.ETA = due
 				e.publish(m)
 			}
-			waitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
-			waitFor(t, "prefetch grown by the held set", 5*time.Second, func() bool { return r.w.consumer.Prefetch() == cfg.Prefetch+held })
+			testkit.WaitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
+			testkit.WaitFor(t, "prefetch grown by the held set", 5*time.Second, func() bool { return r.w.consumer.Prefetch() == cfg.Prefetch+held })
 			sent := time.Now()
 			for i := range quick {
 				e.publish(payMessage("t.pay", held+i, fmt.Sprintf("now-%d", i), replyTo))
@@ -320,7 +322,7 @@ func TestHardTimeLimitWithPython(t *testing.T) {
 			}}),
 		Register(reg, Task[stubbornArgs]{Name: "t.soft_default", SoftTimeLimit: 200 * time.Millisecond,
 			Run: func(ctx context.Context, _ *Call, a stubbornArgs) (any, error) {
-				if !sleepCtx(ctx, time.Duration(a.Ms)*time.Millisecond) {
+				if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
 					return nil, context.Cause(ctx)
 				}
 				return "done", nil
@@ -432,13 +434,13 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 		m.ETA = due
 		e.publish(m)
 	}
-	waitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
-	pids := connectionPIDs(t, cfg.Broker.Name+" consume")
+	testkit.WaitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
+	pids := testkit.ConnectionPIDs(t, cfg.Broker.Name+" consume")
 	if len(pids) == 0 {
 		t.Fatal("consumer connection not found")
 	}
-	closeConnections(t, pids)
-	waitFor(t, "held copies replaced by redeliveries after the reconnect", 10*time.Second, func() bool {
+	testkit.CloseConnections(t, pids)
+	testkit.WaitFor(t, "held copies replaced by redeliveries after the reconnect", 10*time.Second, func() bool {
 		s := r.w.Scheduled()
 		for _, ti := range s {
 			if !ti.Redelivered {
@@ -457,7 +459,7 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 		}
 	}
 	checkExactlyOnce(t, fx, held, func(i int) string { return fmt.Sprintf("eta-%d", i) })
-	waitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
 		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == cfg.Prefetch
 	})
 }
@@ -491,7 +493,7 @@ func TestLongETARepublished(t *testing.T) {
 		t.Errorf("consumer channel lost %d times", n)
 	}
 	checkExactlyOnce(t, fx, 1, func(int) string { return "long-eta" })
-	waitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
 		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == r.w.cfg.Prefetch
 	})
 }

@@ -3,7 +3,6 @@ package tasks
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
@@ -86,31 +85,4 @@ func sigFrom(m map[string]any) (celeryproto.Signature, error) {
 	s.SubtaskType, _ = m["subtask_type"].(string)
 	s.Immutable, _ = m["immutable"].(bool)
 	return s, nil
-}
-
-// pyRepr writes a Celery argsrepr/kwargsrepr: Python's repr of the args
-// tuple (tuple) or kwargs dict, truncated to 1024 characters as Celery's
-// saferepr does.
-func pyRepr(v any, tuple bool) string {
-	var b strings.Builder
-	if args, ok := v.([]any); ok && tuple {
-		b.WriteByte('(')
-		for i, a := range args {
-			if i > 0 {
-				b.WriteString(", ")
-			}
-			writeRepr(&b, a)
-		}
-		if len(args) == 1 {
-			b.WriteByte(',')
-		}
-		b.WriteByte(')')
-	} else {
-		writeRepr(&b, v)
-	}
-	s := b.String()
-	if len(s) > reprMax {
-		s = s[:reprMax-3] + "..."
-	}
-	return s
 }

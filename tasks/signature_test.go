@@ -2,32 +2,8 @@ package tasks
 
 import (
 	"regexp"
-	"strings"
 	"testing"
 )
-
-func TestPyRepr(t *testing.T) {
-	cases := []struct {
-		v     any
-		tuple bool
-		want  string
-	}{
-		{[]any{int64(3), "x"}, true, "(3, 'x')"},
-		{[]any{int64(3)}, true, "(3,)"},
-		{[]any{}, true, "()"},
-		{map[string]any{"b": nil, "a": []any{true, 2.5, "it's"}}, false, `{'a': [True, 2.5, "it's"], 'b': None}`},
-		{map[string]any{}, false, "{}"},
-	}
-	for _, c := range cases {
-		if got := pyRepr(c.v, c.tuple); got != c.want {
-			t.Errorf("pyRepr(%v) = %s, want %s", c.v, got, c.want)
-		}
-	}
-	long := pyRepr([]any{strings.Repeat("x", 5000)}, true)
-	if len(long) != 1024 || !strings.HasSuffix(long, "...") {
-		t.Errorf("long repr: %d chars", len(long))
-	}
-}
 
 func TestStepID(t *testing.T) {
 	a, b := stepID("parent", "link", 0), stepID("parent", "link", 1)

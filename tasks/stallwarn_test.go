@@ -13,6 +13,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func outsideRegistry(t *testing.T) *Registry {
@@ -96,7 +97,7 @@ func TestWarnsWhenClaimHeldElsewhere(t *testing.T) {
 	e.publish(&celeryproto.Message{ID: taskID(1), Task: "t.stall_pay", Kwargs: map[string]any{"order_id": "order-held", "amount": 5}})
 
 	const msg = "operation claimed by another delivery still in progress"
-	waitFor(t, "the stall warning", cfg.Lease+2*time.Second, func() bool {
+	testkit.WaitFor(t, "the stall warning", cfg.Lease+2*time.Second, func() bool {
 		return logs.FilterMessageSnippet(msg).Len() > 0
 	})
 	if waited := time.Since(sent); waited < cfg.Lease {

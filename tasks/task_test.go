@@ -201,18 +201,6 @@ func TestExceptionFor(t *testing.T) {
 	}
 }
 
-func TestCrashConfig(t *testing.T) {
-	t.Setenv("ONCELER_CRASH_AT", "after_effect")
-	t.Setenv("ONCELER_CRASH_TASK", "demo.pay")
-	c := FromEnv()
-	if c.At != CrashAfterEffect || c.Task != "demo.pay" || c.validate() != nil {
-		t.Fatalf("FromEnv = %+v", c)
-	}
-	if (CrashConfig{At: "sometime"}).validate() == nil {
-		t.Fatal("unknown crash point accepted")
-	}
-}
-
 func TestMetricsRegistration(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m, err := newMetrics(reg, nil)

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestRevokeTerminateAbandons: a task that ignores its context is abandoned
@@ -52,7 +53,7 @@ func TestRevokeTerminateAbandons(t *testing.T) {
 	terminate := func(m *celeryprotoMessage) time.Duration {
 		t.Helper()
 		e.publish(m)
-		waitFor(t, m.Task+" running", 10*time.Second, func() bool {
+		testkit.WaitFor(t, m.Task+" running", 10*time.Second, func() bool {
 			for _, a := range r.w.Active() {
 				if a.ID == m.ID {
 					return true
@@ -82,7 +83,7 @@ func TestRevokeTerminateAbandons(t *testing.T) {
 			t.Errorf("%s: answered after %s (task returned %d): not abandoned", task, took, returned.Load())
 		}
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	rec, err := e.store.Get(context.Background(), "x.outside", "o-1")
 	if err != nil || rec.Status != idempotency.StatusHeld {
 		t.Errorf("outside record %v (%v), want held at once by its policy (hold)", rec.Status, err)

@@ -14,7 +14,9 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // Worker consumes Celery task messages and runs the registered tasks, each
@@ -35,10 +37,17 @@ type Worker struct {
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).
 	kill    func()
 	crashed atomic.Bool
-	// taskEvents reports whether the Observer wants task events now (its
-	// TaskEvents method); nil: it always does.
+	// ctl is the worker's remote control (nil with Config.NoControl); its
+	// shutdown command calls stopRun, the cancel function of Run's context.
+	ctl     *control.Controller
+	stopRun atomic.Pointer[context.CancelFunc]
+	// obs gets the task events: Config.Observer, the remote control, or
+	// both (nil: none).
+	obs Observer
+	// taskEvents reports whether obs wants task events now (its TaskEvents
+	// method); nil: it always does.
 	taskEvents func() bool
-	// taskObs is the Observer when it takes task events as values.
+	// taskObs is obs when it takes task events as values.
 	taskObs TaskEventObserver
 
 	jobs chan *job     // deliveries waiting for a task goroutine
@@ -163,16 +172,23 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		needRecord = needRecord || h.mode != ModePure
 		sameDB = sameDB || h.mode == ModeSameDB
 	}
-	if sameDB && cfg.NoRecord && cfg.Pool == nil {
+	if sameDB && cfg.hooks.NoRecord && cfg.Pool == nil {
 		return nil, errors.New("tasks: same-database tasks need Config.Pool (without the record they run in a transaction of their own)")
 	}
-	if te, ok := cfg.Observer.(interface{ TaskEvents() bool }); ok {
+	w.obs = cfg.Observer
+	if !cfg.NoControl {
+		if err := w.newControl(); err != nil {
+			return nil, err
+		}
+		w.obs = withControl(cfg.Observer, w.ctl)
+	}
+	if te, ok := w.obs.(interface{ TaskEvents() bool }); ok {
 		w.taskEvents = te.TaskEvents
 	}
-	if to, ok := cfg.Observer.(TaskEventObserver); ok {
+	if to, ok := w.obs.(TaskEventObserver); ok {
 		w.taskObs = to
 	}
-	if needRecord && !cfg.NoRecord {
+	if needRecord && !cfg.hooks.NoRecord {
 		w.store = cfg.Store
 		if w.store == nil {
 			if cfg.Pool == nil {
@@ -207,6 +223,10 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	return w, nil
 }
 
+// Controller returns the worker's remote control: nil with
+// Config.NoControl.
+func (w *Worker) Controller() *control.Controller { return w.ctl }
+
 func (w *Worker) closeStore() {
 	if w.ownStore && w.store != nil {
 		w.store.Close()
@@ -223,6 +243,9 @@ func (w *Worker) Run(ctx context.Context) error {
 	if !w.ran.CompareAndSwap(false, true) {
 		return errors.New("tasks: worker already ran")
 	}
+	ctx, stop := context.WithCancel(ctx) // also the remote shutdown command
+	defer stop()
+	w.stopRun.Store(&stop)
 	w.running.Store(true)
 	defer w.running.Store(false)
 	defer w.closeStore()
@@ -243,6 +266,8 @@ func (w *Worker) Run(ctx context.Context) error {
 			return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
 		}
 	}
+	// Stopped when Run returns: worker-offline goes once the tasks are done.
+	defer w.runControl(ctx)()
 
 	w.jobs = make(chan *job, 1<<16)
 	w.quit = make(chan struct{})
@@ -277,8 +302,8 @@ func (w *Worker) Run(ctx context.Context) error {
 
 	w.log.Info("worker started", zap.Int("concurrency", w.cfg.Concurrency), zap.Int("prefetch", w.cfg.Prefetch),
 		zap.Int64("memory_budget", w.cfg.MemoryBudget), zap.Duration("stall_after", w.cfg.StallAfter),
-		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.NoRecord))
-	if w.cfg.NoRecord {
+		zap.Strings("tasks", w.reg.Names()), zap.Bool("no_record", w.cfg.hooks.NoRecord))
+	if w.cfg.hooks.NoRecord {
 		w.log.Warn("running WITHOUT the idempotency record: duplicate deliveries repeat their effects")
 	}
 
@@ -506,7 +531,7 @@ func (w *Worker) forget(j *job) {
 
 // crash kills the process if the configured crash point is reached.
 func (w *Worker) crash(point string, j *job) {
-	c := w.cfg.Crash
+	c := w.cfg.hooks.Crash
 	if c.At != point || (c.Task != "" && c.Task != j.h.name) {
 		return
 	}
@@ -536,7 +561,7 @@ func (w *Worker) checkSchema(ctx context.Context) error {
 	case errors.As(err, &se):
 		return fmt.Errorf("tasks: %w: apply it with 'onceler migrate --schema %s' (or the worker's --migrate, or idempotency.Store.Migrate) before starting", err, se.Schema)
 	default:
-		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip(err.Error(), maxLogField)))
+		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip.String(err.Error(), maxLogField)))
 		return nil
 	}
 }

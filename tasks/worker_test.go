@@ -17,6 +17,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 type addArgs struct {
@@ -83,7 +85,7 @@ func testRegistry(t *testing.T, fx *effects) *Registry {
 			Name: name, Mode: ModeOutside, Policy: PolicyRetry,
 			Key: func(a payArgs) (string, error) { return a.OrderID, nil },
 			Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
-				if !sleepCtx(ctx, d) {
+				if !pause.For(ctx, d) {
 					return nil, context.Cause(ctx)
 				}
 				fx.add(c.Key)
@@ -192,7 +194,7 @@ func TestQuarantine(t *testing.T) {
 	}
 
 	var got []amqp091Delivery
-	waitFor(t, "5 quarantined messages", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "5 quarantined messages", 10*time.Second, func() bool {
 		for _, d := range e.quarantined() {
 			got = append(got, amqp091Delivery{reason: fmt.Sprint(d.Headers[HeaderReason]),
 				detail: fmt.Sprint(d.Headers[HeaderDetail]), queue: fmt.Sprint(d.Headers[HeaderQueue]),
@@ -261,7 +263,7 @@ func TestUndecodableCallerAnswered(t *testing.T) {
 		t.Errorf("pickle from Celery: %+v, want kombu.exceptions.ContentDisallowed", r[0])
 	}
 	var got []amqp091.Delivery
-	waitFor(t, "all three in quarantine", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "all three in quarantine", 10*time.Second, func() bool {
 		got = append(got, e.quarantined()...)
 		return len(got) >= 3
 	})
@@ -303,7 +305,7 @@ func TestBadInputIsQuarantinedNotRetried(t *testing.T) {
 			Body: []byte(c.body), Headers: h, ReplyTo: replyTo, CorrelationID: c.id})
 	}
 	var got []amqp091.Delivery
-	waitFor(t, "all in quarantine", 20*time.Second, func() bool {
+	testkit.WaitFor(t, "all in quarantine", 20*time.Second, func() bool {
 		got = append(got, e.quarantined()...)
 		return len(got) >= len(cases)
 	})
@@ -368,14 +370,14 @@ func TestQuarantineRetry(t *testing.T) {
 				t.Fatal(err)
 			}
 			e.publish(tc.msg(replyTo))
-			waitFor(t, "a failed quarantine publish", 10*time.Second, func() bool {
+			testkit.WaitFor(t, "a failed quarantine publish", 10*time.Second, func() bool {
 				return logs.FilterMessage("quarantine publish failed; delivery kept and tried again").Len() > 0
 			})
 			if _, err := e.ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
 				t.Fatal(err)
 			}
 			var got []amqp091.Delivery
-			waitFor(t, "the message in quarantine", 15*time.Second, func() bool {
+			testkit.WaitFor(t, "the message in quarantine", 15*time.Second, func() bool {
 				got = append(got, e.quarantined()...)
 				return len(got) > 0
 			})
@@ -489,7 +491,7 @@ func TestDuplicatesTwoWorkers(t *testing.T) {
 			t.Errorf("operation %s: %d effects", k, n)
 		}
 	}
-	waitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 	rep, err := e.store.Repeats(context.Background(), since)
 	if err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // ReasonPublishRefused is the quarantine reason of a message whose
@@ -205,7 +206,7 @@ func (w *Worker) buildStep(j *job, kind string, index int, sig celeryproto.Signa
 		Chain: chain, RootID: root, ParentID: parent.ID,
 		ReplyTo: optString(o, "reply_to"), CorrelationID: id, Origin: w.cfg.Hostname,
 		GroupID: optString(o, "group_id"), Shadow: optString(o, "shadow"), Priority: parent.Priority,
-		ArgsRepr: pyRepr(args, true), KwargsRepr: pyRepr(kwargs, false),
+		ArgsRepr: celeryproto.ArgsRepr(args), KwargsRepr: celeryproto.Repr(kwargs),
 	}
 	if v, ok := optNumber(o, "group_index"); ok {
 		gi := int(v)
@@ -301,7 +302,7 @@ func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 			// Routed by an exchange that has no queue for it: Celery's
 			// producer would lose it silently; waiting would hold the
 			// delivery for ever.
-			err = &amqp.RefusedError{Op: "publish", Exchange: clip(s.exchange, 128), RoutingKey: clip(s.routingKey, 128),
+			err = &amqp.RefusedError{Op: "publish", Exchange: clip.String(s.exchange, 128), RoutingKey: clip.String(s.routingKey, 128),
 				Reason: "unroutable: no queue is bound for it", Err: err}
 		}
 		if errors.Is(err, amqp.ErrReturned) && s.queue != "" {
@@ -309,12 +310,12 @@ func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 			derr := w.pub.Declare(dctx, amqp.CeleryQueue(s.queue))
 			cancel()
 			if derr != nil {
-				return fmt.Errorf("declare queue %s for %s step %s: %w", clip(s.queue, 128), s.kind, clip(s.msg.Task, 128), derr)
+				return fmt.Errorf("declare queue %s for %s step %s: %w", clip.String(s.queue, 128), s.kind, clip.String(s.msg.Task, 128), derr)
 			}
 			err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
 		}
 		if err != nil {
-			return fmt.Errorf("publish %s step %s: %w", s.kind, clip(s.msg.Task, 128), err)
+			return fmt.Errorf("publish %s step %s: %w", s.kind, clip.String(s.msg.Task, 128), err)
 		}
 		w.m.steps.WithLabelValues(kindLabel(s.kind)).Inc()
 		if ce := w.log.Check(zap.DebugLevel, "workflow step published"); ce != nil {
@@ -348,7 +349,7 @@ func (w *Worker) followUp(ctx context.Context, j *job, res []byte) bool {
 		w.log.Error("workflow step cannot be built", w.fields(j, zap.Error(err))...)
 		return true
 	}
-	recorded := j.key != "" && w.store != nil && !w.cfg.NoRecord
+	recorded := j.key != "" && w.store != nil && !w.cfg.hooks.NoRecord
 	if recorded {
 		done, err := w.store.Followups(ctx, j.h.name, j.key)
 		if err != nil {
@@ -425,10 +426,10 @@ func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exce
 	if err := w.publishSteps(ctx, j, steps); err != nil {
 		if amqp.IsPermanent(err) {
 			// The caller has its FAILURE; the errback can never go.
-			w.quarantine(ctx, j, ReasonPublishRefused, fmt.Errorf("%w (after the failure: %s)", err, clip(traceback, maxLogField)))
+			w.quarantine(ctx, j, ReasonPublishRefused, fmt.Errorf("%w (after the failure: %s)", err, clip.String(traceback, maxLogField)))
 			return false
 		}
-		w.log.Warn("errbacks not published; delivery requeued", w.fields(j, zap.String("error", clip(err.Error(), maxLogField)))...)
+		w.log.Warn("errbacks not published; delivery requeued", w.fields(j, zap.String("error", clip.String(err.Error(), maxLogField)))...)
 		w.giveBack(j)
 		return false
 	}
@@ -440,9 +441,9 @@ func (w *Worker) failWorkflow(ctx context.Context, j *job, exc *celeryproto.Exce
 // onceler.exceptions.PublishRefused to the caller and along the chain, the
 // errbacks, then the quarantine. The task is not run again.
 func (w *Worker) publishRefused(ctx context.Context, j *job, err error) {
-	msg := clip(err.Error(), maxDetail)
+	msg := clip.String(err.Error(), maxDetail)
 	w.log.Error("publish refused by the broker; caller answered FAILURE, message quarantined",
-		w.fields(j, zap.String("error", clip(msg, maxLogField)))...)
+		w.fields(j, zap.String("error", clip.String(msg, maxLogField)))...)
 	exc := &celeryproto.Exception{Type: "PublishRefused", Module: "onceler.exceptions", Message: msg}
 	if w.wantEvents() {
 		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))

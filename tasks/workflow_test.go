@@ -18,6 +18,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 type wfFailArgs struct {
@@ -97,7 +98,7 @@ func (e *env) pythonWorker(pyq string) {
 		_, _ = e.ch.QueueDelete(pyq, false, false, false)
 		_ = e.ch.ExchangeDelete(pyq, false, false)
 	})
-	waitFor(e.t, "the Python worker to consume", 60*time.Second, func() bool {
+	testkit.WaitFor(e.t, "the Python worker to consume", 60*time.Second, func() bool {
 		ch, err := e.conn.Channel()
 		if err != nil {
 			return false
@@ -203,7 +204,7 @@ func TestWorkflowsWithPython(t *testing.T) {
 	if err := json.Unmarshal(res["link_error"].OK, &linkErr); err != nil || linkErr.ExcType != "ValueError" {
 		t.Errorf("link_error: %s %v", res["link_error"].OK, err)
 	}
-	waitFor(t, "callbacks and errback", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "callbacks and errback", 10*time.Second, func() bool {
 		return len(rec.byTag("callback")) > 0 && len(rec.byTag("errback")) > 0 &&
 			len(rec.byTag("group-a")) > 0 && len(rec.byTag("group-b")) > 0
 	})
@@ -336,7 +337,7 @@ func TestUnsupportedWorkflowRefused(t *testing.T) {
 		}
 	}
 	var q []amqp091.Delivery
-	waitFor(t, "quarantine", 10*time.Second, func() bool { q = append(q, e.quarantined()...); return len(q) == 1 })
+	testkit.WaitFor(t, "quarantine", 10*time.Second, func() bool { q = append(q, e.quarantined()...); return len(q) == 1 })
 	if q[0].Headers[HeaderReason] != ReasonUnsupported {
 		t.Errorf("quarantine headers %v", q[0].Headers)
 	}

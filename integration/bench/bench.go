@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // scenario is one row of the table.
@@ -303,8 +304,8 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 				job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 			}
 			var mon *monitor
-			self0 := cpuTime()
-			defer func() { r.benchCPUUS = float64((cpuTime() - self0).Microseconds()) / float64(r.n) }()
+			self0 := testkit.CPUTime()
+			defer func() { r.benchCPUUS = float64((testkit.CPUTime() - self0).Microseconds()) / float64(r.n) }()
 			if sc.Events && b.o.monitor != monitorNone {
 				mqueue, _ := b.names(sc, ".events")
 				if mon, err = startMonitor(b.broker, mqueue, b.o.monitor == monitorLive); err != nil {

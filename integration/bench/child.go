@@ -12,8 +12,6 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -23,8 +21,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
-	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -129,7 +127,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
-	cpu0 := cpuTime()
+	cpu0 := testkit.CPUTime()
 	for res.Done < job.Expect {
 		select {
 		case <-ctx.Done():
@@ -149,7 +147,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 			res.Last = now
 		}
 	}
-	res.CPU = cpuTime() - cpu0
+	res.CPU = testkit.CPUTime() - cpu0
 	res.Elapsed = res.Last.Sub(res.First)
 	return res, nil
 }
@@ -227,17 +225,8 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		taskObs = obs
 	}
 	hostname := "onceler-bench@" + strconv.Itoa(os.Getpid())
-	var ctl *control.Controller
-	if job.Events {
-		if obs != nil {
-			return res, errors.New("worker: events and a done file together are not supported")
-		}
-		ctl, err = control.New(nil, control.Config{URL: job.AMQPURL, NodeName: hostname, TaskEvents: true,
-			Concurrency: job.Concurrency, Prefetch: job.Prefetch, Logger: log})
-		if err != nil {
-			return res, fmt.Errorf("worker: remote control: %w", err)
-		}
-		taskObs = ctl
+	if job.Events && obs != nil {
+		return res, errors.New("worker: events and a done file together are not supported")
 	}
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker:      amqp.Config{URL: job.AMQPURL, Name: "onceler-bench-worker", Logger: log},
@@ -251,6 +240,10 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		Metrics:     metrics,
 		Grace:       10 * time.Second,
 		Observer:    taskObs,
+		// With events, the worker's remote control sends them (and its
+		// heartbeats); without, there is none, as before.
+		NoControl:  !job.Events,
+		TaskEvents: job.Events,
 
 		ResultBackend: job.ResultBackend,
 	})
@@ -259,18 +252,6 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	}
 	wctx, stopWorker := context.WithCancel(ctx)
 	defer stopWorker()
-	stopCtl := func() error { return nil }
-	if ctl != nil {
-		ctl.SetWorker(control.FromTasks(w))
-		cctx, cancel := context.WithCancel(ctx)
-		ctlDone := make(chan error, 1)
-		go func() { ctlDone <- ctl.Run(cctx) }()
-		stopCtl = sync.OnceValue(func() error {
-			cancel()
-			return <-ctlDone
-		})
-	}
-	defer func() { _ = stopCtl() }()
 	runErr := make(chan error, 1)
 	go func() { runErr <- w.Run(wctx) }()
 
@@ -284,7 +265,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		}
 	}
 	fmt.Println("READY")
-	cpu0 := cpuTime()
+	cpu0 := testkit.CPUTime()
 	stopProfile := startProfile(job)
 	tick := time.NewTicker(2 * time.Millisecond)
 	defer tick.Stop()
@@ -306,7 +287,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 			}
 		}
 	}
-	res.CPU = cpuTime() - cpu0
+	res.CPU = testkit.CPUTime() - cpu0
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
 	res.Counts = counters(metrics.Registry)
@@ -319,10 +300,8 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	if err := <-runErr; err != nil && waitErr == nil {
 		waitErr = fmt.Errorf("worker: %w", err)
 	}
-	if ctl != nil {
-		if err := stopCtl(); err != nil && waitErr == nil {
-			waitErr = fmt.Errorf("remote control: %w", err)
-		}
+	if ctl := w.Controller(); ctl != nil {
+		// Stopped with the worker (Run returned).
 		sent, dropped, _ := ctl.Counters()
 		res.Counts["events_sent"], res.Counts["events_dropped"] = float64(sent), float64(dropped)
 	}
@@ -396,15 +375,6 @@ func peakRSS() int64 {
 		}
 	}
 	return 0
-}
-
-// cpuTime is the user and system CPU time of this process so far.
-func cpuTime() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // backendCPU sums the CPU time of the pool's PostgreSQL backends (the

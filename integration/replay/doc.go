@@ -23,8 +23,12 @@
 // # The worker binary
 //
 // The suite starts Binary with Command as arguments and these environment
-// variables, which the onceler command reads (every flag has one) and which
-// a binary of your own reads as integration/testdata/replayworker does:
+// variables, which the onceler command reads (every flag has one), and so
+// does a binary of your own made with cmd.Main (Command {"worker"}). Crash
+// injection and running without the record are no part of package tasks'
+// API: a binary wired with tasks.NewWorker itself cannot honour
+// ONCELER_CRASH_AT or ONCELER_NO_RECORD, and so cannot run the crash
+// scenarios or the run with Target.NoRecord; make it with cmd.Main.
 //
 //	ONCELER_BROKER_URL     the broker
 //	ONCELER_DATABASE_URL   the database, with application_name = the node name
@@ -35,7 +39,8 @@
 //	ONCELER_CONCURRENCY, ONCELER_PREFETCH
 //	ONCELER_NO_RECORD      true when Target.NoRecord
 //	ONCELER_QUORUM         true when Config.Quorum (a quorum queue)
-//	ONCELER_CRASH_AT, ONCELER_CRASH_TASK   crash injection (tasks.CrashConfig)
+//	ONCELER_CRASH_AT, ONCELER_CRASH_TASK   crash injection: the point (after_claim,
+//	                       after_effect, before_ack, chord_joined) and the task
 //	ONCELER_GRACE, ONCELER_LOG_FORMAT=json
 //
 // A worker counts as started when the queue has one more consumer. Every

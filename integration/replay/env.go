@@ -2,14 +2,11 @@ package replay
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -21,7 +18,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
-	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // DefaultLease is the claim lease the suite gives its workers: short, so
@@ -40,10 +37,14 @@ type Config struct {
 	Env []string
 	// Lease is the claim lease (ONCELER_LEASE). Default DefaultLease.
 	Lease time.Duration
-	// AMQPURL is the broker. Default: the test broker (internal/testenv).
+	// AMQPURL is the broker. Default: ONCELER_TEST_AMQP_URL, else the local
+	// broker amqp://guest:guest@127.0.0.1:5672/ when it answers; else the
+	// test is skipped (it fails when ONCELER_REQUIRE_SERVICES=1).
 	AMQPURL string
 	// DatabaseURL is the PostgreSQL server of the record (and of the pool
-	// handed to Effects). Default: the test database (internal/testenv).
+	// handed to Effects). Default: ONCELER_TEST_DATABASE_URL, else the local
+	// postgres://postgres@127.0.0.1:5432/test when it answers; else the test
+	// is skipped (it fails when ONCELER_REQUIRE_SERVICES=1).
 	DatabaseURL string
 	// Quorum declares the queue a quorum queue (as kombu does with
 	// queue_arguments={"x-queue-type": "quorum"}) and starts the workers
@@ -116,20 +117,17 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 	e := &Env{
 		t: t, cfg: cfg,
 		AMQPURL: cfg.AMQPURL, DatabaseURL: cfg.DatabaseURL,
-		Queue:   testenv.Name("replay"),
+		Queue:   testkit.Name("replay"),
 		replies: make(map[string][]Reply),
 	}
 	e.Quarantine = e.Queue + ".quarantine"
 	if e.AMQPURL == "" {
-		e.AMQPURL = testenv.AMQPURL(t)
+		e.AMQPURL = testkit.AMQPURL(t)
 	}
 	if e.DatabaseURL == "" {
-		e.DatabaseURL = testenv.DatabaseURL(t)
-		e.Pool = testenv.Pool(t)
-		e.Schema = testenv.Schema(t, e.Pool)
-	} else {
-		e.Pool, e.Schema = ownSchema(t, e.DatabaseURL)
+		e.DatabaseURL = testkit.DatabaseURL(t)
 	}
+	e.Pool, e.Schema = ownSchema(t, e.DatabaseURL)
 	store, err := idempotency.New(e.Pool, idempotency.Config{Schema: e.Schema})
 	if err != nil {
 		t.Fatalf("open record: %v", err)
@@ -141,7 +139,7 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 		t.Fatalf("migrate record: %v", err)
 	}
 	e.Store = store
-	e.ReplyTo = testenv.Name("replay_reply")
+	e.ReplyTo = testkit.Name("replay_reply")
 	t.Cleanup(e.close)
 	if err := e.openBroker(); err != nil {
 		t.Fatalf("broker: %v", err)
@@ -160,7 +158,7 @@ func ownSchema(t testing.TB, url string) (*pgxpool.Pool, string) {
 		t.Fatalf("open pool: %v", err)
 	}
 	t.Cleanup(pool.Close)
-	name := testenv.Name("t")
+	name := testkit.Name("t")
 	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
 		t.Fatalf("create schema: %v", err)
 	}
@@ -183,7 +181,7 @@ func (e *Env) Reconnect() error {
 	}
 	e.wg.Wait()
 	var err error
-	ok := Eventually(60*time.Second, func() bool {
+	ok := testkit.Eventually(60*time.Second, func() bool {
 		err = e.openBroker()
 		return err == nil
 	})
@@ -306,16 +304,6 @@ func (e *Env) close() {
 	e.wg.Wait()
 }
 
-// NewID returns a new task id (a random UUID, as Celery makes).
-func NewID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
-}
-
 // Message builds the Celery protocol 2 message a Python producer sends for
 // apply_async(args, kwargs, task_id=id) with the rpc result backend: the
 // reply queue in reply_to, the id as correlation id and root id.
@@ -324,14 +312,14 @@ func (e *Env) Message(task, id string, args []any, kwargs map[string]any) *celer
 		Protocol: 2, Task: task, ID: id, Args: args, Kwargs: kwargs,
 		RootID: id, ReplyTo: e.ReplyTo, CorrelationID: id,
 		Origin:   fmt.Sprintf("gen%d@replay", os.Getpid()),
-		ArgsRepr: reprArgs(args), KwargsRepr: reprKwargs(kwargs),
+		ArgsRepr: celeryproto.ArgsRepr(args), KwargsRepr: celeryproto.Repr(kwargs),
 	}
 }
 
 // Send publishes a task with a new id and returns the id.
 func (e *Env) Send(task string, args []any, kwargs map[string]any) string {
 	e.t.Helper()
-	id := NewID()
+	id := testkit.NewID()
 	e.Publish(e.Message(task, id, args, kwargs))
 	return id
 }
@@ -419,7 +407,7 @@ func (e *Env) WaitReplies(ids []string, n int, timeout time.Duration) bool {
 	if e.cfg.ResultBackend != "" {
 		return e.waitStored(ids, timeout)
 	}
-	return Eventually(timeout, func() bool {
+	return testkit.Eventually(timeout, func() bool {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		for _, id := range ids {
@@ -429,21 +417,6 @@ func (e *Env) WaitReplies(ids []string, n int, timeout time.Duration) bool {
 		}
 		return true
 	})
-}
-
-// Eventually polls cond every 50 ms until it holds (true) or timeout
-// passes (false).
-func Eventually(timeout time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // databaseURL adds application_name to the database URL, so that a test can
@@ -456,32 +429,6 @@ func databaseURL(raw, app string) string {
 		return u.String()
 	}
 	return raw + " application_name=" + app
-}
-
-func reprArgs(args []any) string {
-	parts := make([]string, len(args))
-	for i, a := range args {
-		parts[i] = repr(a)
-	}
-	if len(args) == 1 {
-		return "(" + parts[0] + ",)"
-	}
-	return "(" + strings.Join(parts, ", ") + ")"
-}
-
-func reprKwargs(kw map[string]any) string {
-	parts := make([]string, 0, len(kw))
-	for k, v := range kw {
-		parts = append(parts, "'"+k+"': "+repr(v))
-	}
-	return "{" + strings.Join(parts, ", ") + "}"
-}
-
-func repr(v any) string {
-	if s, ok := v.(string); ok {
-		return "'" + s + "'"
-	}
-	return fmt.Sprint(v)
 }
 
 // String shows the reply for test messages.

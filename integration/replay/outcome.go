@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -30,7 +31,7 @@ func (r *runner) check() {
 	} else {
 		// No caller gets a result: wait for the record's final status, and
 		// for a re-sent delivery to find it.
-		Eventually(timeout, func() bool { return r.statusIs(ctx, want.Status) })
+		testkit.Eventually(timeout, func() bool { return r.statusIs(ctx, want.Status) })
 		time.Sleep(r.e.cfg.Lease + 3*time.Second)
 	}
 	if want.Status == idempotency.StatusHeld && !r.tg.NoRecord {

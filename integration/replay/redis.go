@@ -10,6 +10,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -70,7 +71,7 @@ func (r Reply) ready() bool {
 // one key, so the first copy's result does not say the others were handled.
 func (e *Env) waitStored(ids []string, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
-	stored := Eventually(timeout, func() bool {
+	stored := testkit.Eventually(timeout, func() bool {
 		for _, id := range ids {
 			reps := e.storedReplies(id)
 			if len(reps) == 0 || !reps[0].ready() {
@@ -79,7 +80,7 @@ func (e *Env) waitStored(ids []string, timeout time.Duration) bool {
 		}
 		return true
 	})
-	return stored && Eventually(time.Until(deadline), e.queueSettled)
+	return stored && testkit.Eventually(time.Until(deadline), e.queueSettled)
 }
 
 // queueSettled reports whether the queue holds no message: none ready and,
@@ -120,7 +121,7 @@ func (e *Env) answeredAgain(id string, timeout time.Duration) bool {
 	if e.cfg.ResultBackend == "" {
 		return true
 	}
-	return Eventually(timeout, func() bool {
+	return testkit.Eventually(timeout, func() bool {
 		reps := e.storedReplies(id)
 		return len(reps) == 1 && reps[0].Status == "SUCCESS"
 	})

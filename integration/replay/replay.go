@@ -10,6 +10,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -152,7 +154,7 @@ func Run(t *testing.T, target Target) {
 	if len(scenarios) == 0 {
 		scenarios = Scenarios()
 	}
-	run := strings.ReplaceAll(NewID()[:8], "-", "")
+	run := strings.ReplaceAll(testkit.NewID()[:8], "-", "")
 	setup := false
 	for _, s := range scenarios {
 		t.Run(string(s), func(t *testing.T) {
@@ -209,11 +211,11 @@ func (r *runner) run() {
 	case ScenarioConcurrent:
 		r.concurrent()
 	case ScenarioCrashAfterClaim:
-		r.crash(tasks.CrashAfterClaim)
+		r.crash(workerhooks.AfterClaim)
 	case ScenarioCrashAfterEffect:
-		r.crash(tasks.CrashAfterEffect)
+		r.crash(workerhooks.AfterEffect)
 	case ScenarioCrashBeforeAck:
-		r.crash(tasks.CrashBeforeAck)
+		r.crash(workerhooks.BeforeAck)
 	case ScenarioMany:
 		r.many()
 	default:
@@ -231,7 +233,7 @@ func (r *runner) repeated() {
 		op := r.op(i)
 		r.ops = append(r.ops, op)
 		args, kwargs := r.tg.Arguments(op)
-		m := r.e.Message(r.tg.Task, NewID(), args, kwargs)
+		m := r.e.Message(r.tg.Task, testkit.NewID(), args, kwargs)
 		r.calls[op] = []string{m.ID}
 		for range 3 {
 			r.e.Publish(m)
@@ -263,7 +265,7 @@ func (r *runner) crash(at string) {
 	// Without the record the pure path has no claim and no completion: the
 	// worker may not reach the crash point. Either it dies, or it answers.
 	noClaim := r.tg.NoRecord || r.tg.Mode == tasks.ModePure
-	ok := Eventually(60*time.Second, func() bool {
+	ok := testkit.Eventually(60*time.Second, func() bool {
 		return w1.Exited() || (noClaim && len(r.e.Replies(first)) > 0)
 	})
 	if !ok {

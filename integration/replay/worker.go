@@ -11,7 +11,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // WorkerOptions are the settings of one worker process.
@@ -63,7 +63,7 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 	e.seq++
 	seq := e.seq
 	e.mu.Unlock()
-	name := testenv.Name(fmt.Sprintf("replay%d", seq))
+	name := testkit.Name(fmt.Sprintf("replay%d", seq))
 	dir := e.t.TempDir()
 	logPath := filepath.Join(dir, name+".log")
 	logFile, err := os.Create(logPath)
@@ -135,7 +135,7 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 // waitConsumers waits until every live worker consumes the queue.
 func (e *Env) waitConsumers(w *Worker) {
 	e.t.Helper()
-	ok := Eventually(90*time.Second, func() bool {
+	ok := testkit.Eventually(90*time.Second, func() bool {
 		if w != nil && w.Exited() {
 			return true
 		}

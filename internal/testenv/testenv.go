@@ -1,21 +1,18 @@
 // Package testenv finds the RabbitMQ broker and PostgreSQL database that
-// integration tests run against.
+// the project's integration tests run against.
 //
 // The order is: the ONCELER_TEST_AMQP_URL / ONCELER_TEST_DATABASE_URL
 // environment variables; the local defaults when they answer; containers
 // started with dockertest when a Docker engine answers; otherwise the test is
-// skipped, or fails when ONCELER_REQUIRE_SERVICES=1 (as CI sets it).
+// skipped, or fails when ONCELER_REQUIRE_SERVICES=1 (as CI sets it). The
+// part that starts nothing is internal/testkit, which the replay suite uses
+// so that its users' builds do not compile dockertest.
 package testenv
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
-	"net"
-	"net/url"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -23,112 +20,47 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/ory/dockertest/v3"
+
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 const (
 	// DefaultAMQPURL is the broker the tests try when no URL is configured.
-	DefaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+	DefaultAMQPURL = testkit.DefaultAMQPURL
 	// DefaultDatabaseURL is the database the tests try when no URL is configured.
-	DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	DefaultDatabaseURL = testkit.DefaultDatabaseURL
 )
 
-// Required reports whether missing services must fail tests rather than skip them.
-func Required() bool { return os.Getenv("ONCELER_REQUIRE_SERVICES") == "1" }
+// Required reports whether missing services must fail tests rather than
+// skip them (testkit.Required).
+func Required() bool { return testkit.Required() }
 
-// Unavailable skips tb because something it needs is missing (a tool such
-// as rabbitmqctl, a TCP connection to the database), or fails it when
-// services are required (ONCELER_REQUIRE_SERVICES=1), as in CI, so that
-// nothing is skipped there unseen.
+// Unavailable skips tb, or fails it when services are required
+// (testkit.Unavailable).
 func Unavailable(tb testing.TB, format string, args ...any) {
 	tb.Helper()
-	if Required() {
-		tb.Fatalf("required (ONCELER_REQUIRE_SERVICES=1) but unavailable: "+format, args...)
-	}
-	tb.Skipf(format, args...)
-}
-
-type found struct {
-	once sync.Once
-	url  string
-	err  error
+	testkit.Unavailable(tb, format, args...)
 }
 
 var (
-	amqpFound found
-	pgFound   found
-	dockerMu  sync.Mutex
-	pool      *dockertest.Pool
+	rabbit   = &testkit.Service{What: "RabbitMQ", Env: "ONCELER_TEST_AMQP_URL", Default: DefaultAMQPURL, Start: startRabbit}
+	postgres = &testkit.Service{What: "PostgreSQL", Env: "ONCELER_TEST_DATABASE_URL", Default: DefaultDatabaseURL, Start: startPostgres}
+	dockerMu sync.Mutex
+	pool     *dockertest.Pool
 )
 
 // AMQPURL returns a URL of a running RabbitMQ broker, or skips (fails when
 // services are required) the test.
 func AMQPURL(tb testing.TB) string {
 	tb.Helper()
-	amqpFound.once.Do(func() {
-		amqpFound.url, amqpFound.err = locate("ONCELER_TEST_AMQP_URL", DefaultAMQPURL, startRabbit)
-	})
-	return use(tb, "RabbitMQ", &amqpFound)
+	return rabbit.URL(tb)
 }
 
 // DatabaseURL returns a URL of a running PostgreSQL database, or skips (fails
 // when services are required) the test.
 func DatabaseURL(tb testing.TB) string {
 	tb.Helper()
-	pgFound.once.Do(func() {
-		pgFound.url, pgFound.err = locate("ONCELER_TEST_DATABASE_URL", DefaultDatabaseURL, startPostgres)
-	})
-	return use(tb, "PostgreSQL", &pgFound)
-}
-
-func use(tb testing.TB, what string, f *found) string {
-	tb.Helper()
-	if f.err != nil {
-		if Required() {
-			tb.Fatalf("%s is required (ONCELER_REQUIRE_SERVICES=1) but not available: %v", what, f.err)
-		}
-		tb.Skipf("%s not available: %v", what, f.err)
-	}
-	return f.url
-}
-
-func locate(env, def string, start func() (string, error)) (string, error) {
-	if u := os.Getenv(env); u != "" {
-		if err := dialURL(u); err != nil {
-			return "", fmt.Errorf("%s is set but does not answer: %w", env, err)
-		}
-		return u, nil
-	}
-	if err := dialURL(def); err == nil {
-		return def, nil
-	}
-	u, err := start()
-	if err != nil {
-		return "", fmt.Errorf("no local service and no container: %w", err)
-	}
-	return u, nil
-}
-
-func dialURL(raw string) error {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return fmt.Errorf("parse url: %w", err)
-	}
-	host := u.Host
-	if u.Port() == "" {
-		switch u.Scheme {
-		case "amqp":
-			host = net.JoinHostPort(u.Hostname(), "5672")
-		case "amqps":
-			host = net.JoinHostPort(u.Hostname(), "5671")
-		default:
-			host = net.JoinHostPort(u.Hostname(), "5432")
-		}
-	}
-	c, err := net.DialTimeout("tcp", host, 2*time.Second)
-	if err != nil {
-		return err
-	}
-	return c.Close()
+	return postgres.URL(tb)
 }
 
 func docker() (*dockertest.Pool, error) {
@@ -160,7 +92,7 @@ func startRabbit() (string, error) {
 	}
 	_ = r.Expire(600)
 	u := fmt.Sprintf("amqp://guest:guest@127.0.0.1:%s/", r.GetPort("5672/tcp"))
-	if err := p.Retry(func() error { return dialURL(u) }); err != nil {
+	if err := p.Retry(func() error { return testkit.Dial(u) }); err != nil {
 		return "", fmt.Errorf("rabbitmq container never answered: %w", err)
 	}
 	return u, nil
@@ -192,13 +124,9 @@ func startPostgres() (string, error) {
 	return u, nil
 }
 
-// Name returns a unique lower-case identifier with the given prefix, safe for
-// queue, exchange and schema names.
-func Name(prefix string) string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return strings.ToLower(prefix) + "_" + hex.EncodeToString(b[:])
-}
+// Name returns a unique lower-case identifier with the given prefix, safe
+// for queue, exchange and schema names (testkit.Name).
+func Name(prefix string) string { return testkit.Name(prefix) }
 
 // Pool returns a pgx pool on the test database, closed when the test ends.
 func Pool(tb testing.TB) *pgxpool.Pool {

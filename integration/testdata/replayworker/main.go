@@ -1,10 +1,13 @@
-// Command replayworker is an example of "your own binary" for the replay
-// suite: a worker that serves the demo tasks and two tasks of its own, and
-// takes its settings from the environment variables the suite sets
-// (ONCELER_BROKER_URL, ONCELER_DATABASE_URL, ONCELER_SCHEMA, ONCELER_QUEUES,
-// ONCELER_LEASE, ONCELER_HOSTNAME, ONCELER_CONCURRENCY, ONCELER_PREFETCH,
-// ONCELER_NO_RECORD, ONCELER_QUORUM, ONCELER_CRASH_AT, ONCELER_CRASH_TASK; see
-// integration/replay). Its own tasks:
+// Command replayworker is the project's own "binary of your own" for the
+// replay suite: a worker wired with tasks.NewWorker that serves the demo
+// tasks and tasks of its own, and takes its settings from the environment
+// variables the suite sets (ONCELER_BROKER_URL, ONCELER_DATABASE_URL,
+// ONCELER_SCHEMA, ONCELER_QUEUES, ONCELER_LEASE, ONCELER_HOSTNAME,
+// ONCELER_CONCURRENCY, ONCELER_PREFETCH, ONCELER_NO_RECORD, ONCELER_QUORUM,
+// ONCELER_CRASH_AT, ONCELER_CRASH_TASK; see integration/replay). Crash
+// injection and ONCELER_NO_RECORD go through internal/workerhooks, which
+// only this module can import: a binary outside it gets them from cmd.Main.
+// Its own tasks:
 //
 //   - replay.notify(op): calls an outside service that keeps every call (a row
 //     in onceler_replay.effects); stale-claim policy retry.
@@ -42,6 +45,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -227,7 +231,7 @@ func run(ctx context.Context) error {
 		queues = append(queues, spec)
 	}
 	hostname := env("ONCELER_HOSTNAME", "")
-	w, err := tasks.NewWorker(reg, tasks.Config{
+	cfg := tasks.Config{
 		Broker:      amqp.Config{URL: env("ONCELER_BROKER_URL", ""), Name: hostname, Heartbeat: heartbeat, Logger: logger},
 		Queues:      queues,
 		Pool:        pool,
@@ -238,9 +242,13 @@ func run(ctx context.Context) error {
 		Grace:       5 * time.Second,
 		Hostname:    hostname,
 		Logger:      logger,
-		NoRecord:    noRecord,
-		Crash:       tasks.FromEnv(),
-	})
+	}
+	// Crash injection and running without the record are no part of
+	// package tasks' API: this binary, inside the module, sets them through
+	// internal/workerhooks; a binary of your own made with cmd.Main gets
+	// them from the same variables.
+	workerhooks.Set(&cfg, workerhooks.Hooks{NoRecord: noRecord, Crash: workerhooks.CrashFromEnv(os.Getenv)})
+	w, err := tasks.NewWorker(reg, cfg)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,15 @@
+package testkit
+
+import (
+	"syscall"
+	"time"
+)
+
+// CPUTime is the process's user and system CPU time so far.
+func CPUTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
