@@ -251,6 +251,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		Lease:            f.lease,
 		Grace:            f.grace,
 		Hostname:         node,
+		Program:          a.prog,
 		Logger:           logger,
 		Metrics:          metrics,
 		LogArguments:     f.logArguments,

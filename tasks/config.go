@@ -88,6 +88,10 @@ type Config struct {
 	// to. Default: control.NodeName's default, "onceler-<pid>@<host>",
 	// unique per process (the onceler command's default).
 	Hostname string
+	// Program is the name of the binary's command in the messages that
+	// tell a person which of its subcommands to run ("resolve it with
+	// 'onceler resolve'"). Default "onceler".
+	Program string
 	// Logger receives structured logs. Default: info and above to standard
 	// error in the onceler command's console format; zap.NewNop() for none.
 	Logger *zap.Logger
@@ -215,6 +219,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Logger == nil {
 		c.Logger = logging.Default()
+	}
+	if c.Program == "" {
+		c.Program = "onceler"
 	}
 	if c.RevokedExpiry <= 0 {
 		c.RevokedExpiry = 3 * time.Hour

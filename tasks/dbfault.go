@@ -59,7 +59,7 @@ func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
 		if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
 			// The record's schema predates the attempts table: run
 			// uncounted rather than keep the delivery forever.
-			w.log.Error("record schema not migrated (no attempts table): redelivery not counted; run onceler migrate",
+			w.log.Error("record schema not migrated (no attempts table): redelivery not counted; run '"+w.cfg.Program+" migrate'",
 				w.fields(j, zap.Error(err))...)
 			return true
 		}

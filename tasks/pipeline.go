@@ -355,7 +355,7 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 		// The caller would otherwise wait for a result that comes only if a
 		// person resolves the operation: it gets a FAILURE saying so.
 		exc := &celeryproto.Exception{Type: "OperationHeld", Module: "onceler.exceptions",
-			Message: "operation held after a stale claim: its effect may or may not have happened; resolve it with onceler resolve"}
+			Message: "operation held after a stale claim: its effect may or may not have happened; resolve it with '" + w.cfg.Program + " resolve'"}
 		if w.replyFailure(ctx, j, exc, errors.New(exc.Message)) {
 			w.ack(j)
 		}
@@ -441,7 +441,7 @@ func (w *Worker) recordTrouble(ctx context.Context, j *job, what string, err err
 		return
 	}
 	if schemaMissing(err) {
-		w.warnStall(stallSchema, "record schema missing: run 'onceler migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
+		w.warnStall(stallSchema, "record schema missing: run '"+w.cfg.Program+" migrate'; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	} else {
 		w.warnStall(stallRecord, "record unavailable; delivery kept and retried later", j, zap.String("step", what), zap.String("error", clip.String(err.Error(), maxLogField)))
 	}

@@ -559,7 +559,7 @@ func (w *Worker) checkSchema(ctx context.Context) error {
 	case err == nil:
 		return nil
 	case errors.As(err, &se):
-		return fmt.Errorf("tasks: %w: apply it with 'onceler migrate --schema %s' (or the worker's --migrate, or idempotency.Store.Migrate) before starting", err, se.Schema)
+		return fmt.Errorf("tasks: %w: apply it with '%s migrate --schema %s' (or the worker's --migrate, or idempotency.Store.Migrate) before starting", err, w.cfg.Program, se.Schema)
 	default:
 		w.log.Warn("could not check the record schema; starting anyway", zap.String("error", clip.String(err.Error(), maxLogField)))
 		return nil
