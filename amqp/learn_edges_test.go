@@ -1,6 +1,7 @@
 package amqp
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
@@ -108,5 +109,42 @@ func TestEdgeConfiguredArgsNotShownAsTheQueues(t *testing.T) {
 	testkit.WaitFor(t, "consumer ready", 15*time.Second, c.Ready)
 	if q := c.Queues()[0]; q.MaxPriority() != 0 {
 		t.Errorf("Consumer.Queues reports quorum queue %s with x-max-priority: %+v", quorum, q.Args)
+	}
+}
+
+// TestEdgeStreamQueueNotALoop: a stream queue (x-queue-type stream, which
+// the learning finds) cannot be consumed under global QoS (406 "consumer
+// prefetch count is not set"). The consumer must either consume it (with
+// a per-consumer prefetch) or give up with a topology error; it must not
+// reconnect forever, declaring and failing at every attempt.
+func TestEdgeStreamQueueNotALoop(t *testing.T) {
+	cfg := testConfig(t)
+	q := testenv.Name("onceler_amqp_stream")
+	cleanupQueue(t, q)
+	declareRaw(t, q, amqp091.Table{"x-queue-type": "stream"})
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 2})
+	got := make(chan *Delivery, 4)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx, func(d *Delivery) { got <- d }) }()
+	p := newPublisher(t, cfg)
+	pctx := ctxTimeout(t, 30*time.Second)
+	for {
+		must(t, p.Publish(pctx, "", q, textMessage(`"s"`), PublishOptions{Mandatory: true}), "publish")
+		select {
+		case d := <-got:
+			must(t, d.Ack(), "ack")
+			cancel()
+			<-done
+			return
+		case err := <-done:
+			if err == nil || !IsTopologyError(err) {
+				t.Fatalf("stream queue %s found as %+v: no delivery and no topology error in 8s (Run = %v), %d reconnects",
+					q, c.Queues()[0].Args, err, c.reconnects.Load())
+			}
+			return
+		case <-time.After(500 * time.Millisecond):
+		}
 	}
 }
