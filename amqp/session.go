@@ -61,13 +61,18 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	// prefetch change add consumers, so leave room.
 	cancels := ch.NotifyCancel(make(chan string, 4*len(c.cc.Queues)+4))
 
+	c.mu.Lock()
+	found := c.found
 	s.global = true
-	for _, q := range s.queues {
-		if q.isQuorum() {
-			s.global = false // quorum queues refuse global QoS
+	for i, q := range s.queues {
+		// Quorum queues refuse global QoS; so may a queue whose type the
+		// broker would not tell (its answer cut short, no configure right),
+		// while every queue type takes a per-consumer prefetch.
+		known := i < len(found) && (found[i].learned || found[i].created)
+		if q.isQuorum() || !known {
+			s.global = false
 		}
 	}
-	c.mu.Lock()
 	err = s.startConsumers()
 	if err == nil {
 		c.cur, c.global = s.st, s.global

@@ -218,13 +218,20 @@ func ensure(sc *scratch, spec QueueSpec, prev *QueueSpec) (queueState, error) {
 			return queueState{}, err
 		}
 		if exists {
+			// Learn from no arguments at all: RabbitMQ accepts a declare
+			// carrying arguments it does not compare for the queue's type
+			// (x-max-priority on a quorum queue), so starting from the
+			// configured ones would report those as the queue's.
 			from := q
-			from.Args, from.Quorum = q.declaredArgs(), false
+			from.Args, from.Quorum = nil, false
 			if prev != nil {
 				from.Durable, from.AutoDelete, from.Args = prev.Durable, prev.AutoDelete, prev.Args
 			}
 			if st, err = learn(sc, q, from); err != nil {
 				return queueState{}, err
+			}
+			if t, _ := st.spec.Args["x-queue-type"].(string); t == "stream" {
+				return queueState{}, fmt.Errorf("%w: queue %s is a stream queue, which keeps its messages for every reader: a Celery worker consumes classic and quorum queues", ErrConfig, q.Name)
 			}
 			break
 		}

@@ -40,33 +40,44 @@ func (f *workerFlags) queueSpecs() ([]amqp.QueueSpec, error) {
 	return specs, nil
 }
 
-// queueArgItem is one --queue-arg: [QUEUE:]ARG=VALUE. A queue name may
-// hold ':' and '=' and a value anything but ','; an argument name is
-// letters, digits, '.', '_' and '-'.
-var queueArgItem = regexp.MustCompile(`^(?:(.*):)?([A-Za-z0-9._-]+)=(.*)$`)
+// argItem is ARG=VALUE: an argument name is letters, digits, '.', '_' and
+// '-'; a value is anything but ','. queueArgItem is QUEUE:ARG=VALUE, for
+// the message that names a queue not among --queues.
+var (
+	argItem      = regexp.MustCompile(`^([A-Za-z0-9._-]+)=(.*)$`)
+	queueArgItem = regexp.MustCompile(`^([^=]*):[A-Za-z0-9._-]+=`)
+)
 
-// parseQueueArgs reads the --queue-arg items into arguments by queue: an
-// item without a queue applies to every queue of names, one with a queue
-// to that queue, which must be one of names; a later item wins.
+// parseQueueArgs reads the --queue-arg items ([QUEUE:]ARG=VALUE) into
+// arguments by queue; a later item wins. An item is for one queue when it
+// begins with the name of one of names and ':' (the longest such name),
+// else for every queue of names: a queue name may hold ':' and '=', and so
+// may a value.
 func parseQueueArgs(items, names []string) (map[string]map[string]any, error) {
 	out := map[string]map[string]any{}
 	for _, item := range items {
-		m := queueArgItem.FindStringSubmatch(item)
-		if m == nil {
-			return nil, usagef("worker", "invalid --queue-arg %q: use ARG=VALUE or QUEUE:ARG=VALUE, e.g. x-max-priority=10", item)
-		}
-		targets := names
-		if m[1] != "" {
-			if !slices.Contains(names, m[1]) {
-				return nil, usagef("worker", "invalid --queue-arg %q: queue %q is not among --queues", item, m[1])
+		targets, rest := names, item
+		best := ""
+		for _, q := range names {
+			if len(q) > len(best) && strings.HasPrefix(item, q+":") && argItem.MatchString(item[len(q)+1:]) {
+				best = q
 			}
-			targets = []string{m[1]}
+		}
+		if best != "" {
+			targets, rest = []string{best}, item[len(best)+1:]
+		}
+		m := argItem.FindStringSubmatch(rest)
+		if m == nil {
+			if qm := queueArgItem.FindStringSubmatch(item); qm != nil {
+				return nil, usagef("worker", "invalid --queue-arg %q: queue %q is not among --queues", item, qm[1])
+			}
+			return nil, usagef("worker", "invalid --queue-arg %q: use ARG=VALUE or QUEUE:ARG=VALUE, e.g. x-max-priority=10", item)
 		}
 		for _, q := range targets {
 			if out[q] == nil {
 				out[q] = map[string]any{}
 			}
-			out[q][m[2]] = queueArgValue(m[3])
+			out[q][m[1]] = queueArgValue(m[2])
 		}
 	}
 	return out, nil
