@@ -3,10 +3,8 @@ package cmd
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -23,30 +21,10 @@ import (
 // cmd/testdata/edgeapp (Name "payments") whose Register and Migrate
 // misbehave as EDGE_REGISTER and EDGE_MIGRATE ask.
 
-var edgeApp struct {
-	once sync.Once
-	path string
-	err  error
-}
+var edgeApp builtBinary
 
 // edgeBinary builds cmd/testdata/edgeapp once per run.
-func edgeBinary(t *testing.T) string {
-	t.Helper()
-	edgeApp.once.Do(func() {
-		edgeApp.path = filepath.Join(buildDir, "payments")
-		args := []string{"build", "-o", edgeApp.path}
-		if raceEnabled {
-			args = append(args, "-race")
-		}
-		if out, err := exec.Command("go", append(args, "./testdata/edgeapp")...).CombinedOutput(); err != nil {
-			edgeApp.err = fmt.Errorf("build edgeapp: %v\n%s", err, out)
-		}
-	})
-	if edgeApp.err != nil {
-		t.Fatal(edgeApp.err)
-	}
-	return edgeApp.path
-}
+func edgeBinary(t *testing.T) string { return edgeApp.get(t, "payments", ".", "./testdata/edgeapp") }
 
 // A Migrate or Register that panics is a failure of the binary, not a usage
 // error: cmd.Main promises status 2 only for usage errors and 1 for any

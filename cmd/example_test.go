@@ -20,33 +20,40 @@ import (
 // exampleDir is docs/example: a Go module of its own, the project users copy.
 const exampleDir = "../docs/example"
 
-var example struct {
+// builtBinary is a program the tests build once per run.
+type builtBinary struct {
 	once sync.Once
 	path string
 	err  error
 }
 
-// exampleBinary builds docs/example as its users do, with go build in its
-// own module directory (with -race when the tests have it), once per run.
-func exampleBinary(t *testing.T) string {
+// get builds the package pkg in directory dir (with -race when the tests
+// have it) as buildDir/name the first time, and returns its path.
+func (b *builtBinary) get(t *testing.T, name, dir, pkg string) string {
 	t.Helper()
-	example.once.Do(func() {
-		example.path = filepath.Join(buildDir, "refunds")
-		args := []string{"build", "-o", example.path}
+	b.once.Do(func() {
+		b.path = filepath.Join(buildDir, name)
+		args := []string{"build", "-o", b.path}
 		if raceEnabled {
 			args = append(args, "-race")
 		}
-		c := exec.Command("go", append(args, ".")...)
-		c.Dir = exampleDir
+		c := exec.Command("go", append(args, pkg)...)
+		c.Dir = dir
 		if out, err := c.CombinedOutput(); err != nil {
-			example.err = fmt.Errorf("go build in %s: %v\n%s", exampleDir, err, out)
+			b.err = fmt.Errorf("go build %s in %s: %v\n%s", pkg, dir, err, out)
 		}
 	})
-	if example.err != nil {
-		t.Fatal(example.err)
+	if b.err != nil {
+		t.Fatal(b.err)
 	}
-	return example.path
+	return b.path
 }
+
+var example builtBinary
+
+// exampleBinary builds docs/example as its users do, with go build in its
+// own module directory, once per run.
+func exampleBinary(t *testing.T) string { return example.get(t, "refunds", exampleDir, ".") }
 
 // newExampleStack is a stack whose database URL sets search_path to the
 // test's schema, so that the example's own table (refunds, unqualified, as
