@@ -440,7 +440,7 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 		t.Fatal("consumer connection not found")
 	}
 	testkit.CloseConnections(t, pids)
-	testkit.WaitFor(t, "held copies replaced by redeliveries after the reconnect", 10*time.Second, func() bool {
+	testkit.WaitFor(t, "held copies replaced by redeliveries after the reconnect", 30*time.Second, func() bool {
 		s := r.w.Scheduled()
 		for _, ti := range s {
 			if !ti.Redelivered {
