@@ -428,7 +428,9 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 	r := e.start(testRegistry(t, fx), cfg)
 	replyTo, replies := e.replyQueue()
 	const held = 6
-	due := time.Now().Add(6 * time.Second)
+	// Due late enough that the connection is closed while they are still
+	// held: finding it (rabbitmqctl) takes seconds on a loaded machine.
+	due := time.Now().Add(20 * time.Second)
 	for i := range held {
 		m := payMessage("t.pay", i, fmt.Sprintf("eta-%d", i), replyTo)
 		m.ETA = due
@@ -440,7 +442,7 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 		t.Fatal("consumer connection not found")
 	}
 	testkit.CloseConnections(t, pids)
-	testkit.WaitFor(t, "held copies replaced by redeliveries after the reconnect", 30*time.Second, func() bool {
+	testkit.WaitFor(t, "held copies replaced by redeliveries after the reconnect", 15*time.Second, func() bool {
 		s := r.w.Scheduled()
 		for _, ti := range s {
 			if !ti.Redelivered {
@@ -449,7 +451,10 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 		}
 		return len(s) == held && r.w.consumer.Prefetch() == cfg.Prefetch+held
 	})
-	got := results(t, replies, held, 20*time.Second)
+	if time.Now().After(due) {
+		t.Fatal("the held copies were replaced only after they were due: the test did not close the connection in time")
+	}
+	got := results(t, replies, held, 40*time.Second)
 	if time.Now().Before(due) {
 		t.Errorf("ETA tasks answered %s before due", time.Until(due))
 	}
