@@ -26,7 +26,7 @@ var BackendSchemes = []string{"rpc://", "redis://", "rediss://", "redis+socket:/
 const DefaultResultExpires = 24 * time.Hour
 
 // resultBackend is where results go when it is not the rpc:// backend
-// (results to the caller's reply queue, published by reply.go).
+// (results to the caller's reply queue, published by stage_answer.go).
 type resultBackend interface {
 	// put stores the encoded task meta of taskID and wakes the callers
 	// waiting for it. It does not replace a SUCCESS already stored.

@@ -82,6 +82,12 @@
 //	reply             SUCCESS / FAILURE / RETRY to reply_to (confirmed publish)
 //	ack
 //
+// In the source each stage has a file of its own, in this order:
+// stage_decode.go, stage_bind.go, stage_due.go, stage_claim.go (with held.go
+// for a delivery that waits while another run holds its operation's claim),
+// stage_run.go, stage_settle.go, stage_answer.go and stage_ack.go;
+// pipeline.go takes a delivery through them.
+//
 // # Acknowledgement rules
 //
 // A delivery is acknowledged only after the record says its outcome and the

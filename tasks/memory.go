@@ -3,7 +3,6 @@ package tasks
 import (
 	"bufio"
 	"context"
-	"fmt"
 	"os"
 	"runtime"
 	rtmetrics "runtime/metrics"
@@ -88,36 +87,6 @@ func decoderLimits(budget int64) celeryproto.Limits {
 		MaxDecodedBytes: int(min(celeryproto.DefaultMaxDecodedBytes, budget/4)),
 		MaxElements:     celeryproto.DefaultMaxElements,
 	}
-}
-
-// memDecoder decodes the worker's deliveries, settling each one's charge
-// against the budget.
-type memDecoder struct {
-	w   *Worker
-	dec *celeryproto.Decoder
-}
-
-// Decode decodes d, refusing it when its decoding would need more than the
-// whole budget, and charges the delivery what its decoded message costs.
-func (m *memDecoder) Decode(d *celeryproto.Delivery) (*celeryproto.Message, error) {
-	w := m.w
-	w.mu.Lock()
-	j := w.charged[d]
-	var need int64
-	if j != nil {
-		need = j.need
-	}
-	w.mu.Unlock()
-	if need > w.cfg.MemoryBudget {
-		return nil, &celeryproto.DecodeError{Reason: celeryproto.ErrTooLarge,
-			Detail: fmt.Sprintf("decoding needs up to %d bytes of memory, more than the memory budget of %d", need, w.cfg.MemoryBudget)}
-	}
-	w.makeRoom(need)
-	msg, cost, err := m.dec.DecodeCost(d)
-	if j != nil {
-		w.decoded(j, msg, cost)
-	}
-	return msg, err
 }
 
 // gcSlack is how far the heap (live objects and garbage not yet collected)

@@ -26,7 +26,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 	w.crash(workerhooks.AfterClaim, j)
 	var ttx pgx.Tx = &taskTx{Tx: tx}
 	var guard *txGuard
-	if w.hardLimit(j) > 0 {
+	if j.hardLimit() > 0 {
 		// As in runSameDB: a task abandoned at its hard time limit is kept
 		// off the connection from then on.
 		guard = newTxGuard()
@@ -49,7 +49,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 			w.revokeDelivery(ctx, j, false)
 			return
 		}
-		if w.shutdownCut(ctx, taskErr) {
+		if shutdownCut(ctx, taskErr) {
 			w.giveBack(j)
 			return
 		}

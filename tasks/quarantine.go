@@ -19,6 +19,40 @@ import (
 // left out.
 const HeaderTruncated = "x-onceler-truncated"
 
+// Quarantine reasons, the value of the x-onceler-reason header.
+const (
+	ReasonUndecodable  = "undecodable"
+	ReasonUnknownTask  = "unknown_task"
+	ReasonBadArguments = "bad_arguments"
+	ReasonMismatch     = "fingerprint_mismatch"
+	ReasonPoison       = "poison"
+	// ReasonRefused: the record's database refused what the message asked
+	// it to keep, and would refuse it again.
+	ReasonRefused = "refused_by_record"
+)
+
+// Reasons are the quarantine reasons a worker gives, in the order of the
+// pipeline's checks.
+var Reasons = []string{ReasonUndecodable, ReasonPoison, ReasonUnknownTask, ReasonBadArguments,
+	ReasonUnsupported, ReasonMismatch, ReasonRefused, ReasonPublishRefused}
+
+// Quarantine headers set on every quarantined message, beside the original
+// headers.
+const (
+	// HeaderReason is the short reason: undecodable, unknown_task,
+	// bad_arguments, fingerprint_mismatch or poison.
+	HeaderReason = "x-onceler-reason"
+	// HeaderDetail is the error text (never argument values).
+	HeaderDetail = "x-onceler-detail"
+	// HeaderQueue is the queue the message was consumed from.
+	HeaderQueue = "x-onceler-queue"
+	// HeaderDecodeReason is celeryproto.Reason of an undecodable message,
+	// e.g. "pickle" or "malformed".
+	HeaderDecodeReason = "x-onceler-decode-reason"
+	// HeaderTime is when it was quarantined (RFC 3339, UTC).
+	HeaderTime = "x-onceler-quarantined-at"
+)
+
 // Bounds of a quarantine copy. A delivery's headers may fill its frame
 // (128 KiB by default); the copy adds its own, so it could not be
 // published as it is.
@@ -162,4 +196,16 @@ func cutValue(v any) any {
 		return clip.String(string(x), maxQuarantineValue)
 	}
 	return clip.String(fmt.Sprint(v), maxQuarantineValue)
+}
+
+// quarantinePoison answers a delivery that came too often (its task kept
+// dying with its worker, or its operation never got an outcome) and
+// quarantines it. The caller gets FAILURE WorkerLostError, as a Celery
+// caller does whose task's worker process died.
+func (w *Worker) quarantinePoison(ctx context.Context, j *job, cause error) {
+	exc := &celeryproto.Exception{Type: "WorkerLostError", Module: "billiard.exceptions",
+		Message: "quarantined as poison: " + cause.Error()}
+	if w.replyFailure(ctx, j, exc, cause) {
+		w.quarantine(ctx, j, ReasonPoison, cause)
+	}
 }

@@ -39,13 +39,13 @@ func (e *maxRetriesError) exception() *celeryproto.Exception {
 		Message: fmt.Sprintf("Can't retry %s[%s] args:%s kwargs:%s", e.task, e.id, e.argsRepr, e.kwargsRepr)}
 }
 
-// settle turns what a task returned into what the worker acts on: an error
+// taskOutcome turns what a task returned into what the worker acts on: an error
 // the task's RetryPolicy.AutoRetry accepts becomes a retry request, and a
 // retry request past the task's MaxRetries becomes a failure. cause is the
 // cause of the task's context (nil while it was not cancelled): a task cut
 // short by a time limit, revocation, lease loss or shutdown is not retried
 // automatically (a soft time limit is an ordinary error for this).
-func settle(j *job, cause, err error) error {
+func taskOutcome(j *job, cause, err error) error {
 	if err == nil {
 		return nil
 	}

@@ -94,54 +94,6 @@ type runState struct {
 	cancel  context.CancelCauseFunc
 }
 
-// job is one delivery on its way through the pipeline.
-type job struct {
-	d        *amqp.Delivery
-	received time.Time
-	// need is what decoding the delivery may take (its estimate); charge
-	// is what it is charged against the memory budget now. Guarded by w.mu.
-	need, charge int64
-	msg          *celeryproto.Message // nil until decoded
-	prepared     bool                 // prepare found it runnable: msg, h, args, key and fp are set
-	// verdict: why the delivery goes to quarantine, once decided; a
-	// quarantine whose publish failed is tried again from it, not from
-	// prepare (which would answer the caller again).
-	verdict *verdict
-	h       *handler
-	args    any
-	key     string
-	fp      []byte
-	checks  int  // deferrals so far
-	waiting bool // deferred because the operation was in progress elsewhere
-	runtime time.Duration
-	attempt int // the record's attempt of the claim this delivery runs under
-	// claimToken: the token of a claim whose outcome is not known yet (see
-	// runOutside); empty once it is.
-	claimToken idempotency.Token
-	// redeliveries: the operation's redeliveries counted when this
-	// redelivered same-database message arrived (0: not counted).
-	redeliveries int
-	// rehold: held for its ETA longer than Config.MaxHold allows; when the
-	// hold ends before the ETA, the delivery is republished and acknowledged.
-	rehold bool
-	// evicted: held for its ETA, it is on its way back to its queue to make
-	// room in the memory budget for a delivery due now.
-	evicted bool
-	// abandoned: the task did not return by its hard time limit and runs on
-	// unwatched; its outcome is unknown.
-	abandoned bool
-	// named, keyed: an event of this delivery carried the task name, the
-	// operation key's hash (later events leave them out: an event reader
-	// merges a task's events).
-	named, keyed bool
-}
-
-// verdict is a decision to quarantine a delivery.
-type verdict struct {
-	reason string
-	cause  error
-}
-
 // NewWorker validates cfg and prepares a worker for the tasks of reg. It opens
 // no connection; Run does.
 func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
@@ -501,32 +453,6 @@ func (w *Worker) loop(ctx context.Context) {
 			w.busy.Add(-1)
 		}
 	}
-}
-
-// requeue gives the delivery back to the broker unanswered. w.mu is held.
-func (w *Worker) requeue(j *job) {
-	delete(w.reserved, j)
-	w.release(j)
-	w.settled.Store(time.Now().UnixNano())
-	if err := j.d.Nack(true); err != nil {
-		w.log.Debug("requeue failed; the broker redelivers the message when the channel closes", zap.Error(err))
-	}
-}
-
-// giveBack is requeue for callers that do not hold w.mu.
-func (w *Worker) giveBack(j *job) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.requeue(j)
-}
-
-// forget removes j from the reserved set: it has been answered.
-func (w *Worker) forget(j *job) {
-	w.mu.Lock()
-	delete(w.reserved, j)
-	w.release(j)
-	w.mu.Unlock()
-	w.settled.Store(time.Now().UnixNano())
 }
 
 // crash kills the process if the configured crash point is reached.

@@ -1,0 +1,185 @@
+package tasks
+
+// Stage 3, due. Receives a bound job. Hands on a job that is to run now. A
+// revoked or expired message is answered REVOKED (revokeDelivery,
+// stage_answer.go); one whose ETA (a countdown) is ahead is held
+// unacknowledged until then, the prefetch window grown by one meanwhile, and
+// comes back to the start of the pipeline when it is due. A hold longer than
+// Config.MaxHold ends with the message republished and the delivery
+// acknowledged.
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// due answers a revoked or expired delivery (REVOKED) and holds one whose
+// ETA is ahead; it reports whether the delivery is to run now.
+func (w *Worker) due(ctx context.Context, j *job) bool {
+	msg := j.msg
+	if w.isRevoked(msg.ID) {
+		w.revokeDelivery(ctx, j, false)
+		return false
+	}
+	if expired(msg) {
+		w.revokeDelivery(ctx, j, true)
+		return false
+	}
+	if !msg.ETA.IsZero() {
+		if wait := time.Until(msg.ETA); wait > 0 {
+			if j.rehold {
+				w.rehold(ctx, j)
+				return false
+			}
+			w.schedule(j, wait)
+			return false
+		}
+	}
+	return true
+}
+
+// expired reports whether msg's expiry has passed.
+func expired(msg *celeryproto.Message) bool {
+	return !msg.Expires.IsZero() && time.Now().After(msg.Expires)
+}
+
+// schedule holds a delivery unacknowledged until its ETA, growing the
+// prefetch window by one for each held delivery so that they do not starve
+// the others (as Celery does).
+func (w *Worker) schedule(j *job, wait time.Duration) {
+	if exp := j.msg.Expires; !exp.IsZero() && exp.Before(j.msg.ETA) {
+		// It expires before it is due: answer it (REVOKED) when it expires.
+		wait = min(wait, time.Until(exp)+time.Millisecond)
+	}
+	if mh := w.cfg.MaxHold; mh > 0 && wait > mh {
+		wait, j.rehold = mh, true
+	}
+	w.mu.Lock()
+	w.held[j] = struct{}{}
+	w.scheduled++
+	w.mu.Unlock()
+	w.m.scheduled.Inc()
+	w.applyPrefetch()
+	w.laterThen(j, wait, func() {
+		if w.unhold(j) {
+			w.applyPrefetch()
+		}
+	})
+}
+
+// rehold ends a hold of Config.MaxHold before the delivery's ETA: a copy of
+// the message goes to the queue it came from (default exchange, confirmed),
+// then the delivery is acknowledged; the copy arrives as a fresh delivery
+// and is held in its place. A crash in between leaves two copies with the
+// same task id: the record answers the second.
+func (w *Worker) rehold(ctx context.Context, j *job) {
+	d := j.d
+	p := &celeryproto.Publishing{
+		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: withoutBrokerHeaders(d.Headers),
+		Body: d.Body, CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
+	}
+	if err := w.publish(ctx, "", d.Queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
+		if amqp.IsPermanent(err) {
+			w.publishRefused(ctx, j, fmt.Errorf("republish held delivery: %w", err))
+			return
+		}
+		w.recordTrouble(ctx, j, "republish held delivery", err)
+		return
+	}
+	if ce := w.log.Check(zap.DebugLevel, "held delivery republished (max hold reached before its ETA)"); ce != nil {
+		ce.Write(w.fields(j, zap.Time("eta", j.msg.ETA))...)
+	}
+	w.ack(j)
+}
+
+// unhold removes j from the held set; it reports whether j was there.
+func (w *Worker) unhold(j *job) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, ok := w.held[j]; !ok {
+		return false
+	}
+	delete(w.held, j)
+	w.scheduled--
+	w.m.scheduled.Dec()
+	return true
+}
+
+// applyPrefetch sets the consumer's prefetch to Config.Prefetch plus the
+// deliveries held for their ETA. Calls are serialized and each applies the
+// count of its time, so the last one wins with the latest count.
+func (w *Worker) applyPrefetch() {
+	w.qosMu.Lock()
+	defer w.qosMu.Unlock()
+	w.mu.Lock()
+	n := w.cfg.Prefetch + w.scheduled
+	w.mu.Unlock()
+	if n > 65535 {
+		n = 65535
+	}
+	if err := w.consumer.SetPrefetch(n); err != nil {
+		w.log.Warn("set prefetch for ETA deliveries", zap.Int("prefetch", n), zap.Error(err))
+	}
+}
+
+// dropStaleHeld forgets deliveries held for their ETA whose channel is gone
+// (a reconnect, or the broker closing the channel at its consumer_timeout):
+// the broker redelivers them, and their copies are held instead; the
+// prefetch window shrinks back.
+func (w *Worker) dropStaleHeld() {
+	dropped := 0
+	w.mu.Lock()
+	for j := range w.held {
+		if !j.d.Stale() {
+			continue
+		}
+		if t, ok := w.timers[j]; ok {
+			t.Stop()
+			delete(w.timers, j)
+		}
+		delete(w.held, j)
+		delete(w.reserved, j)
+		w.scheduled--
+		w.m.scheduled.Dec()
+		dropped++
+	}
+	w.mu.Unlock()
+	if dropped > 0 {
+		w.log.Info("held ETA deliveries lost with their channel; the broker redelivers them", zap.Int("count", dropped))
+		w.applyPrefetch()
+	}
+}
+
+// withoutBrokerHeaders returns h without the headers the broker sets on a
+// delivery (x-delivery-count, dead-lettering history): a new message that
+// copies them would look redelivered (a quorum queue's delivery count is
+// what the poison check reads). h itself is not changed.
+func withoutBrokerHeaders(h map[string]any) map[string]any {
+	drop := func(k string) bool {
+		return k == "x-delivery-count" || k == "x-death" || strings.HasPrefix(k, "x-first-death-") ||
+			strings.HasPrefix(k, "x-last-death-")
+	}
+	n := 0
+	for k := range h {
+		if drop(k) {
+			n++
+		}
+	}
+	if n == 0 {
+		return h
+	}
+	out := make(map[string]any, len(h)-n)
+	for k, v := range h {
+		if !drop(k) {
+			out[k] = v
+		}
+	}
+	return out
+}
