@@ -3,8 +3,8 @@ package tasks
 // Stage 5, run. Receives a job due now; for an outside task, the outsideRun
 // of its claim. Runs the task function (execute) under its time limits, its
 // revocation and panic recovery, and hands on the encoded result or the
-// task's error, a retry request among them (turned into a failure past the
-// task's MaxRetries: taskOutcome, retry.go), to the settle stage. Pure tasks (no
+// task's error, a retry request among them (a failure past the task's
+// MaxRetries: taskOutcome, retry.go), to the settle stage. Pure tasks (no
 // record) and same-database tasks (claim, run and completion in one
 // transaction) are run end to end here and go on to the answer stage
 // (finish), or with a claim's other outcome to answerClaim.
