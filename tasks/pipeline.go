@@ -68,6 +68,9 @@ func (w *Worker) process(ctx context.Context, j *job) {
 			return
 		}
 	}
+	if w.rateLimited(j) {
+		return
+	}
 	if j.h.mode == ModeSameDB && w.cfg.hooks.NoRecord {
 		w.runOwnTx(ctx, j)
 		return

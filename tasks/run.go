@@ -445,15 +445,15 @@ func protect(ctx context.Context, c *Call, fn func(context.Context, *Call) (any,
 }
 
 func (w *Worker) softLimit(j *job) time.Duration {
-	if j.h.softTimeLimit > 0 {
-		return j.h.softTimeLimit
+	if soft := w.taskSoftLimit(j.h); soft > 0 {
+		return soft
 	}
 	return j.msg.TimeLimit.Soft
 }
 
 func (w *Worker) hardLimit(j *job) time.Duration {
-	if j.h.timeLimit > 0 {
-		return j.h.timeLimit
+	if hard := w.taskHardLimit(j.h); hard > 0 {
+		return hard
 	}
 	return j.msg.TimeLimit.Hard
 }

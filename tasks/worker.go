@@ -53,6 +53,11 @@ type Worker struct {
 	jobs chan *job     // deliveries waiting for a task goroutine
 	quit chan struct{} // closed when shutdown begins: take no new jobs
 
+	// slots bounds the tasks running at once; tuning holds the rate and
+	// time limits set at run time (control_cmds.go).
+	slots  slotGate
+	tuning taskTuning
+
 	// busy counts the task goroutines inside the pipeline; settled is when
 	// a delivery was last settled (acknowledged, given back or lost with
 	// its channel), in Unix nanoseconds: readiness (stalled).
@@ -134,6 +139,8 @@ type job struct {
 	// operation key's hash (later events leave them out: an event reader
 	// merges a task's events).
 	named, keyed bool
+	// rated: its task's rate limit let it start (or it waited for it).
+	rated bool
 }
 
 // verdict is a decision to quarantine a delivery.
@@ -276,13 +283,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.workCause = workCancel
 
 	var pool sync.WaitGroup
-	for range w.cfg.Concurrency {
+	w.slots.start(w.cfg.Concurrency, func() {
 		pool.Add(1)
 		go func() {
 			defer pool.Done()
 			w.loop(workCtx)
 		}()
-	}
+	})
 
 	consCtx, consCancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer consCancel()
@@ -320,6 +327,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	// back to the queue; running tasks get the grace period.
 	w.draining.Store(true)
 	close(w.quit)
+	w.slots.stop()
 	consCancel()
 	w.mu.Lock()
 	w.stopping = true
@@ -483,9 +491,10 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 
 // loop is one task goroutine.
 func (w *Worker) loop(ctx context.Context) {
-	for {
+	for w.slots.acquire(w.quit) {
 		select {
 		case <-w.quit:
+			w.slots.release()
 			return
 		case j := <-w.jobs:
 			select {
@@ -493,12 +502,14 @@ func (w *Worker) loop(ctx context.Context) {
 				w.mu.Lock()
 				w.requeue(j)
 				w.mu.Unlock()
+				w.slots.release()
 				return
 			default:
 			}
 			w.busy.Add(1)
 			w.process(ctx, j)
 			w.busy.Add(-1)
+			w.slots.release()
 		}
 	}
 }
