@@ -81,7 +81,7 @@ func (c *Controller) tuning(req *celeryproto.ControlRequest) (result any, handle
 			"there is no pool to restart (restart the worker to load new code)"), true
 	case "objgraph":
 		return pyError("NotImplementedError", "objgraph is not supported: onceler is a Go program "+
-			"(use memdump, memsample, or Go's pprof)"), true
+			"(use memdump, memsample or the Go pprof profiles)"), true
 	case "memsample":
 		return c.mem.sample(), true
 	case "memdump":
@@ -406,7 +406,8 @@ func (c *Controller) conf(withDefaults bool) map[string]any {
 
 // BrokerInfo is kombu's Connection.info() for a broker URL, without the
 // password, as Celery's inspect stats gives it under "broker": heartbeat
-// and connectTimeout as the connection uses them.
+// and connectTimeout as the connection uses them; "url" (onceler's) is the
+// URL with its password redacted.
 func BrokerInfo(rawURL string, heartbeat, connectTimeout time.Duration) map[string]any {
 	urls := strings.Split(rawURL, ";")
 	info := map[string]any{
@@ -414,6 +415,7 @@ func BrokerInfo(rawURL string, heartbeat, connectTimeout time.Duration) map[stri
 		"insist": false, "ssl": false, "transport": "amqp", "connect_timeout": connectTimeout.Seconds(),
 		"transport_options": map[string]any{}, "login_method": "PLAIN", "uri_prefix": nil,
 		"heartbeat": heartbeat.Seconds(), "failover_strategy": "round-robin", "alternates": []any{},
+		"url": amqp.RedactURL(rawURL),
 	}
 	if len(urls) > 1 {
 		alts := make([]any, 0, len(urls)-1)

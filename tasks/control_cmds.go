@@ -3,6 +3,7 @@ package tasks
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -224,7 +225,7 @@ func (w *Worker) Settings(withDefaults bool) map[string]any {
 		{"broker_url", amqp.RedactURL(cfg.Broker.URL), nil},
 		{"broker_heartbeat", broker["heartbeat"], 120.0},
 		{"broker_connection_timeout", broker["connect_timeout"], 4.0},
-		{"result_backend", amqp.RedactURL(backend), nil},
+		{"result_backend", redactBackend(backend), nil},
 		{"result_serializer", cfg.ResultSerializer, "json"},
 		{"result_expires", cfg.ResultExpires.Seconds(), 86400.0},
 		{"result_extended", cfg.ResultExtended, false},
@@ -360,4 +361,12 @@ func (g *slotGate) release() {
 	defer g.mu.Unlock()
 	g.inUse--
 	g.signal()
+}
+
+// redactBackend is a result backend URL without its password.
+func redactBackend(u string) string {
+	if !strings.Contains(u, "@") {
+		return u
+	}
+	return amqp.RedactURL(u)
 }
