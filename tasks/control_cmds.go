@@ -281,6 +281,19 @@ type slotGate struct {
 	spawn   func() // starts one more task goroutine (nil: not running)
 	stopped bool
 	wake    chan struct{} // closed when a slot may have been freed
+	// shrink is closed when the limit goes down: the goroutines holding a
+	// slot while they wait for a delivery give it back and take one again.
+	shrink chan struct{}
+}
+
+// shrunk returns a channel closed when the limit goes down.
+func (g *slotGate) shrunk() <-chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.shrink == nil {
+		g.shrink = make(chan struct{})
+	}
+	return g.shrink
 }
 
 func (g *slotGate) size(def int) int {
@@ -322,6 +335,10 @@ func (g *slotGate) grow() {
 func (g *slotGate) resize(n int) int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if n < g.limit && g.shrink != nil {
+		close(g.shrink)
+		g.shrink = make(chan struct{})
+	}
 	g.limit = n
 	g.grow()
 	g.signal()

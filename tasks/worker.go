@@ -496,6 +496,8 @@ func (w *Worker) loop(ctx context.Context) {
 		case <-w.quit:
 			w.slots.release()
 			return
+		case <-w.slots.shrunk():
+			w.slots.release() // and take one again, if there are enough
 		case j := <-w.jobs:
 			select {
 			case <-w.quit:
