@@ -86,6 +86,12 @@ func (c *Controller) selected(req *celeryproto.ControlRequest) bool {
 	return false
 }
 
+// aliases are the old names Celery's commands still answer to.
+var aliases = map[string]string{
+	"dump_conf": "conf", "dump_schedule": "scheduled", "dump_reserved": "reserved",
+	"dump_active": "active", "dump_revoked": "revoked", "dump_tasks": "registered",
+}
+
 func ok(v string) map[string]any  { return map[string]any{"ok": v} }
 func nok(v string) map[string]any { return map[string]any{"error": v} }
 
@@ -93,6 +99,9 @@ func nok(v string) map[string]any { return map[string]any{"error": v} }
 // replying (shutdown).
 func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlRequest) (any, func()) {
 	node := c.cfg.NodeName
+	if m, ok := aliases[req.Method]; ok {
+		req.Method = m
+	}
 	switch req.Method {
 	case "ping":
 		return ok("pong"), nil
