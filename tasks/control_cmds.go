@@ -280,6 +280,7 @@ type slotGate struct {
 	spawned int
 	spawn   func() // starts one more task goroutine (nil: not running)
 	stopped bool
+	waiting int           // goroutines waiting for a slot
 	wake    chan struct{} // closed when a slot may have been freed
 	// shrink is closed when the limit goes down: the goroutines holding a
 	// slot while they wait for a delivery give it back and take one again.
@@ -364,10 +365,18 @@ func (g *slotGate) acquire(quit <-chan struct{}) bool {
 			return true
 		}
 		wake := g.wake
+		g.waiting++
 		g.mu.Unlock()
+		var woken bool
 		select {
 		case <-wake:
+			woken = true
 		case <-quit:
+		}
+		g.mu.Lock()
+		g.waiting--
+		g.mu.Unlock()
+		if !woken {
 			return false
 		}
 	}
@@ -377,7 +386,9 @@ func (g *slotGate) release() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.inUse--
-	g.signal()
+	if g.waiting > 0 {
+		g.signal()
+	}
 }
 
 // redactBackend is a result backend URL without its password.
