@@ -159,7 +159,10 @@ func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlReque
 		withDefaults := truthy(req.Arguments["with_defaults"])
 		if t, ok := c.worker().(Tuner); ok {
 			conf := t.Settings(withDefaults)
-			conf["worker_send_task_events"] = c.TaskEvents()
+			delete(conf, "worker_send_task_events") // as enable_events and disable_events left it
+			if withDefaults || c.TaskEvents() {
+				conf["worker_send_task_events"] = c.TaskEvents()
+			}
 			return conf, nil
 		}
 		return c.conf(withDefaults), nil
