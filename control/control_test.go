@@ -146,7 +146,9 @@ func (n *node) client(t *testing.T, args ...string) map[string]any {
 // script runs testdata/<name> NODE args... and decodes its JSON line.
 func (n *node) script(t *testing.T, name string, args ...string) map[string]any {
 	t.Helper()
-	cmd := exec.Command(n.py, append([]string{name, n.name}, args...)...)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, n.py, append([]string{name, n.name}, args...)...)
 	cmd.Dir = "testdata"
 	cmd.Env = n.env()
 	out, err := cmd.Output()

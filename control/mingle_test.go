@@ -16,11 +16,11 @@ import (
 )
 
 // TestPythonWorkerExpiresRevokedFromHello: a Python Celery worker whose
-// revoked ids expire after 8 s learns an id revoked on the node through
-// mingle's hello, and forgets it once the id is 8 s old, counted from when
+// revoked ids expire after 20 s learns an id revoked on the node through
+// mingle's hello, and forgets it once the id is 20 s old, counted from when
 // it was revoked on the node: the node sends LimitedSet's monotonic times.
 func TestPythonWorkerExpiresRevokedFromHello(t *testing.T) {
-	const expires = 8 * time.Second
+	const expires = 20 * time.Second
 	n := startNode(t, false)
 	id := "expiring-" + strings.TrimPrefix(testenv.Name("t"), "t_")
 	n.celery(t, "control", "revoke", id, "-d", n.name)
@@ -31,7 +31,7 @@ func TestPythonWorkerExpiresRevokedFromHello(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, n.py, "-m", "celery", "-A", "app", "worker", "-n", pyNode,
 		"-Q", n.queue+"_py", "--pool=solo", "--loglevel=info")
-	cmd.Dir, cmd.Env = "testdata", append(n.env(), "ONCELER_PY_REVOKE_EXPIRES=8")
+	cmd.Dir, cmd.Env = "testdata", append(n.env(), "ONCELER_PY_REVOKE_EXPIRES=20")
 	log := &lockedBuffer{}
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
