@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -64,6 +65,9 @@ type Consumer struct {
 	// qosChanged asks the consume goroutine to restart per-consumer
 	// prefetch consumers (quorum queues) under the new limit.
 	qosChanged chan struct{}
+	// topo asks the consume goroutine to apply a change of the queues
+	// (AddQueue, CancelQueue).
+	topo chan topoReq
 
 	gen     atomic.Uint64
 	ready   atomic.Bool
@@ -84,7 +88,7 @@ func NewConsumer(cfg Config, cc ConsumerConfig) *Consumer {
 	cc.Queues = append([]QueueSpec(nil), cc.Queues...)
 	return &Consumer{
 		cfg: cfg, cc: cc, log: cfg.Logger.Named("amqp.consumer"),
-		prefetch: cc.Prefetch, requested: cc.Prefetch, qosChanged: make(chan struct{}, 1),
+		prefetch: cc.Prefetch, requested: cc.Prefetch, qosChanged: make(chan struct{}, 1), topo: make(chan topoReq),
 	}
 }
 
@@ -116,12 +120,13 @@ func (c *Consumer) Queues() []QueueSpec {
 func (c *Consumer) ensureQueues(conn *amqp091.Connection) ([]QueueSpec, error) {
 	c.mu.Lock()
 	prev := c.found
+	queues := slices.Clone(c.cc.Queues)
 	c.mu.Unlock()
 	sc := &scratch{conn: conn}
 	defer sc.close()
-	states := make([]queueState, len(c.cc.Queues))
-	specs := make([]QueueSpec, len(c.cc.Queues))
-	for i, q := range c.cc.Queues {
+	states := make([]queueState, len(queues))
+	specs := make([]QueueSpec, len(queues))
+	for i, q := range queues {
 		var last *QueueSpec
 		if i < len(prev) && prev[i].learned {
 			last = &prev[i].spec
@@ -135,18 +140,18 @@ func (c *Consumer) ensureQueues(conn *amqp091.Connection) ([]QueueSpec, error) {
 	c.mu.Lock()
 	c.found = states
 	c.mu.Unlock()
-	c.noteQueues(states)
+	c.noteQueues(states, queues)
 	return specs, nil
 }
 
 // noteQueues logs how each queue was found, when it changed since the last
 // connect.
-func (c *Consumer) noteQueues(states []queueState) {
+func (c *Consumer) noteQueues(states []queueState, queues []QueueSpec) {
 	if len(c.notes) != len(states) {
 		c.notes = make([]string, len(states))
 	}
 	for i, st := range states {
-		q, conf := st.spec, c.cc.Queues[i]
+		q, conf := st.spec, queues[i]
 		fields := []zap.Field{zap.String("queue", q.Name), zap.Any("arguments", q.Args),
 			zap.Bool("durable", q.Durable), zap.Bool("auto_delete", q.AutoDelete)}
 		level, msg := zapcore.InfoLevel, "queue exists; served as declared"

@@ -59,7 +59,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))
 	// Each consumer is cancelled by the broker at most once; restarts for a
 	// prefetch change add consumers, so leave room.
-	cancels := ch.NotifyCancel(make(chan string, 4*len(c.cc.Queues)+4))
+	cancels := ch.NotifyCancel(make(chan string, 4*len(s.queues)+64))
 
 	c.mu.Lock()
 	found := c.found
@@ -83,7 +83,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	}
 	c.ready.Store(true)
 	started := time.Now()
-	c.log.Info("consuming", zap.Strings("queues", queueNames(c.cc.Queues)),
+	c.log.Info("consuming", zap.Strings("queues", queueNames(s.queues)),
 		zap.Int("prefetch", s.applied), zap.Bool("global_qos", s.global), zap.Uint64("channel_generation", s.st.gen))
 
 	for {
@@ -94,6 +94,8 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 		case t := <-s.merged:
 			s.st.outstanding.Add(1)
 			handle(newDelivery(&t.m, t.queue, t.quorum, s.st))
+		case req := <-c.topo:
+			req.done <- s.syncQueues()
 		case <-c.qosChanged:
 			if err := s.restartConsumers(); err != nil {
 				return time.Since(started), err

@@ -30,7 +30,7 @@ func KeyHash(key string) string {
 //
 // Which fields an event carries depends on Type:
 //
-//	task-received   args, kwargs, root_id, parent_id, retries, eta, expires
+//	task-received   args, kwargs, root_id, parent_id (null when empty), retries, eta, expires
 //	task-started    (none)
 //	task-succeeded  result, runtime, and onceler_duplicate when Duplicate
 //	task-failed     exception, traceback
@@ -88,7 +88,7 @@ func (e *TaskEvent) Fields() map[string]any {
 	}
 	switch e.Type {
 	case "task-received":
-		f["args"], f["kwargs"], f["root_id"], f["parent_id"] = e.Args, e.Kwargs, e.RootID, e.ParentID
+		f["args"], f["kwargs"], f["root_id"], f["parent_id"] = e.Args, e.Kwargs, orNil(e.RootID), orNil(e.ParentID)
 		f["retries"], f["eta"], f["expires"] = e.Retries, orNil(e.ETA), orNil(e.Expires)
 	case "task-succeeded":
 		f["result"], f["runtime"] = e.Result, e.Runtime
@@ -128,8 +128,8 @@ func AppendTaskEvent(dst []byte, s EventStamp, e *TaskEvent) ([]byte, error) {
 	case "task-received":
 		b = appendStringField(b, "args", e.Args)
 		b = appendStringField(b, "kwargs", e.Kwargs)
-		b = appendStringField(b, "root_id", e.RootID)
-		b = appendStringField(b, "parent_id", e.ParentID)
+		b = appendNullableField(b, "root_id", e.RootID)
+		b = appendNullableField(b, "parent_id", e.ParentID)
 		b = append(b, `,"retries":`...)
 		b = strconv.AppendInt(b, int64(e.Retries), 10)
 		b = appendNullableField(b, "eta", e.ETA)

@@ -62,6 +62,8 @@ type Controller struct {
 	connected atomic.Bool
 	sessions  atomic.Int64 // connections established
 
+	mem memSamples // memsample's samples, for memdump
+
 	mu       sync.Mutex
 	declared map[string]bool // reply exchanges declared on the current session
 }
@@ -207,7 +209,7 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 	}
 	conn, err := amqp091.DialConfig(url, amqp091.Config{
 		Properties:      props,
-		Heartbeat:       10 * time.Second,
+		Heartbeat:       controlHeartbeat,
 		TLSClientConfig: c.cfg.TLS,
 		Dial: func(network, addr string) (net.Conn, error) {
 			var d net.Dialer

@@ -140,7 +140,15 @@ func (n *node) inspect(t *testing.T, method string) any {
 // client runs testdata/client.py and decodes its JSON line.
 func (n *node) client(t *testing.T, args ...string) map[string]any {
 	t.Helper()
-	cmd := exec.Command(n.py, append([]string{"client.py", n.name}, args...)...)
+	return n.script(t, "client.py", args...)
+}
+
+// script runs testdata/<name> NODE args... and decodes its JSON line.
+func (n *node) script(t *testing.T, name string, args ...string) map[string]any {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, n.py, append([]string{name, n.name}, args...)...)
 	cmd.Dir = "testdata"
 	cmd.Env = n.env()
 	out, err := cmd.Output()
@@ -149,11 +157,11 @@ func (n *node) client(t *testing.T, args ...string) map[string]any {
 		if ee, ok := err.(*exec.ExitError); ok {
 			stderr = string(ee.Stderr)
 		}
-		t.Fatalf("client %v: %v\n%s\n%s", args, err, out, stderr)
+		t.Fatalf("%s %v: %v\n%s\n%s", name, args, err, out, stderr)
 	}
 	var res map[string]any
 	if err := json.Unmarshal(out, &res); err != nil {
-		t.Fatalf("client output %q: %v", out, err)
+		t.Fatalf("%s output %q: %v", name, out, err)
 	}
 	return res
 }

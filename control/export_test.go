@@ -30,6 +30,11 @@ func (n *node) Celery(t *testing.T, args ...string) []byte { return n.celery(t, 
 // Client runs testdata/client.py against the node.
 func (n *node) Client(t *testing.T, args ...string) map[string]any { return n.client(t, args...) }
 
+// Script runs testdata/<name> NODE args... against the node.
+func (n *node) Script(t *testing.T, name string, args ...string) map[string]any {
+	return n.script(t, name, args...)
+}
+
 // CheckCeleryEvents is checkCeleryEvents.
 func CheckCeleryEvents(t *testing.T, n *PyNode, start func(), wantResult string) {
 	t.Helper()
@@ -50,3 +55,6 @@ func Processed(stats map[string]any) int64 { return processed(stats) }
 
 // Queue is the queue the node serves.
 func (n *PyNode) Queue() string { return n.queue }
+
+// Name is the node name.
+func (n *PyNode) Name() string { return n.name }

@@ -18,7 +18,11 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 )
 
-const replyTimeout = 5 * time.Second
+const (
+	replyTimeout = 5 * time.Second
+	// controlHeartbeat is the AMQP heartbeat of the controller's connection.
+	controlHeartbeat = 10 * time.Second
+)
 
 // handle answers one pidbox request: decode, select by destination or
 // pattern, dispatch, and reply when the request asks for it.
@@ -82,6 +86,12 @@ func (c *Controller) selected(req *celeryproto.ControlRequest) bool {
 	return false
 }
 
+// aliases are the old names Celery's commands still answer to.
+var aliases = map[string]string{
+	"dump_conf": "conf", "dump_schedule": "scheduled", "dump_reserved": "reserved",
+	"dump_active": "active", "dump_revoked": "revoked", "dump_tasks": "registered",
+}
+
 func ok(v string) map[string]any  { return map[string]any{"ok": v} }
 func nok(v string) map[string]any { return map[string]any{"error": v} }
 
@@ -89,6 +99,9 @@ func nok(v string) map[string]any { return map[string]any{"error": v} }
 // replying (shutdown).
 func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlRequest) (any, func()) {
 	node := c.cfg.NodeName
+	if m, ok := aliases[req.Method]; ok {
+		req.Method = m
+	}
 	switch req.Method {
 	case "ping":
 		return ok("pong"), nil
@@ -100,14 +113,14 @@ func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlReque
 		}
 		return out, nil
 	case "active":
-		return requests(c.worker().Active(), node), nil
+		return requests(c.worker().Active(), node, truthy(req.Arguments["safe"])), nil
 	case "reserved":
-		return requests(c.worker().Reserved(), node), nil
+		return requests(c.worker().Reserved(), node, truthy(req.Arguments["safe"])), nil
 	case "scheduled":
 		ts := c.worker().Scheduled()
 		out := make([]any, 0, len(ts))
 		for _, t := range ts {
-			out = append(out, t.scheduled(node))
+			out = append(out, t.scheduled(node, truthy(req.Arguments["safe"])))
 		}
 		return out, nil
 	case "stats":
@@ -141,16 +154,18 @@ func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlReque
 		c.sendWorkerEvent("worker-heartbeat")
 		return nil, nil
 	case "query_task":
-		return c.queryTask(req.Arguments["ids"]), nil
+		return c.queryTask(req.Arguments["ids"], truthy(req.Arguments["safe"])), nil
 	case "conf":
-		return map[string]any{
-			"broker_url":                 amqp.RedactURL(c.cfg.URL),
-			"worker_concurrency":         c.cfg.Concurrency,
-			"worker_send_task_events":    c.TaskEvents(),
-			"event_exchange":             EventExchange,
-			"control_exchange":           "celery",
-			"worker_prefetch_multiplier": max(1, c.cfg.Prefetch/max(1, c.cfg.Concurrency)),
-		}, nil
+		withDefaults := truthy(req.Arguments["with_defaults"])
+		if t, ok := c.worker().(Tuner); ok {
+			conf := t.Settings(withDefaults)
+			delete(conf, "worker_send_task_events") // as enable_events and disable_events left it
+			if withDefaults || c.TaskEvents() {
+				conf["worker_send_task_events"] = c.TaskEvents()
+			}
+			return conf, nil
+		}
+		return c.conf(withDefaults), nil
 	case "clock":
 		return map[string]any{"clock": c.clock.Load()}, nil
 	case "hello":
@@ -161,12 +176,7 @@ func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlReque
 		if r, ok := req.Arguments["revoked"].(map[string]any); ok {
 			c.mergeRevoked(r)
 		}
-		snap := c.revoked.Snapshot()
-		rv := make(map[string]any, len(snap))
-		for k, v := range snap {
-			rv[k] = v
-		}
-		return map[string]any{"revoked": rv, "clock": c.clock.Add(1)}, nil
+		return map[string]any{"revoked": c.revoked.limitedSetData(), "clock": c.clock.Add(1)}, nil
 	case "shutdown":
 		if c.cfg.Shutdown == nil {
 			return nok("shutdown is not enabled on this worker"), nil
@@ -174,12 +184,15 @@ func (c *Controller) dispatch(ctx context.Context, req *celeryproto.ControlReque
 		c.log.Warn("shutdown requested by remote")
 		return ok("shutting down"), c.cfg.Shutdown
 	}
+	if result, handled := c.tuning(req); handled {
+		return result, nil
+	}
 	return nok(fmt.Sprintf("unknown command %q", req.Method)), nil
 }
 
 // queryTask answers Celery's query_task: {id: [state, request]} for the
 // given ids the worker holds ("active" or "reserved").
-func (c *Controller) queryTask(arg any) map[string]any {
+func (c *Controller) queryTask(arg any, safe bool) map[string]any {
 	want := map[string]bool{}
 	switch v := arg.(type) {
 	case string:
@@ -196,7 +209,7 @@ func (c *Controller) queryTask(arg any) map[string]any {
 	for state, list := range map[string][]TaskInfo{"reserved": w.Reserved(), "active": w.Active()} {
 		for _, t := range list {
 			if want[t.ID] {
-				out[t.ID] = []any{state, t.request(node)}
+				out[t.ID] = []any{state, t.request(node, safe)}
 			}
 		}
 	}
@@ -275,7 +288,7 @@ func (c *Controller) stats() map[string]any {
 			"max-concurrency": c.cfg.Concurrency,
 			"processes":       []any{os.Getpid()},
 		},
-		"broker":   map[string]any{"transport": "amqp", "url": amqp.RedactURL(c.cfg.URL)},
+		"broker":   BrokerInfo(c.cfg.URL, controlHeartbeat, c.cfg.DialTimeout),
 		"rusage":   rusage,
 		"events":   map[string]any{"enabled": c.TaskEvents(), "sent": sent, "dropped": dropped},
 		"control":  map[string]any{"commands": commands, "revoked": c.revoked.Len()},

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -172,31 +173,52 @@ func joinBounded(ids []string, rest, limit int) string {
 	return b.String()
 }
 
-// mergeRevoked takes the revoked ids another node sent in a hello (Celery's
-// mingle: id to the Unix time it was revoked): the newest Config.RevokedMax
-// of them.
+// mergeRevoked takes the revoked ids another node sent in a hello: the
+// newest Config.RevokedMax of them. A Celery worker sends its LimitedSet's
+// _data, id to [monotonic time, id] (Python's time.monotonic on its host):
+// such an id keeps its age, and one past the expiry is dropped, as Celery's
+// LimitedSet.update does. An id given a plain number (onceler workers once
+// sent Unix times) counts as revoked now.
 func (c *Controller) mergeRevoked(r map[string]any) {
 	type entry struct {
-		id string
-		at float64
+		id   string
+		at   float64
+		aged bool
 	}
 	all := make([]entry, 0, len(r))
 	for id, at := range r {
-		f, _ := at.(float64)
-		if i, ok := at.(int64); ok {
-			f = float64(i)
+		e := entry{id: id}
+		if l, ok := at.([]any); ok && len(l) > 0 {
+			e.aged = true
+			at = l[0]
 		}
-		all = append(all, entry{id, f})
+		switch x := at.(type) {
+		case float64:
+			e.at = x
+		case int64:
+			e.at = float64(x)
+		}
+		all = append(all, e)
 	}
 	if len(all) > c.cfg.RevokedMax {
 		slices.SortFunc(all, func(a, b entry) int { return cmp.Compare(b.at, a.at) })
 		all = all[:c.cfg.RevokedMax]
 	}
 	slices.SortFunc(all, func(a, b entry) int { return cmp.Compare(a.at, b.at) }) // oldest first
-	ids := make([]string, len(all))
-	for i, e := range all {
-		ids[i] = e.id
+	mono := monotonic()
+	ids := make([]string, 0, len(all))
+	for _, e := range all {
+		if !e.aged {
+			c.revoked.Add(e.id)
+			ids = append(ids, e.id)
+			continue
+		}
+		age := time.Duration((mono - e.at) * float64(time.Second))
+		if age >= c.revoked.ttl {
+			continue
+		}
+		c.revoked.addAged(e.id, age)
+		ids = append(ids, e.id)
 	}
-	c.revoked.Add(ids...)
 	c.worker().Revoke(ids, false)
 }

@@ -2,8 +2,11 @@ package control
 
 import (
 	"container/list"
+	"math"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Revoked is a bounded set of revoked task ids with expiry, like Celery's
@@ -116,4 +119,71 @@ func (r *Revoked) purge(now time.Time) {
 func (r *Revoked) remove(e *list.Element) {
 	delete(r.ids, e.Value.(revokedEntry).id)
 	r.order.Remove(e)
+}
+
+// monotonic is Python's time.monotonic() on this host: CLOCK_MONOTONIC in
+// seconds, the clock of Celery's LimitedSet.
+func monotonic() float64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return float64(time.Now().UnixNano()) / 1e9
+	}
+	return float64(ts.Sec) + float64(ts.Nsec)/1e9
+}
+
+// limitedSetData returns the ids as Celery's LimitedSet keeps them in its
+// _data, which Celery's workers exchange in mingle's hello: id to
+// [monotonic time it was revoked, id]. A Python worker that merges them
+// expires each by its age, as it does its own.
+func (r *Revoked) limitedSetData() map[string]any {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	r.purge(now)
+	mono := monotonic()
+	out := make(map[string]any, r.order.Len())
+	for e := r.order.Front(); e != nil; e = e.Next() {
+		v := e.Value.(revokedEntry)
+		t := mono - now.Sub(v.at).Seconds()
+		if t == math.Trunc(t) {
+			t += 1e-6 // LimitedSet.update wants a float, which JSON keeps only with a fraction
+		}
+		out[v.id] = []any{t, v.id}
+	}
+	return out
+}
+
+// addAged records id as revoked age ago (an id already present is
+// refreshed); one older than the set's expiry is not added.
+func (r *Revoked) addAged(id string, age time.Duration) {
+	if id == "" {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	r.purge(now)
+	if age >= r.ttl {
+		return
+	}
+	at := now.Add(-max(age, 0))
+	if e, ok := r.ids[id]; ok {
+		if !e.Value.(revokedEntry).at.Before(at) {
+			return
+		}
+		r.remove(e)
+	}
+	// keep the list in order of time: walk back from the newest
+	mark := r.order.Back()
+	for mark != nil && mark.Value.(revokedEntry).at.After(at) {
+		mark = mark.Prev()
+	}
+	if mark == nil {
+		r.ids[id] = r.order.PushFront(revokedEntry{id: id, at: at})
+	} else {
+		r.ids[id] = r.order.InsertAfter(revokedEntry{id: id, at: at}, mark)
+	}
+	for r.order.Len() > r.max {
+		r.remove(r.order.Front())
+	}
 }

@@ -6,7 +6,9 @@
 //
 // The tasks, by Celery name:
 //
-//   - demo.add(x, y): x + y. Pure: no record, every delivery runs it.
+//   - demo.add(x, y): x + y as Python adds: exact integers, a float when
+//     either is one (3.0 stays a float). Pure: no record, every delivery
+//     runs it.
 //   - demo.ledger.credit(account, entry_id, cents): same-database. Inserts a
 //     row into onceler_demo.ledger in the record's own transaction; key
 //     entry_id. Returns {"entry_id", "account", "balance"}.
@@ -34,8 +36,12 @@ package demo
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
+	"math/big"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -82,10 +88,12 @@ func WithLogger(l *zap.Logger) Option {
 	}
 }
 
-// AddArgs are the arguments of demo.add.
+// AddArgs are the arguments of demo.add: numbers as the message gives
+// them, integers (int64) or floats (float64); a bool counts as 0 or 1, as
+// in Python.
 type AddArgs struct {
-	X float64 `celery:"x"`
-	Y float64 `celery:"y"`
+	X any `celery:"x"`
+	Y any `celery:"y"`
 }
 
 // CreditArgs are the arguments of demo.ledger.credit.
@@ -218,8 +226,97 @@ type demo struct {
 	log  *zap.Logger
 }
 
+// add answers as Python's x + y: two integers give their exact sum (an
+// integer), a float makes it a float, which stays one on the wire (3.0,
+// not 3).
 func (d *demo) add(_ context.Context, _ *tasks.Call, a AddArgs) (any, error) {
-	return number(a.X + a.Y), nil
+	x, xInt := pyInt(a.X)
+	y, yInt := pyInt(a.Y)
+	if xInt && yInt {
+		s := x + y
+		if (s > x) == (y > 0) || y == 0 {
+			return s, nil
+		}
+		// past int64: Python's integers have no bound
+		return json.Number(new(big.Int).Add(big.NewInt(x), big.NewInt(y)).String()), nil
+	}
+	fx, okx := pyFloat(a.X)
+	fy, oky := pyFloat(a.Y)
+	if !okx || !oky {
+		return nil, tasks.TypeError(fmt.Sprintf("unsupported operand type(s) for +: '%s' and '%s'", pyTypeName(a.X), pyTypeName(a.Y)))
+	}
+	return floatResult(fx + fy)
+}
+
+// pyInt reads an integer argument (a bool is 0 or 1).
+func pyInt(v any) (int64, bool) {
+	switch x := v.(type) {
+	case int64:
+		return x, true
+	case int:
+		return int64(x), true
+	case int32:
+		return int64(x), true
+	case uint64:
+		if x <= math.MaxInt64 {
+			return int64(x), true
+		}
+	case bool:
+		if x {
+			return 1, true
+		}
+		return 0, true
+	}
+	return 0, false
+}
+
+// pyFloat reads a number argument as a float.
+func pyFloat(v any) (float64, bool) {
+	switch x := v.(type) {
+	case float64:
+		return x, true
+	case float32:
+		return float64(x), true
+	case uint64:
+		return float64(x), true
+	}
+	if i, ok := pyInt(v); ok {
+		return float64(i), true
+	}
+	return 0, false
+}
+
+func pyTypeName(v any) string {
+	switch v.(type) {
+	case nil:
+		return "NoneType"
+	case string:
+		return "str"
+	case []any:
+		return "list"
+	case map[string]any:
+		return "dict"
+	case float64, float32:
+		return "float"
+	case bool:
+		return "bool"
+	}
+	return "int"
+}
+
+// floatResult is f as a Python float on the wire: an integral value keeps
+// its ".0" (JSON would make 3.0 the integer 3).
+func floatResult(f float64) (any, error) {
+	if math.IsInf(f, 0) || math.IsNaN(f) {
+		return nil, tasks.PyError("OverflowError", "builtins", "float result out of range")
+	}
+	if f != math.Trunc(f) {
+		return f, nil
+	}
+	if math.Abs(f) < 1e16 {
+		return json.RawMessage(strconv.FormatFloat(f, 'f', -1, 64) + ".0"), nil
+	}
+	return json.RawMessage(strconv.FormatFloat(f, 'g', -1, 64)), nil
 }
 
 func (d *demo) xsum(_ context.Context, _ *tasks.Call, a XsumArgs) (any, error) {

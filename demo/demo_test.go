@@ -2,7 +2,9 @@ package demo
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -232,5 +234,35 @@ func TestFailIsValueError(t *testing.T) {
 	var pe *tasks.PythonError
 	if !errors.As(err, &pe) || pe.Type != "ValueError" || pe.Module != "builtins" || pe.Message != "bad input" {
 		t.Fatalf("fail: %#v", err)
+	}
+}
+
+func TestAddAsPython(t *testing.T) {
+	d := &demo{}
+	for _, c := range []struct {
+		x, y any
+		want string // the result's JSON
+	}{
+		{int64(100_000_000_000_000_000), int64(1), "100000000000000001"},
+		{int64(1), 2.0, "3.0"},
+		{2.0, 3.0, "5.0"},
+		{0.5, int64(1), "1.5"},
+		{true, int64(1), "2"},
+		{int64(math.MaxInt64), int64(1), "9223372036854775808"},
+		{1e16, 0.0, "1e+16"},
+		{-1.0, 0.0, "-1.0"},
+	} {
+		got, err := d.add(context.Background(), &tasks.Call{}, AddArgs{X: c.x, Y: c.y})
+		if err != nil {
+			t.Fatalf("add(%v, %v): %v", c.x, c.y, err)
+		}
+		b, err := json.Marshal(got)
+		if err != nil || string(b) != c.want {
+			t.Errorf("add(%v, %v) = %s, %v; want %s", c.x, c.y, b, err, c.want)
+		}
+	}
+	if _, err := d.add(context.Background(), &tasks.Call{}, AddArgs{X: int64(1), Y: "a"}); err == nil ||
+		err.Error() != "TypeError: unsupported operand type(s) for +: 'int' and 'str'" {
+		t.Errorf("add(1, 'a') = %v", err)
 	}
 }

@@ -27,6 +27,7 @@ func (w *Worker) info(j *job, started time.Time) control.TaskInfo {
 		Priority: j.d.Priority, Redelivered: j.d.Redelivered, Hostname: w.cfg.Hostname}
 	if j.msg != nil {
 		ti.ID, ti.Name, ti.ArgsRepr, ti.KwargsRepr, ti.ETA = j.msg.ID, j.msg.Task, j.msg.ArgsRepr, j.msg.KwargsRepr, j.msg.ETA
+		ti.Args, ti.Kwargs = j.msg.Args, j.msg.Kwargs
 	} else {
 		ti.ID = j.d.CorrelationID
 	}
@@ -123,10 +124,10 @@ func (w *Worker) Stats() map[string]any {
 		"prefetch_count": w.cfg.Prefetch + scheduled,
 		"pool": map[string]any{
 			"implementation":  "onceler:goroutines",
-			"max-concurrency": w.cfg.Concurrency,
+			"max-concurrency": w.PoolSize(),
 			"processes":       []int{os.Getpid()},
 		},
-		"broker": map[string]any{"transport": "amqp"},
+		"broker": w.brokerInfo(),
 	}
 }
 

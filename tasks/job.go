@@ -55,6 +55,11 @@ type job struct {
 	// operation key's hash (later events leave them out: an event reader
 	// merges a task's events).
 	named, keyed bool
+	// rated: its task's rate limit let it start (or it waited for it).
+	rated bool
+	// limits: the task's time limits as they stood when it was let run
+	// (its registration's, or those set at run time by time_limit).
+	limits timeLimits
 }
 
 // verdict is a decision to quarantine a delivery.

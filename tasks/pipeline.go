@@ -62,6 +62,10 @@ func (w *Worker) process(ctx context.Context, j *job) {
 	if !w.due(ctx, j) {
 		return
 	}
+	if w.rateLimited(j) {
+		return
+	}
+	j.limits = w.limitsOf(j.h)
 	// Claim and run, by the task's mode.
 	switch {
 	case j.h.mode == ModeSameDB && w.cfg.hooks.NoRecord:

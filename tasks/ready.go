@@ -30,7 +30,7 @@ func (w *Worker) checkStall(full *time.Time) {
 	waiting := len(w.waiting)
 	w.mu.Unlock()
 	now := time.Now()
-	if int(w.busy.Load()) < w.cfg.Concurrency && slots < w.cfg.Prefetch && waiting == 0 {
+	if int(w.busy.Load()) < w.PoolSize() && slots < w.cfg.Prefetch && waiting == 0 {
 		*full = time.Time{}
 	} else if full.IsZero() {
 		*full = now

@@ -287,15 +287,15 @@ func protect(ctx context.Context, c *Call, fn func(context.Context, *Call) (any,
 }
 
 func (j *job) softLimit() time.Duration {
-	if j.h.softTimeLimit > 0 {
-		return j.h.softTimeLimit
+	if j.limits.soft > 0 {
+		return j.limits.soft
 	}
 	return j.msg.TimeLimit.Soft
 }
 
 func (j *job) hardLimit() time.Duration {
-	if j.h.timeLimit > 0 {
-		return j.h.timeLimit
+	if j.limits.hard > 0 {
+		return j.limits.hard
 	}
 	return j.msg.TimeLimit.Hard
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 )
 
@@ -176,6 +177,13 @@ type Task[A any] struct {
 	// TimeLimit is the hard time limit; SoftTimeLimit cancels the task's
 	// context (cause ErrSoftTimeLimit). 0 means the message's timelimit, if any.
 	TimeLimit, SoftTimeLimit time.Duration
+	// RateLimit limits how often the task starts on this worker, in
+	// Celery's syntax: "10/s", "10/m", "10/h" (a number alone is per
+	// second); "" means no limit. Deliveries of the task wait, without a
+	// task slot, until the limit lets them start, one at a time (Celery's
+	// token bucket); other tasks are not held. The rate_limit remote
+	// command changes it at run time.
+	RateLimit string
 	// AllowMismatch lets a delivery whose arguments differ from those recorded
 	// for the same operation key be treated as a repeat of that operation,
 	// rather than quarantined.
@@ -192,6 +200,7 @@ type handler struct {
 	retry         RetryPolicy
 	timeLimit     time.Duration
 	softTimeLimit time.Duration
+	rateLimit     float64 // per second; 0: none
 	allowMismatch bool
 	hasLookup     bool
 	lookupTimeout time.Duration
@@ -295,7 +304,12 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	if t.Lease < 0 || t.LookupTimeout < 0 || t.TimeLimit < 0 || t.SoftTimeLimit < 0 || t.Retry.Countdown < 0 || t.Retry.Backoff < 0 || t.Retry.BackoffMax < 0 {
 		return nil, invalid(t.Name, "negative duration")
 	}
+	rate, err := control.ParseRate(t.RateLimit)
+	if err != nil {
+		return nil, invalid(t.Name, "RateLimit: %v", err)
+	}
 	h := &handler{
+		rateLimit:     rate,
 		name:          t.Name,
 		mode:          t.Mode,
 		policy:        t.Policy,

@@ -53,6 +53,11 @@ type Worker struct {
 	jobs chan *job     // deliveries waiting for a task goroutine
 	quit chan struct{} // closed when shutdown begins: take no new jobs
 
+	// slots bounds the tasks running at once; tuning holds the rate and
+	// time limits set at run time (control_cmds.go).
+	slots  slotGate
+	tuning taskTuning
+
 	// busy counts the task goroutines inside the pipeline; settled is when
 	// a delivery was last settled (acknowledged, given back or lost with
 	// its channel), in Unix nanoseconds: readiness (stalled).
@@ -228,13 +233,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.workCause = workCancel
 
 	var pool sync.WaitGroup
-	for range w.cfg.Concurrency {
+	w.slots.start(w.cfg.Concurrency, func() {
 		pool.Add(1)
 		go func() {
 			defer pool.Done()
 			w.loop(workCtx)
 		}()
-	}
+	})
 
 	consCtx, consCancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer consCancel()
@@ -272,6 +277,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	// back to the queue; running tasks get the grace period.
 	w.draining.Store(true)
 	close(w.quit)
+	w.slots.stop()
 	consCancel()
 	w.mu.Lock()
 	w.stopping = true
@@ -435,22 +441,27 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 
 // loop is one task goroutine.
 func (w *Worker) loop(ctx context.Context) {
-	for {
+	for w.slots.acquire(w.quit) {
 		select {
 		case <-w.quit:
+			w.slots.release()
 			return
+		case <-w.slots.shrunk():
+			w.slots.release() // and take one again, if there are enough
 		case j := <-w.jobs:
 			select {
 			case <-w.quit:
 				w.mu.Lock()
 				w.requeue(j)
 				w.mu.Unlock()
+				w.slots.release()
 				return
 			default:
 			}
 			w.busy.Add(1)
 			w.process(ctx, j)
 			w.busy.Add(-1)
+			w.slots.release()
 		}
 	}
 }

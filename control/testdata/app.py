@@ -24,3 +24,10 @@ def sleep(*args, **kwargs):
 @app.task(name='demo.add')
 def add(x, y):
     raise RuntimeError('runs in the Go worker')
+
+
+if os.environ.get('ONCELER_PY_REVOKE_EXPIRES'):
+    # A Python worker of a mixed fleet whose revoked ids expire soon
+    # (Celery 5.2.6 has no setting for it: worker_state.REVOKE_EXPIRES).
+    from celery.worker import state as worker_state
+    worker_state.revoked.expires = float(os.environ['ONCELER_PY_REVOKE_EXPIRES'])

@@ -1,0 +1,389 @@
+package tasks
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/control"
+)
+
+// The worker's side of Celery's run-time remote commands (control.Tuner):
+// rate limits, time limits, queues consumed, task slots, settings.
+
+var _ control.Tuner = (*Worker)(nil)
+
+// maxSlots bounds the task slots pool_grow and autoscale may ask for.
+const maxSlots = 10000
+
+// taskTuning holds the limits set at run time, by task name, and the rate
+// limiters.
+type taskTuning struct {
+	mu sync.Mutex
+	// rates: a rate limit set by rate_limit (0: none), overriding the
+	// task's RateLimit.
+	rates map[string]float64
+	// limits: time limits set by time_limit, overriding the task's.
+	limits map[string]timeLimits
+	// buckets: the token buckets of the rate-limited tasks.
+	buckets map[string]*bucket
+}
+
+type timeLimits struct{ soft, hard time.Duration }
+
+// bucket is a token bucket of capacity 1, Celery's (kombu's TokenBucket
+// with capacity 1): one task may start every interval; the tasks waiting
+// start in turn.
+type bucket struct {
+	interval time.Duration
+	next     time.Time // when the next task may start
+}
+
+// reserve takes the next start time and returns how long to wait for it.
+func (b *bucket) reserve(now time.Time) time.Duration {
+	start := now
+	if b.next.After(now) {
+		start = b.next
+	}
+	b.next = start.Add(b.interval)
+	return start.Sub(now)
+}
+
+// rate returns the rate limit in force for h, per second (0: none).
+func (t *taskTuning) rate(h *handler) float64 {
+	if r, ok := t.rates[h.name]; ok {
+		return r
+	}
+	return h.rateLimit
+}
+
+// rateDelay reserves a start for a task of h and returns how long it must
+// wait for it (0: it may start now).
+func (w *Worker) rateDelay(h *handler) time.Duration {
+	t := &w.tuning
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.rate(h)
+	if r <= 0 {
+		return 0
+	}
+	interval := time.Duration(float64(time.Second) / r)
+	b := t.buckets[h.name]
+	if b == nil || b.interval != interval {
+		if t.buckets == nil {
+			t.buckets = make(map[string]*bucket)
+		}
+		b = &bucket{interval: interval}
+		t.buckets[h.name] = b
+	}
+	return b.reserve(time.Now())
+}
+
+// rateLimited holds j until its task's rate limit lets it start (without
+// a task slot meanwhile) and reports whether it did; a delivery held once
+// is not held again.
+func (w *Worker) rateLimited(j *job) bool {
+	if j.rated {
+		return false
+	}
+	j.rated = true
+	d := w.rateDelay(j.h)
+	if d <= 0 {
+		return false
+	}
+	w.later(j, d)
+	return true
+}
+
+// SetRateLimit sets task's rate limit, in Celery's syntax ("10/s", "10/m",
+// "10/h"; "" or "0": none), over the task's RateLimit.
+func (w *Worker) SetRateLimit(task, rate string) error {
+	if _, ok := w.reg.get(task); !ok {
+		return fmt.Errorf("tasks: rate limit of %q: %w", task, control.ErrUnknownTask)
+	}
+	r, err := control.ParseRate(rate)
+	if err != nil {
+		return err
+	}
+	t := &w.tuning
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.rates == nil {
+		t.rates = make(map[string]float64)
+	}
+	t.rates[task] = r
+	delete(t.buckets, task)
+	return nil
+}
+
+// SetTimeLimit sets task's soft and hard time limits over the task's
+// TimeLimit and SoftTimeLimit (0: none; then the message's apply).
+func (w *Worker) SetTimeLimit(task string, soft, hard time.Duration) error {
+	if _, ok := w.reg.get(task); !ok {
+		return fmt.Errorf("tasks: time limit of %q: %w", task, control.ErrUnknownTask)
+	}
+	t := &w.tuning
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.limits == nil {
+		t.limits = make(map[string]timeLimits)
+	}
+	t.limits[task] = timeLimits{soft: soft, hard: hard}
+	return nil
+}
+
+// limitsOf is h's time limits: as set by time_limit, else as registered.
+func (w *Worker) limitsOf(h *handler) timeLimits {
+	t := &w.tuning
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if l, ok := t.limits[h.name]; ok {
+		return l
+	}
+	return timeLimits{soft: h.softTimeLimit, hard: h.timeLimit}
+}
+
+// AddQueue starts consuming q, declared as a configured queue is (with its
+// quarantine queue).
+func (w *Worker) AddQueue(q amqp.QueueSpec) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
+	if err := w.pub.Declare(ctx, spec); err != nil {
+		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
+	}
+	if err := w.consumer.AddQueue(q); err != nil {
+		return fmt.Errorf("tasks: %w", err)
+	}
+	w.log.Info("consuming a queue added at run time", zap.String("queue", q.Name))
+	return nil
+}
+
+// CancelQueue stops consuming the queue named; the deliveries taken from it
+// already run.
+func (w *Worker) CancelQueue(name string) error {
+	was, err := w.consumer.CancelQueue(name)
+	if err != nil {
+		return fmt.Errorf("tasks: %w", err)
+	}
+	if was {
+		w.log.Info("no longer consuming a queue", zap.String("queue", name))
+	}
+	return nil
+}
+
+// PoolSize returns the number of task slots: how many tasks may run at
+// once.
+func (w *Worker) PoolSize() int { return w.slots.size(w.cfg.Concurrency) }
+
+// SetPoolSize sets the number of task slots (1 to 10,000) and returns it.
+// Slots taken away are given up as their tasks end; running tasks are not
+// interrupted. The prefetch window stays Config.Prefetch.
+func (w *Worker) SetPoolSize(n int) int {
+	return w.slots.resize(max(1, min(n, maxSlots)))
+}
+
+// Settings returns the worker's settings under Celery's names: those that
+// differ from Celery's defaults, or with withDefaults all of them. URLs are
+// given without their password.
+func (w *Worker) Settings(withDefaults bool) map[string]any {
+	cfg := &w.cfg
+	backend := cfg.ResultBackend
+	if backend == "" {
+		backend = "rpc://"
+	}
+	broker := w.brokerInfo()
+	var routes any
+	if len(cfg.Routes) > 0 {
+		r := make(map[string]any, len(cfg.Routes))
+		for k, v := range cfg.Routes {
+			r[k] = map[string]any{"queue": v}
+		}
+		routes = r
+	}
+	type setting struct {
+		name      string
+		value, by any // by: Celery's default
+	}
+	all := []setting{
+		{"broker_url", amqp.RedactURL(cfg.Broker.URL), nil},
+		{"broker_heartbeat", broker["heartbeat"], 120.0},
+		{"broker_connection_timeout", broker["connect_timeout"], 4.0},
+		{"result_backend", redactBackend(backend), nil},
+		{"result_serializer", cfg.ResultSerializer, "json"},
+		{"result_expires", cfg.ResultExpires.Seconds(), 86400.0},
+		{"result_extended", cfg.ResultExtended, false},
+		{"task_track_started", cfg.TrackStarted, false},
+		{"task_acks_late", true, false},
+		{"task_routes", routes, nil},
+		{"task_serializer", "json", "json"},
+		{"accept_content", []any{"json"}, []any{"json"}},
+		{"task_time_limit", nil, nil},
+		{"task_soft_time_limit", nil, nil},
+		{"worker_concurrency", w.PoolSize(), nil},
+		{"worker_prefetch_multiplier", max(1, cfg.Prefetch/max(1, cfg.Concurrency)), 4},
+		{"worker_send_task_events", cfg.TaskEvents, false},
+		{"worker_disable_rate_limits", false, false},
+		{"worker_direct", false, false},
+		{"event_exchange", control.EventExchange, control.EventExchange},
+		{"control_exchange", "celery", "celery"},
+		{"enable_utc", true, true},
+	}
+	if cfg.ResultSerializer == "" {
+		all[4].value = "json"
+	}
+	out := make(map[string]any, len(all))
+	for _, s := range all {
+		if withDefaults || fmt.Sprint(s.value) != fmt.Sprint(s.by) {
+			out[s.name] = s.value
+		}
+	}
+	return out
+}
+
+// brokerInfo is kombu's Connection.info() of the worker's broker
+// connection, without the password (inspect stats "broker").
+func (w *Worker) brokerInfo() map[string]any {
+	heartbeat, dialTimeout := w.cfg.Broker.Heartbeat, w.cfg.Broker.DialTimeout
+	if heartbeat <= 0 {
+		heartbeat = amqp.DefaultHeartbeat
+	}
+	if dialTimeout <= 0 {
+		dialTimeout = 30 * time.Second
+	}
+	return control.BrokerInfo(w.cfg.Broker.URL, heartbeat, dialTimeout)
+}
+
+// slotGate bounds the tasks running at once to its limit: a task goroutine
+// takes a slot before it takes a delivery and gives it back after. There
+// are as many task goroutines as the largest limit set so far.
+type slotGate struct {
+	mu      sync.Mutex
+	limit   int // 0: not set yet (Config.Concurrency)
+	inUse   int
+	spawned int
+	spawn   func() // starts one more task goroutine (nil: not running)
+	stopped bool
+	waiting int           // goroutines waiting for a slot
+	wake    chan struct{} // closed when a slot may have been freed
+	// shrink is closed when the limit goes down: the goroutines holding a
+	// slot while they wait for a delivery give it back and take one again.
+	shrink chan struct{}
+}
+
+// shrunk returns a channel closed when the limit goes down.
+func (g *slotGate) shrunk() <-chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.shrink == nil {
+		g.shrink = make(chan struct{})
+	}
+	return g.shrink
+}
+
+func (g *slotGate) size(def int) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.limit == 0 {
+		return def
+	}
+	return g.limit
+}
+
+// start runs the task goroutines under the limit (def unless set before).
+func (g *slotGate) start(def int, spawn func()) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.limit == 0 {
+		g.limit = def
+	}
+	g.spawn = spawn
+	g.wake = make(chan struct{})
+	g.grow()
+}
+
+// stop starts no more task goroutines: Run waits for those it has.
+func (g *slotGate) stop() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.stopped = true
+}
+
+// grow starts task goroutines up to the limit; g.mu is held.
+func (g *slotGate) grow() {
+	for g.spawn != nil && !g.stopped && g.spawned < g.limit {
+		g.spawned++
+		g.spawn()
+	}
+}
+
+func (g *slotGate) resize(n int) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if n < g.limit && g.shrink != nil {
+		close(g.shrink)
+		g.shrink = make(chan struct{})
+	}
+	g.limit = n
+	g.grow()
+	g.signal()
+	return n
+}
+
+// signal wakes the goroutines waiting for a slot; g.mu is held.
+func (g *slotGate) signal() {
+	if g.wake != nil {
+		close(g.wake)
+		g.wake = make(chan struct{})
+	}
+}
+
+// acquire takes a slot, waiting until one is free; false when quit is
+// closed first.
+func (g *slotGate) acquire(quit <-chan struct{}) bool {
+	for {
+		g.mu.Lock()
+		if g.inUse < g.limit {
+			g.inUse++
+			g.mu.Unlock()
+			return true
+		}
+		wake := g.wake
+		g.waiting++
+		g.mu.Unlock()
+		var woken bool
+		select {
+		case <-wake:
+			woken = true
+		case <-quit:
+		}
+		g.mu.Lock()
+		g.waiting--
+		g.mu.Unlock()
+		if !woken {
+			return false
+		}
+	}
+}
+
+func (g *slotGate) release() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.inUse--
+	if g.waiting > 0 {
+		g.signal()
+	}
+}
+
+// redactBackend is a result backend URL without its password.
+func redactBackend(u string) string {
+	if !strings.Contains(u, "@") {
+		return u
+	}
+	return amqp.RedactURL(u)
+}
