@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/onceler/onceler/idempotency"
 )
 
 type chargeArgs struct {
@@ -224,5 +226,20 @@ func TestMetricsRegistration(t *testing.T) {
 	}
 	if _, err := newMetrics(reg, nil); err == nil {
 		t.Error("second worker on the same registry accepted")
+	}
+}
+
+// TestRegisterRefusesNamesTheRecordCannotKeep: a task with a record and a
+// name beyond idempotency.MaxTaskBytes is refused at registration, not at
+// every claim.
+func TestRegisterRefusesNamesTheRecordCannotKeep(t *testing.T) {
+	long := strings.Repeat("n", idempotency.MaxTaskBytes+1)
+	err := Register(NewRegistry(), Task[opArgs]{Name: long, Mode: ModeOutside, Key: opKey,
+		Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }})
+	if !errors.Is(err, ErrInvalidTask) {
+		t.Errorf("long name registered: %v", err)
+	}
+	if err := Register(NewRegistry(), Task[opArgs]{Name: long, Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }}); err != nil {
+		t.Errorf("long name of a pure task (no record): %v", err)
 	}
 }
