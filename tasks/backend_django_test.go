@@ -158,6 +158,7 @@ func (a *djangoApp) row(taskID string) djangoRow {
 // django-celery-results' (with result_extended: task name, argsrepr,
 // kwargsrepr, worker, traceback).
 func TestDjangoBackendCelery(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	e := newEnv(t)
 	cfg := e.config()
@@ -229,6 +230,7 @@ func djangoRegistry(t *testing.T) *Registry {
 // result and meta text, NULL traceback and request columns); a SUCCESS is
 // never replaced, anything else is.
 func TestDjangoBackendRows(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	b, err := newDjangoBackend(a.backend, &Config{})
 	if err != nil {
@@ -285,6 +287,7 @@ func TestDjangoBackendRows(t *testing.T) {
 // migrations the backend's check at start is one line that names the table
 // and what to do, never the password; onceler creates nothing.
 func TestDjangoBackendMissingTable(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, false)
 	u, err := url.Parse(strings.TrimPrefix(a.backend, "django-db+"))
 	if err != nil {
@@ -330,6 +333,7 @@ func TestDjangoBackendMissingTable(t *testing.T) {
 // and once the application migrates, the row appears and the message is
 // settled.
 func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, false)
 	e := newEnv(t)
 	cfg := e.config()
@@ -387,6 +391,7 @@ func unacked(t *testing.T, queue string) int {
 // failed part gives the body's result ChordError and its errback is called
 // with the body's task id; no chord counter row is left.
 func TestDjangoBackendChords(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	e := newEnv(t)
 	e.backend = "django-db"

@@ -16,6 +16,7 @@ import (
 // chord is done, and never after; without a counter row nothing is
 // published.
 func TestDjangoChordCounter(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	b, err := newDjangoBackend(a.backend, &Config{})
 	if err != nil {
@@ -66,6 +67,7 @@ func TestDjangoChordCounter(t *testing.T) {
 // JSON list of result tuples can never be joined: the error is permanent,
 // and the worker's chord step stops on it instead of retrying for ever.
 func TestDjangoChordBadSubTasks(t *testing.T) {
+	t.Parallel()
 	raw := testenv.DatabaseURL(t)
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)

@@ -19,6 +19,7 @@ import (
 // TestRevokedSetExpires: revoked ids are forgotten after their expiry, the
 // oldest first when the set is full, and a re-revoked id lives again.
 func TestRevokedSetExpires(t *testing.T) {
+	t.Parallel()
 	now := time.Unix(1000, 0)
 	s := newRevokedSet(3, time.Hour)
 	s.now = func() time.Time { return now }
@@ -54,6 +55,7 @@ func TestRevokedSetExpires(t *testing.T) {
 // TestRevokedExpiry: a revoked id is refused (REVOKED) until
 // Config.RevokedExpiry has passed; then the same id runs.
 func TestRevokedExpiry(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	cfg := e.config()
 	cfg.RevokedExpiry = 500 * time.Millisecond
@@ -76,6 +78,7 @@ func TestRevokedExpiry(t *testing.T) {
 // but before it started (here: waiting for the only database connection,
 // held by another task) does not start: REVOKED, no effect, its claim gone.
 func TestRevokeWhileWaiting(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pcfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
 	if err != nil {
@@ -146,6 +149,7 @@ func TestRevokeWhileWaiting(t *testing.T) {
 // running task revoked with terminate stops; an expired message is REVOKED;
 // an ETA message runs when due.
 func TestRevokeExpiresETA(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	r := e.start(sleepRegistry(t, fx), e.config())

@@ -25,6 +25,7 @@ func (g *gatedRecorder) TaskEvents() bool { g.asked.Add(1); return g.on.Load() }
 // field maps are built); on, task-succeeded carries runtime (float seconds)
 // and result (a Python repr), task-failed exception and a string traceback.
 func TestTaskEventFields(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	rec := &gatedRecorder{}
 	cfg := e.config()
@@ -79,6 +80,7 @@ func TestTaskEventFields(t *testing.T) {
 }
 
 func TestResultRepr(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{
 		`null`: "None", `1.5`: "1.5", `2`: "2", `"a'b"`: `"a'b"`, `"a'\"b"`: `'a\'"b'`, `[1,"x\n"]`: `[1, 'x\n']`,
 		`{"b":false,"a":[]}`: `{'a': [], 'b': False}`, `1e300`: "1e+300",
@@ -109,6 +111,7 @@ func (r *recorder) Event(_ context.Context, typ string, fields map[string]any) {
 // arguments task-received then task-failed TypeError, and an expired
 // message task-revoked alone.
 func TestEventsOfRefusedMessages(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	rec := &recorder{}
 	cfg := e.config()
@@ -147,6 +150,7 @@ func TestEventsOfRefusedMessages(t *testing.T) {
 // fields, a duplicate marked onceler_duplicate, and never argument values
 // beyond Celery's own reprs or the operation key itself.
 func TestObserverEvents(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	rec := &recorder{}
 	cfg := e.config()

@@ -22,6 +22,7 @@ import (
 // within seconds, alone and in a transaction group, and the innocent
 // members of the group are answered too.
 func TestCommitRefusedByTriggerAnswered(t *testing.T) {
+	t.Parallel()
 	for _, group := range []int{0, 8} {
 		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) { commitRefusedByTrigger(t, group) })
 	}
@@ -92,6 +93,7 @@ END $$`,
 // the statement (ErrTxManaged): nothing of it commits, the caller is told
 // FAILURE, and no claim is left behind.
 func TestChainedCommitSettled(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenvPool(t)
 	ctx := context.Background()
@@ -135,6 +137,7 @@ func TestChainedCommitSettled(t *testing.T) {
 // answered within seconds, as a task failure: it is never run again and
 // again as if the record were away.
 func TestChainedRollbackAnswered(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenvPool(t)
 	ctx := context.Background()

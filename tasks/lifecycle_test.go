@@ -14,6 +14,7 @@ import (
 // acknowledges them; what was waiting goes back to the queue; a second
 // worker completes the rest; every operation runs once.
 func TestGracefulStop(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name  string
 		grace time.Duration
@@ -77,6 +78,7 @@ func TestGracefulStop(t *testing.T) {
 // stale-claim policy (hold here: held, the caller told OperationHeld), and
 // the effect is not repeated.
 func TestShutdownCutLeavesClaimToPolicy(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	reg := NewRegistry()

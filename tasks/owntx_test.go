@@ -18,6 +18,7 @@ import (
 // 3 rows), a failing task commits nothing, nothing is recorded, and the
 // crash points are reached (after_effect before the commit).
 func TestNoRecordSameDB(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenvPool(t)
 	table := pgx.Identifier{e.schema, "nr_ledger"}.Sanitize()
@@ -98,6 +99,7 @@ func TestNoRecordSameDB(t *testing.T) {
 
 // TestNoRecord: without the record every copy runs: 3 copies, 3 effects.
 func TestNoRecord(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	cfg := e.config()

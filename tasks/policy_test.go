@@ -36,6 +36,7 @@ func (e *env) staleClaim(task, key string, kwargs map[string]any) {
 // TestStalePolicies: an operation whose owner died after claiming is settled
 // by each task's policy when its message comes again.
 func TestStalePolicies(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	var lookups atomic.Int32
@@ -148,6 +149,7 @@ func TestStalePolicies(t *testing.T) {
 // transaction; 4 copies of each of 50 operations over two workers write 50
 // rows; a failing task leaves no row and no record.
 func TestSameDatabase(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenvPool(t)
 	table := pgx.Identifier{e.schema, "ledger"}.Sanitize()
@@ -251,6 +253,7 @@ func TestLookupAsLongAsTheLeaseAnswered(t *testing.T) {
 // the lookup found), the caller told OperationHeld, and no claim is left
 // behind.
 func TestLookupResultUnstorableSettled(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	var runs atomic.Int32

@@ -24,6 +24,7 @@ import (
 // TestPoisonQuorum: a message redelivered more than MaxAttempts times on a
 // quorum queue (x-delivery-count) is quarantined as poison, not run.
 func TestPoisonQuorum(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	q := e.queue + "_qq"
 	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
@@ -84,6 +85,7 @@ func TestPoisonQuorum(t *testing.T) {
 // answered with the result, never WorkerLostError, and the effect happens
 // once.
 func TestPoisonCountWaitsForARunningTransaction(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	pool := testenvPool(t)
@@ -144,6 +146,7 @@ func TestPoisonCountWaitsForARunningTransaction(t *testing.T) {
 // TestRetriedMessageNotPoison: the claims made by Celery retries do not
 // count towards the poison limit of a redelivered message.
 func TestRetriedMessageNotPoison(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	ctx := context.Background()
@@ -196,6 +199,7 @@ func TestRetriedMessageNotPoison(t *testing.T) {
 // fingerprint mismatch each end in the quarantine queue with their reason,
 // the unknown task's caller gets NotRegistered, and the worker keeps serving.
 func TestQuarantine(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	r := e.start(testRegistry(t, fx), e.config())
@@ -280,6 +284,7 @@ func TestQuarantine(t *testing.T) {
 // than retried for ever as if the database or the broker were down, and
 // the worker keeps serving.
 func TestBadInputIsQuarantinedNotRetried(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	e.start(testRegistry(t, &effects{}), e.config())
 	replyTo, replies := e.replyQueue()
@@ -341,6 +346,7 @@ func TestBadInputIsQuarantinedNotRetried(t *testing.T) {
 // the delivery is kept and moved again later, still as refused: not run, not
 // answered twice, not claimed, and the worker keeps serving.
 func TestQuarantineRetry(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name   string
 		msg    func(replyTo string) *celeryproto.Message

@@ -12,6 +12,7 @@ import (
 
 // TestHealthHandler: /readyz answers 200 only while the worker consumes.
 func TestHealthHandler(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	cfg := e.config()
 	cfg.Pool = testenvPool(t)

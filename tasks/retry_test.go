@@ -18,6 +18,7 @@ type retryArgs struct{ N int64 }
 // TestRetryWithPython: a task that asks for a Celery retry runs again with
 // the same id and retries+1; the Python caller gets the final result.
 func TestRetryWithPython(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	var runs atomic.Int32
 	reg := NewRegistry()
@@ -158,6 +159,7 @@ func TestRetriesWithPython(t *testing.T) {
 }
 
 func TestRetryDelay(t *testing.T) {
+	t.Parallel()
 	fixed := func(n int64) int64 { return n - 1 } // the top of the jitter range
 	cases := []struct {
 		p       RetryPolicy

@@ -19,6 +19,7 @@ import (
 // named OperationHeld (OperationSkipped), which Celery makes for the
 // unimportable module onceler.exceptions; the deliveries are acknowledged.
 func TestHeldAndSkippedAnswerPython(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	reg := NewRegistry()
 	var runs atomic.Int32
@@ -60,6 +61,7 @@ func TestHeldAndSkippedAnswerPython(t *testing.T) {
 // Celery app that accepts nothing else reads the results, values and
 // failures alike.
 func TestResultSerializer(t *testing.T) {
+	t.Parallel()
 	for _, ser := range []string{"msgpack", "yaml"} {
 		t.Run(ser, func(t *testing.T) {
 			e := newEnv(t)
@@ -93,6 +95,7 @@ func TestResultSerializer(t *testing.T) {
 // the result (lost) and acknowledges: the task runs once, not again and
 // again.
 func TestFullReplyQueueDoesNotRerunTask(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	var runs atomic.Int32
 	r := NewRegistry()

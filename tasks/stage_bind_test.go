@@ -12,6 +12,7 @@ import (
 // message is quarantined as bad arguments, the task never runs, and the
 // worker keeps serving.
 func TestLongKeyAnsweredAndQuarantined(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	e.start(testRegistry(t, fx), e.config())

@@ -14,6 +14,7 @@ import (
 // quarantined unread, and a caller named by the message's id header and
 // reply_to hears why (ContentDisallowed or DecodeError, as kombu raises).
 func TestUndecodableCallerAnswered(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	e.start(testRegistry(t, &effects{}), e.config())
 	replyTo, replies := e.replyQueue()

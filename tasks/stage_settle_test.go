@@ -18,6 +18,7 @@ import (
 // Celery caller within seconds, with the record settled (completed, failed,
 // held), and the worker keeps serving. The NUL is kept as its escape's text.
 func TestUnstorableOutcomesAnswered(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	r := NewRegistry()
 	var runs atomic.Int32

@@ -23,6 +23,7 @@ import (
 // through the raw connection, found out and completed). Alone and in a
 // transaction group, where the innocent members commit.
 func TestSameDBTaskOwnFailures(t *testing.T) {
+	t.Parallel()
 	for _, group := range []int{0, 8} {
 		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) { sameDBOwnFailures(t, group) })
 	}
@@ -171,6 +172,7 @@ func sameDBOwnFailures(t *testing.T, group int) {
 }
 
 func TestEndsTx(t *testing.T) {
+	t.Parallel()
 	for sql, want := range map[string]bool{
 		"COMMIT":                          true,
 		" /* x */ -- y\n commit work":     true,

@@ -93,6 +93,7 @@ func testRegistry(t *testing.T, fx *effects) *Registry {
 // AsyncResult.get(); results and chosen exception classes come back, with
 // protocols 1 and 2 and the json and msgpack serializers.
 func TestPythonCeleryEndToEnd(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	e.start(testRegistry(t, fx), e.config())
@@ -175,6 +176,7 @@ func checkPay(t *testing.T, res map[string][]map[string]any, ids int, keyOf func
 // 500 operation keys (each 4×, interleaved): exactly 500 effects, 2,000
 // results, and the record's repeats report counts 1,500 duplicates.
 func TestDuplicatesTwoWorkers(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	reg := testRegistry(t, fx)
