@@ -96,6 +96,7 @@ func keys(m map[string]string) []string {
 // messages return to the queue; a second worker process completes them.
 // Either way: one effect per operation, one answer per caller, queue empty.
 func TestSIGTERMDuringTasks(t *testing.T) {
+	t.Parallel()
 	t.Run("within_grace", func(t *testing.T) {
 		e := demoEnv(t)
 		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=30s"}})
@@ -200,6 +201,7 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 // same time) for every fifth. Exactly 500 effects, 2,000 results, and the
 // repeats report (onceler repeats --json) shows the 1,500 duplicates.
 func TestTwoWorkerProcessesDuplicates(t *testing.T) {
+	t.Parallel()
 	const ops, copies = 500, 4
 	e := demoEnv(t)
 	since := time.Now()
