@@ -30,6 +30,7 @@ func edgeBinary(t *testing.T) string { return edgeApp.get(t, "payments", ".", ".
 // error: cmd.Main promises status 2 only for usage errors and 1 for any
 // other failure, with one line on stderr naming the program.
 func TestOwnBinaryPanicInMigrateOrRegisterExitsOneWithOneLine(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := edgeBinary(t)
 	for _, c := range []struct {
@@ -55,6 +56,7 @@ func TestOwnBinaryPanicInMigrateOrRegisterExitsOneWithOneLine(t *testing.T) {
 // context it wrapped around the database's error (which table, which step)
 // is what tells them what failed.
 func TestOwnBinaryMigrateErrorKeepsItsContext(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := edgeBinary(t)
 	r := runProg(t, bin, s.with(map[string]string{"EDGE_MIGRATE": "error"}), "migrate")
@@ -69,6 +71,7 @@ func TestOwnBinaryMigrateErrorKeepsItsContext(t *testing.T) {
 // (exported, for programs that handle their own exit) names the program
 // so too.
 func TestAppRunEmptyNameIsTheExecutable(t *testing.T) {
+	t.Parallel()
 	var out, errOut bytes.Buffer
 	if err := (App{}).Run(context.Background(), []string{"help"}, &out, &errOut); err != nil {
 		t.Fatal(err)
@@ -82,6 +85,7 @@ func TestAppRunEmptyNameIsTheExecutable(t *testing.T) {
 // The help of a binary of one's own does not describe the onceler binary's
 // demo tasks and tables as its own.
 func TestOwnBinaryHelpDoesNotClaimTheDemo(t *testing.T) {
+	t.Parallel()
 	app := App{Name: "refunds"}
 	for _, cmdName := range []string{"worker", "migrate"} {
 		var out, errOut bytes.Buffer
@@ -103,6 +107,7 @@ func TestOwnBinaryHelpDoesNotClaimTheDemo(t *testing.T) {
 // "payments resolve --retry", and a dropped record logs "payments migrate".
 // There is no onceler binary on such a machine.
 func TestOwnBinaryMessagesNameTheProgram(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := edgeBinary(t)
 	ctx := context.Background()
@@ -167,6 +172,7 @@ func TestOwnBinaryMessagesNameTheProgram(t *testing.T) {
 // transaction, the claim included: nothing is recorded, and a later copy of
 // the operation runs it again.
 func TestExampleFailedSameDBOperationIsNotRecorded(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := exampleBinary(t)
 	if r := runProg(t, bin, s.env, "migrate"); r.code != 0 {
@@ -192,6 +198,7 @@ func TestExampleFailedSameDBOperationIsNotRecorded(t *testing.T) {
 // 'payments migrate' at once whose Migrate is one CREATE TABLE IF NOT
 // EXISTS, without a lock of its own, do not collide in PostgreSQL's catalog.
 func TestOwnBinaryConcurrentMigrateIsSerialisedAsHelpSays(t *testing.T) {
+	t.Parallel()
 	bin := edgeBinary(t)
 	var out, errOut bytes.Buffer
 	if err := (App{Name: "payments"}).Run(context.Background(), []string{"migrate", "--help"}, &out, &errOut); err != nil {
@@ -221,6 +228,7 @@ func TestOwnBinaryConcurrentMigrateIsSerialisedAsHelpSays(t *testing.T) {
 // onceler, a role without rights on it reads "permission denied for schema
 // payments", a schema that does not exist.
 func TestOwnBinaryErrorKeepsTheSchemaName(t *testing.T) {
+	t.Parallel()
 	bin := edgeBinary(t)
 	ctx := context.Background()
 	pool := testenv.Pool(t)

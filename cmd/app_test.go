@@ -12,6 +12,7 @@ import (
 // A binary of its own gets the whole command under its own name: help and
 // messages name it, and a worker without tasks is a usage error.
 func TestAppNamesItself(t *testing.T) {
+	t.Parallel()
 	var out, errOut bytes.Buffer
 	app := App{Name: "refunds"}
 	if err := app.Run(context.Background(), []string{"help"}, &out, &errOut); err != nil {
@@ -40,6 +41,7 @@ func TestAppNamesItself(t *testing.T) {
 }
 
 func TestExitCode(t *testing.T) {
+	t.Parallel()
 	if ExitCode(nil) != 0 || ExitCode(usagef("x", "y")) != 2 || ExitCode(context.Canceled) != 1 {
 		t.Error("exit codes")
 	}
@@ -48,6 +50,7 @@ func TestExitCode(t *testing.T) {
 // Register's error, and a Register that adds nothing, stop the worker with
 // a message that says so.
 func TestAppRegisterFailures(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	for _, tc := range []struct {
 		reg  func(context.Context, *tasks.Registry, Env) error

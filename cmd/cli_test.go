@@ -10,6 +10,7 @@ import (
 )
 
 func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		args []string
 		env  map[string]string
@@ -59,6 +60,7 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 }
 
 func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{{"help"}, {"--help"}, {"help", "purge"}, {"purge", "--help"}, {"worker", "-h"}} {
 		r := runBin(t, nil, args...)
 		if r.code != 0 || r.stderr != "" || !strings.Contains(r.stdout, "onceler") {
@@ -74,6 +76,7 @@ func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
 }
 
 func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{{"migrate"}, {"records"}, {"repeats"}, {"purge", "--older-than", "1d"}, {"resolve", "t", "k", "--completed"}, {"worker", "--migrate"}} {
 		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": "postgres://app:secret@127.0.0.1:1/app"}, args...)
 		line := oneLineError(t, r, 1)
@@ -88,6 +91,7 @@ func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
 // whatever the flaw, and a broker URL that would be read without its host
 // is refused rather than dialled as localhost.
 func TestMalformedURLsHideTheirPassword(t *testing.T) {
+	t.Parallel()
 	for _, dsn := range []string{
 		"postgres://postgres:secretpw@127.0.0.1:abc/test",
 		"postgres://postgres:secret%zzpw@127.0.0.1:5432/test",
@@ -140,6 +144,7 @@ func TestRefusingBrokerSaysWhy(t *testing.T) {
 }
 
 func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
 	env := map[string]string{
@@ -159,6 +164,7 @@ func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
 }
 
 func TestEnvironmentSetsDefaultsAndFlagsWin(t *testing.T) {
+	t.Parallel()
 	c := lookupCommand("repeats")
 	a := &app{getenv: func(k string) string {
 		return map[string]string{"ONCELER_SINCE": "2h", "ONCELER_SCHEMA": "from_env", "ONCELER_JSON": "true"}[k]
@@ -181,6 +187,7 @@ func TestEnvironmentSetsDefaultsAndFlagsWin(t *testing.T) {
 }
 
 func TestFlagsMayFollowPositionalArguments(t *testing.T) {
+	t.Parallel()
 	c := lookupCommand("resolve")
 	fs := newFlagSet(c)
 	c.setup(&app{getenv: func(string) string { return "" }}, fs)
@@ -198,6 +205,7 @@ func TestFlagsMayFollowPositionalArguments(t *testing.T) {
 }
 
 func TestParseSince(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{"90m": "1h30m0s", "7d": "168h0m0s", "1d12h": "36h0m0s", "36500d": "876000h0m0s"} {
 		d, err := parseSince("x", "--since", in)
 		if err != nil || d.String() != want {

@@ -11,6 +11,7 @@ import (
 // A duration without a unit, on the command line or in the environment,
 // says what a duration looks like.
 func TestDurationWithoutUnitSaysWhatIsExpected(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		args []string
 		env  map[string]string
@@ -31,6 +32,7 @@ func TestDurationWithoutUnitSaysWhatIsExpected(t *testing.T) {
 // An unknown flag names the nearest known one when it looks like a typo,
 // and nothing when nothing is near.
 func TestUnknownFlagSuggestsTheNearest(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		args []string
 		want string
@@ -58,6 +60,7 @@ const (
 )
 
 func TestDestructiveSwitchesIgnoreTheEnvironment(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		args []string
 		env  map[string]string
@@ -96,6 +99,7 @@ func TestDestructiveSwitchesIgnoreTheEnvironment(t *testing.T) {
 // quarantine takes --queues as the worker does, --queue as its alias, and
 // ONCELER_QUEUES from the environment.
 func TestQuarantineTakesQueues(t *testing.T) {
+	t.Parallel()
 	var got string
 	c := quarantineCommand()
 	c.setup = func(a *app, fs *flagSet) func(_ context.Context, args []string) error {
@@ -131,6 +135,7 @@ func TestQuarantineTakesQueues(t *testing.T) {
 // 'onceler --version' and 'onceler version' print the module version and
 // the build's Go version; the VCS revision when the build recorded one.
 func TestVersion(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{{"--version"}, {"version"}} {
 		r := runBin(t, nil, args...)
 		if r.code != 0 || !strings.HasPrefix(r.stdout, "onceler ") || !strings.HasSuffix(r.stdout, " "+runtime.Version()+"\n") || r.stderr != "" {

@@ -119,6 +119,7 @@ func (s *stack) celery(t *testing.T, args ...string) string {
 // record without a second row, a bad call is quarantined, records and
 // quarantine list show them, and Celery's ping reaches its node.
 func TestExampleProject(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := exampleBinary(t)
 	ctx := context.Background()

@@ -18,6 +18,7 @@ import (
 // without --hostname: each takes the name onceler-<pid>@<host>, and Celery's
 // remote control reaches each under its own name.
 func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	host, err := os.Hostname()
 	if err != nil {
@@ -63,6 +64,7 @@ func celeryInspect(t *testing.T, env map[string]string, node string) map[string]
 // usage error of the worker command, found before any connection (the
 // worker's and its remote control's alike).
 func TestWorkerBrokerTLSOnPlainURL(t *testing.T) {
+	t.Parallel()
 	f := brokerFlags{url: "amqp://localhost//", certFile: "cert.pem", keyFile: "key.pem"}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -75,6 +77,7 @@ func TestWorkerBrokerTLSOnPlainURL(t *testing.T) {
 // TestWorkerHostnameDefault: --hostname defaults to control's per-process
 // pattern, which expands to a name holding this process's id.
 func TestWorkerHostnameDefault(t *testing.T) {
+	t.Parallel()
 	c := workerCommand()
 	fs := newFlagSet(c)
 	c.setup(&app{getenv: func(string) string { return "" }}, fs)

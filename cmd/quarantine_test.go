@@ -24,6 +24,7 @@ func listQuarantine(t *testing.T, s *stack) []quarantined {
 }
 
 func TestQuarantineListRequeueDrop(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	r := runBin(t, s.env, "quarantine", "list")
 	if r.code != 0 || !strings.Contains(r.stdout, "no queue "+s.queue+".quarantine") {

@@ -11,6 +11,7 @@ import (
 // argument for every queue, not as a queue name "x-...=tenant" that is
 // not among --queues. Quoting the value does not help either.
 func TestEdgeQueueArgValueWithColonAndEquals(t *testing.T) {
+	t.Parallel()
 	names := []string{"orders"}
 	for item, want := range map[string]map[string]map[string]any{
 		"x-dead-letter-routing-key=tenant:a=b":        {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},

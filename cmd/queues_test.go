@@ -88,6 +88,7 @@ print(json.dumps(app.control.inspect(destination=[sys.argv[1]], timeout=3).activ
 // the callers get their results, 'celery inspect active_queues' shows the
 // queue's arguments, and the prefetch defaults to the concurrency.
 func TestWorkerServesTheApplicationsQueue(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	dlx := testenv.Name("dlx")
 	sender := s.sendApp(t, dlx,
@@ -132,6 +133,7 @@ func TestWorkerServesTheApplicationsQueue(t *testing.T) {
 // ones first, as the broker hands them over: the balances the callers get
 // and the ledger's order say so.
 func TestWorkerRunsHigherPrioritiesFirst(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	acct := testenv.Name("acct")
 	var calls []prioritized
@@ -180,6 +182,7 @@ func TestWorkerRunsHigherPrioritiesFirst(t *testing.T) {
 // --queues, those with one for that queue only; the broker then accepts a
 // declare with exactly those arguments and refuses one without each.
 func TestWorkerDeclaresMissingQueuesWithQueueArg(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	other := testenv.Name("q")
 	url := testenv.AMQPURL(t)
@@ -230,6 +233,7 @@ func declareWith(url, q string, args amqp091.Table) error {
 // TestWorkerRefusedQueueArg: arguments the broker refuses for a missing
 // queue stop the worker at start with one line that names the flags.
 func TestWorkerRefusedQueueArg(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	r := runBin(t, s.env, "worker", "--migrate", "--queue-arg", "x-max-priority=high")
 	line := oneLineError(t, r, 1)
@@ -241,6 +245,7 @@ func TestWorkerRefusedQueueArg(t *testing.T) {
 }
 
 func TestParseQueueArgs(t *testing.T) {
+	t.Parallel()
 	got, err := parseQueueArgs([]string{"x-max-priority=10", "a:x-message-ttl=60000", "b=c:x-dead-letter-exchange=dl:x",
 		"x-single-active-consumer=true", `a:x-dead-letter-routing-key="42"`, "a:x-max-priority=3", "x-overflow=reject-publish"},
 		[]string{"a", "b=c"})
@@ -266,6 +271,7 @@ func TestParseQueueArgs(t *testing.T) {
 // TestQueueArgFlagRepeatsAndEnvironment: --queue-arg repeats and splits at
 // commas; the command line replaces ONCELER_QUEUE_ARG.
 func TestQueueArgFlagRepeatsAndEnvironment(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		env  string
 		args []string
