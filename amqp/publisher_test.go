@@ -15,6 +15,7 @@ import (
 
 // Everything handed to Publish arrives as sent, headers included.
 func TestPublishConfirmedRoundTrip(t *testing.T) {
+	t.Parallel()
 	_, q, p, ctx := declaredQueue(t, "onceler_amqp_pub", 20*time.Second)
 	when := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
 	msg := &celeryproto.Publishing{
@@ -65,6 +66,7 @@ func TestPublishConfirmedRoundTrip(t *testing.T) {
 }
 
 func TestPublishMandatoryUnroutableReturned(t *testing.T) {
+	t.Parallel()
 	_, q, p, ctx := declaredQueue(t, "onceler_amqp_mand", 20*time.Second)
 	missing := testenv.Name("onceler_amqp_nosuchqueue")
 
@@ -103,6 +105,7 @@ func TestPublishMandatoryUnroutableReturned(t *testing.T) {
 
 // A queue that rejects publishes when full answers with a negative confirm.
 func TestPublishNacked(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_nack")
 	cleanupQueue(t, q)
@@ -157,6 +160,7 @@ func TestPublisherReconnects(t *testing.T) {
 }
 
 func TestInspectKeepRemoveStop(t *testing.T) {
+	t.Parallel()
 	_, q, p, ctx := declaredQueue(t, "onceler_amqp_inspect", 20*time.Second)
 	for i := range 4 {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
