@@ -76,6 +76,18 @@ CELERY_RESULT_BACKEND = "django-db"
 	return a
 }
 
+// openBackend opens the worker's backend on the app's tables, closed when
+// the test ends.
+func (a *djangoApp) openBackend() *djangoBackend {
+	a.t.Helper()
+	b, err := newDjangoBackend(a.backend, &Config{})
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	a.t.Cleanup(func() { _ = b.close() })
+	return b
+}
+
 // migrate creates the django-celery-results tables with Django's own
 // migrations.
 func (a *djangoApp) migrate() {
@@ -232,11 +244,7 @@ func djangoRegistry(t *testing.T) *Registry {
 func TestDjangoBackendRows(t *testing.T) {
 	t.Parallel()
 	a := newDjangoApp(t, true)
-	b, err := newDjangoBackend(a.backend, &Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = b.close() }()
+	b := a.openBackend()
 	ctx := context.Background()
 	if err := b.ping(ctx); err != nil {
 		t.Fatalf("ping: %v", err)

@@ -18,11 +18,7 @@ import (
 func TestDjangoChordCounter(t *testing.T) {
 	t.Parallel()
 	a := newDjangoApp(t, true)
-	b, err := newDjangoBackend(a.backend, &Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = b.close() }()
+	b := a.openBackend()
 	ctx := context.Background()
 	gid := testenv.Name("chord")
 	if _, err := b.pool.Exec(ctx, `INSERT INTO `+DjangoChordTable+` (group_id, sub_tasks, count) VALUES ($1, $2, 2)`,

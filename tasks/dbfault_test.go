@@ -356,6 +356,33 @@ func TestLostClaimAnswer(t *testing.T) {
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
+// startCrashing runs a worker of reg, with one slot, whose crash point at
+// fires for task; the kill is recorded instead of executed, as what state
+// says then. kills returns the records.
+func (e *env) startCrashing(reg *Registry, at, task string, state func() string) (kills func() []string) {
+	e.t.Helper()
+	cfg := e.config()
+	cfg.hooks.Crash = workerhooks.Crash{At: at, Task: task}
+	cfg.Concurrency = 1
+	w, err := NewWorker(reg, cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var seen []string
+	w.kill = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, state())
+	}
+	e.run(w)
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), seen...)
+	}
+}
+
 // TestCrashPointsPure: a pure task reaches after_claim before it runs and
 // after_effect after it returned (the kill is recorded instead of executed).
 func TestCrashPointsPure(t *testing.T) {
@@ -370,36 +397,13 @@ func TestCrashPointsPure(t *testing.T) {
 			}}); err != nil {
 				t.Fatal(err)
 			}
-			cfg := e.config()
-			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.add"}
-			cfg.Concurrency = 1
-			w, err := NewWorker(reg, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var mu sync.Mutex
-			var seen []string
-			w.kill = func() {
-				mu.Lock()
-				defer mu.Unlock()
-				seen = append(seen, fmt.Sprintf("ran=%d", ran.Load()))
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan error, 1)
-			go func() { done <- w.Run(ctx) }()
-			defer func() {
-				cancel()
-				if err := <-done; err != nil {
-					t.Error(err)
-				}
-			}()
+			kills := e.startCrashing(reg, at, "t.add", func() string { return fmt.Sprintf("ran=%d", ran.Load()) })
 			replyTo, replies := e.replyQueue()
 			for i := range 2 {
 				e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(i), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo})
 			}
 			results(t, replies, 2, 20*time.Second)
-			mu.Lock()
-			defer mu.Unlock()
+			seen := kills()
 			want := map[string]string{workerhooks.AfterClaim: "ran=0", workerhooks.AfterEffect: "ran=1", workerhooks.BeforeAck: "ran=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)
@@ -415,37 +419,14 @@ func TestCrashPoints(t *testing.T) {
 		t.Run(at, func(t *testing.T) {
 			e := newEnv(t)
 			fx := &effects{}
-			cfg := e.config()
-			cfg.hooks.Crash = workerhooks.Crash{At: at, Task: "t.pay"}
-			cfg.Concurrency = 1
-			w, err := NewWorker(testRegistry(t, fx), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var mu sync.Mutex
-			var seen []string
-			w.kill = func() {
-				mu.Lock()
-				defer mu.Unlock()
-				// What had happened when the process would have died.
-				seen = append(seen, fmt.Sprintf("effects=%d", len(fx.snapshot())))
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan error, 1)
-			go func() { done <- w.Run(ctx) }()
-			defer func() {
-				cancel()
-				if err := <-done; err != nil {
-					t.Error(err)
-				}
-			}()
+			// What had happened when the process would have died.
+			kills := e.startCrashing(testRegistry(t, fx), at, "t.pay", func() string { return fmt.Sprintf("effects=%d", len(fx.snapshot())) })
 			replyTo, replies := e.replyQueue()
 			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(1), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo})
 			e.publish(payMessage("t.pay", 2, "c-1", replyTo))
 			e.publish(payMessage("t.pay", 3, "c-2", replyTo))
 			results(t, replies, 3, 20*time.Second)
-			mu.Lock()
-			defer mu.Unlock()
+			seen := kills()
 			want := map[string]string{workerhooks.AfterClaim: "effects=0", workerhooks.AfterEffect: "effects=1", workerhooks.BeforeAck: "effects=1"}[at]
 			if len(seen) != 1 || seen[0] != want {
 				t.Errorf("kill calls %v, want one with %s", seen, want)

@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -25,14 +24,7 @@ func TestETADoesNotStarve(t *testing.T) {
 			cfg := e.config()
 			cfg.Concurrency, cfg.Prefetch = 2, 4
 			if quorum {
-				q := e.queue + "_qq"
-				if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() {
-					_, _ = e.ch.QueueDelete(q, false, false, false)
-					_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
-				})
+				q := e.quorumQueue()
 				e.queue = q
 				cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
 			}

@@ -114,6 +114,20 @@ func (e *env) config() Config {
 	}
 }
 
+// run runs w, made by the test, until the test ends; its error fails
+// the test.
+func (e *env) run(w *Worker) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	e.t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			e.t.Error(err)
+		}
+	})
+}
+
 // running is a worker started by a test.
 type running struct {
 	w      *Worker
@@ -452,4 +466,19 @@ func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Du
 		t.Fatalf("got %d of %d results in %s", got, n, timeout)
 	}
 	return out
+}
+
+// quorumQueue declares a quorum queue beside the env's queue, deleted (with
+// its quarantine) when the test ends, and returns its name.
+func (e *env) quorumQueue() string {
+	e.t.Helper()
+	q := e.queue + "_qq"
+	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() {
+		_, _ = e.ch.QueueDelete(q, false, false, false)
+		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
+	})
+	return q
 }

@@ -130,14 +130,7 @@ func TestMessageLargerThanBudgetRefused(t *testing.T) {
 // due now still runs.
 func TestETAHeldBoundedByBytes(t *testing.T) {
 	e := newEnv(t)
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 100)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 64 << 20
-	r := e.start(blockRegistry(t, release, started), cfg)
-	w := r.w
+	w := e.startETAWorker(64 << 20)
 	replyTo, replies := e.replyQueue()
 	later := time.Now().Add(time.Hour)
 	for i := range 30 {
@@ -157,7 +150,7 @@ func TestETAHeldBoundedByBytes(t *testing.T) {
 	}
 	nheld := len(w.held)
 	w.mu.Unlock()
-	if held > cfg.MemoryBudget/2+int64(cfg.Concurrency)*(5<<20) || nheld == 0 || nheld >= 30 {
+	if held > w.cfg.MemoryBudget/2+int64(w.cfg.Concurrency)*(5<<20) || nheld == 0 || nheld >= 30 {
 		t.Errorf("%d deliveries held for their ETA, %d bytes charged; want some, within half the budget", nheld, held)
 	}
 	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
@@ -195,6 +188,20 @@ func TestStalledNotReady(t *testing.T) {
 	close(release)
 	testkit.WaitFor(t, "ready again", 5*time.Second, r.w.Ready)
 	results(t, replies, 2, 10*time.Second)
+}
+
+// startETAWorker starts a worker of t.block (which returns at once) with
+// 2 slots, a prefetch window of 40 and budget (the tests that use it run
+// fewer than 100 tasks, the room of the channel that counts the runs).
+func (e *env) startETAWorker(budget int64) *Worker {
+	e.t.Helper()
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 100)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = budget
+	return e.start(blockRegistry(e.t, release, started), cfg).w
 }
 
 // gaugeValue reads a Prometheus gauge.
@@ -248,14 +255,7 @@ func TestXZMessageRunsUnderSmallBudget(t *testing.T) {
 // queue to make room, and the tasks due now run within seconds.
 func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
 	e := newEnv(t)
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 100)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 256 << 20
-	r := e.start(blockRegistry(t, release, started), cfg)
-	w := r.w
+	w := e.startETAWorker(256 << 20)
 	later := time.Now().Add(time.Hour)
 	const n = 28 // about 4 MiB each once decoded: 112 MiB, under half the budget
 	for i := range n {
@@ -288,7 +288,7 @@ func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
 			held, waiting, used := len(w.held), len(w.waiting), w.memUsed
 			w.mu.Unlock()
 			t.Fatalf("after 15 s the due tasks answered %v; %d deliveries held for their ETA, %d waiting for memory, "+
-				"%d of %d bytes charged", got, held, waiting, used, cfg.MemoryBudget)
+				"%d of %d bytes charged", got, held, waiting, used, w.cfg.MemoryBudget)
 		}
 	}
 	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
@@ -302,14 +302,7 @@ func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
 // deliveries than its prefetch window while it is short of memory.
 func TestQuorumWindowCapBoundsIntake(t *testing.T) {
 	e := newEnv(t)
-	q := e.queue + "_qq"
-	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = e.ch.QueueDelete(q, false, false, false)
-		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
-	})
+	q := e.quorumQueue()
 	release := make(chan struct{})
 	started := make(chan string, 200)
 	cfg := e.config()

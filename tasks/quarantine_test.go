@@ -26,14 +26,7 @@ import (
 func TestPoisonQuorum(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	q := e.queue + "_qq"
-	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = e.ch.QueueDelete(q, false, false, false)
-		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
-	})
+	q := e.quorumQueue()
 	fx := &effects{}
 	m := payMessage("t.pay", 1, "poison-1", "")
 	pub, err := encodeForTest(m)
