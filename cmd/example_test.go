@@ -202,3 +202,28 @@ func hasRow(out string, cells ...string) bool {
 	}
 	return false
 }
+
+// docs/tasks.md: a same-database task's failure rolls back with its
+// transaction, the claim included: nothing is recorded, and a later copy of
+// the operation runs it again.
+func TestExampleFailedSameDBOperationIsNotRecorded(t *testing.T) {
+	t.Parallel()
+	s := newExampleStack(t)
+	bin := exampleBinary(t)
+	if r := runProg(t, bin, s.env, "migrate"); r.code != 0 {
+		t.Fatalf("refunds migrate: exit %d\n%s", r.code, r.stderr)
+	}
+	w := startExampleWorker(t, bin, s.env)
+	_, replies := s.sendTasks(t, time.Minute, call{"billing.refund", []any{"order-v", 0}}, call{"billing.refund", []any{"order-v", 0}}).replies(90 * time.Second)
+	w.stop()
+	if len(replies) != 2 || replies[0].Error != "ValueError" || replies[1].Error != "ValueError" {
+		t.Fatalf("replies %+v, want ValueError twice", replies)
+	}
+	r := runProg(t, bin, s.env, "records", "--task", "billing.refund", "--key", "order-v", "--json")
+	if r.code != 0 {
+		t.Fatalf("refunds records: exit %d\n%s", r.code, r.stderr)
+	}
+	if strings.TrimSpace(r.stdout) != "[]" {
+		t.Errorf("refunds records --task billing.refund --key order-v after the ValueError:\n%s\nwant no record, as docs/tasks.md says", r.stdout)
+	}
+}

@@ -34,14 +34,7 @@ app.conf.task_default_queue = queue
 with app.connection_for_write() as conn:
     app.amqp.queues[queue](conn.default_channel).declare()
 sent = [app.signature(name, args=args).apply_async(priority=priority) for name, args, priority in calls]
-for r in sent:
-    print(json.dumps({"id": r.id}), flush=True)
-for r in sent:
-    try:
-        print(json.dumps({"ok": r.get(timeout=timeout)}), flush=True)
-    except Exception as e:
-        print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
-`
+` + printResultsPy
 
 // prioritized is a call sent by appPy with a priority.
 type prioritized struct {
@@ -297,6 +290,27 @@ func TestQueueArgFlagRepeatsAndEnvironment(t *testing.T) {
 		}
 		if !reflect.DeepEqual(f.queueArgs, c.want) {
 			t.Errorf("env %q args %v: %v, want %v", c.env, c.args, f.queueArgs, c.want)
+		}
+	}
+}
+
+// TestEdgeQueueArgValueWithColonAndEquals: queueArgItem's comment says a
+// value may hold anything but ','; a value holding ':' and then '=' (a
+// dead-letter routing key "tenant:a=b") must be read as the value of an
+// argument for every queue, not as a queue name "x-...=tenant" that is
+// not among --queues. Quoting the value does not help either.
+func TestEdgeQueueArgValueWithColonAndEquals(t *testing.T) {
+	t.Parallel()
+	names := []string{"orders"}
+	for item, want := range map[string]map[string]map[string]any{
+		"x-dead-letter-routing-key=tenant:a=b":        {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		`x-dead-letter-routing-key="tenant:a=b"`:      {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		"orders:x-dead-letter-routing-key=tenant:a=b": {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		`orders:x-dead-letter-exchange="dlx:v=2"`:     {"orders": {"x-dead-letter-exchange": "dlx:v=2"}},
+	} {
+		got, err := parseQueueArgs([]string{item}, names)
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Errorf("parseQueueArgs(%q) = %v, %v; want %v", item, got, err, want)
 		}
 	}
 }
