@@ -12,6 +12,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestWorkerDefaultNodeNameIsUniquePerProcess starts two workers on one host
@@ -35,7 +36,13 @@ func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
 		t.Fatalf("two workers share the node name %s", nodes[0])
 	}
 	for _, node := range nodes {
-		got := celeryInspect(t, s.env, node)
+		// A loaded machine may start the control consumer after the log
+		// line: ask again until the node answers.
+		var got map[string]map[string]any
+		testkit.Eventually(30*time.Second, func() bool {
+			got = celeryInspect(t, s.env, node)
+			return len(got["ping"]) > 0
+		})
 		if len(got["ping"]) != 1 || fmt.Sprint(got["ping"][node]) != "map[ok:pong]" {
 			t.Fatalf("celery inspect ping of %s: %v", node, got["ping"])
 		}
