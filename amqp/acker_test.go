@@ -55,6 +55,7 @@ func (b *brokerModel) settle(tag uint64) {
 // frame names an unknown tag, no multiple ack covers an unsettled one, and
 // runs are coalesced.
 func TestAckerModel(t *testing.T) {
+	t.Parallel()
 	for seed := range uint64(100) {
 		rng := rand.New(rand.NewPCG(seed, 1))
 		n := 1 + rng.IntN(300)
@@ -128,6 +129,7 @@ func TestAckerModel(t *testing.T) {
 // machine scheduled them (one descheduled while holding a low tag, and
 // every ack above it waited). The concurrent paths are TestAckerModel's.
 func TestAckerCoalescesInOrderRuns(t *testing.T) {
+	t.Parallel()
 	const n, width, perWrite = 2000, 8, 12
 	var a acker
 	b := &brokerModel{unacked: map[uint64]bool{}, settled: map[uint64]bool{}}

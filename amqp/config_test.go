@@ -26,6 +26,7 @@ func assertNoSecret(t *testing.T, s, secret string) {
 }
 
 func TestRedactURL(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{
 		"amqp://guest:guest@localhost:5672//":         "amqp://guest:xxxxx@localhost:5672//",
 		"amqps://u:p%40ss@broker/vh?heartbeat=5":      "amqps://u:xxxxx@broker/vh?heartbeat=5",
@@ -45,6 +46,7 @@ func TestRedactURL(t *testing.T) {
 }
 
 func TestNormalizeCeleryURLs(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]struct{ scheme, host, vhost string }{
 		"amqp://guest:guest@localhost:5672//": {"amqp", "localhost", "/"},
 		"amqp://guest:guest@localhost:5672/":  {"amqp", "localhost", "/"},
@@ -77,6 +79,7 @@ func TestNormalizeCeleryURLs(t *testing.T) {
 }
 
 func TestTLSConfigErrors(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	notPEM := filepath.Join(dir, "ca.pem")
 	must(t, os.WriteFile(notPEM, []byte("not a certificate"), 0o600), "write")
@@ -104,6 +107,7 @@ func TestTLSConfigErrors(t *testing.T) {
 // that never connected fails at once with ErrAccessRefused, and neither
 // logs nor errors show the password.
 func TestPasswordNeverLogged(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	good := testenv.AMQPURL(t)
 	_, uri, err := normalizeURL(good)
@@ -175,6 +179,7 @@ func toString(v any) string {
 }
 
 func TestBackoffJitterBounds(t *testing.T) {
+	t.Parallel()
 	b := backoff{min: 100 * time.Millisecond, max: time.Second}
 	wants := []time.Duration{100, 200, 400, 800, 1000, 1000}
 	for i, w := range wants {

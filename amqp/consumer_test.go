@@ -13,6 +13,7 @@ import (
 )
 
 func TestConsumeAndAck(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_ack")
 	cleanupQueue(t, q)
@@ -128,6 +129,7 @@ func TestReconnectAfterBrokerClosesConnection(t *testing.T) {
 }
 
 func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
+	t.Parallel()
 	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_qos", 30*time.Second)
 	for i := range 5 {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
@@ -153,6 +155,7 @@ func TestPrefetchWindowAndSetPrefetch(t *testing.T) {
 // SetWindowLimit caps the prefetch window below what SetPrefetch asks (a
 // worker short of memory), and removing the cap restores it.
 func TestSetWindowLimit(t *testing.T) {
+	t.Parallel()
 	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_window", 30*time.Second)
 	for i := range 6 {
 		must(t, p.Publish(ctx, "", q, textMessage(fmt.Sprint(i)), PublishOptions{}), "publish")
@@ -212,6 +215,7 @@ func TestDrainOnShutdown(t *testing.T) {
 }
 
 func TestConsumeSeveralQueues(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q1, q2 := testenv.Name("onceler_amqp_multi"), testenv.Name("onceler_amqp_multi")
 	cleanupQueue(t, q1, q2)
@@ -345,6 +349,7 @@ func TestConcurrentAcksAcrossReconnect(t *testing.T) {
 // fewer frames than acks (how many fewer depends on how many settle while
 // a frame is written; TestAckerCoalescesInOrderRuns measures it).
 func TestCoalescedAcksAroundASlowDelivery(t *testing.T) {
+	t.Parallel()
 	cfg, q, p, ctx := declaredQueue(t, "onceler_amqp_coalesce", 60*time.Second)
 	const n = 400
 	publish := func(from int) {

@@ -47,6 +47,7 @@ with amqp.Connection("%s:%d" % (u.hostname, u.port or 5672), userid=u.username o
 // unreadable with their properties intact, and the message after them
 // flows, on the one connection.
 func TestHeaderShapesKeepTheConnection(t *testing.T) {
+	t.Parallel()
 	py := testenv.Python(t)
 	cfg, q, _, _ := declaredQueue(t, "onceler_amqp_shapes", 60*time.Second)
 	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q)}, Prefetch: 4})

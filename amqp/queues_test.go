@@ -100,6 +100,7 @@ func TestExistingQueueServedAsDeclared(t *testing.T) {
 // (global QoS would be refused) and its delivery count; a spec that asks
 // for quorum does not turn a classic queue into one.
 func TestExistingQueueFlagsAndTypeLearned(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	transient, quorum := testenv.Name("onceler_amqp_tr"), testenv.Name("onceler_amqp_qq")
 	cleanupQueue(t, transient, quorum)
@@ -145,6 +146,7 @@ func TestExistingQueueFlagsAndTypeLearned(t *testing.T) {
 // spec's arguments (the broker then refuses a declare without them), and a
 // later declare without them finds them.
 func TestMissingQueueDeclaredWithArgs(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_args")
 	cleanupQueue(t, q)
@@ -176,6 +178,7 @@ func TestMissingQueueDeclaredWithArgs(t *testing.T) {
 }
 
 func TestParseCurrent(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		key, text string
 		v         any

@@ -128,6 +128,7 @@ func TestPublishRefusedIsPermanent(t *testing.T) {
 // or that is too long is refused, permanently, without closing the
 // publisher's connection; a wrong password is not a refusal of the declare.
 func TestDeclareRefusedIsPermanent(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	p := newPublisher(t, cfg)
 	ctx := ctxTimeout(t, 30*time.Second)
@@ -153,6 +154,7 @@ func TestDeclareRefusedIsPermanent(t *testing.T) {
 
 // The sizes measured are those amqp091-go writes.
 func TestHeadersSize(t *testing.T) {
+	t.Parallel()
 	n, err := HeadersSize(map[string]any{"a": "xyz", "b": int64(1), "c": []any{true, nil}, "d": map[string]any{"e": int32(2)}})
 	if err != nil {
 		t.Fatal(err)
@@ -171,6 +173,7 @@ func TestHeadersSize(t *testing.T) {
 // A message whose header frame is exactly frame_max goes; one byte more is
 // refused before sending: the measure is amqp091's and the broker's.
 func TestPublishFrameBoundary(t *testing.T) {
+	t.Parallel()
 	_, q, p, ctx := declaredQueue(t, "onceler_amqp_frame", 30*time.Second)
 	must(t, p.Publish(ctx, "", q, textMessage("before"), PublishOptions{}), "publish before")
 	shared := p.current()

@@ -15,6 +15,7 @@ import (
 )
 
 func TestFromTableConvertsNestedValues(t *testing.T) {
+	t.Parallel()
 	in := amqp091.Table{
 		"s": "x", "i": int32(3), "u": uint16(4), "b": uint8(5), "n": nil,
 		"arr": []any{int64(1), amqp091.Table{"k": uint32(6)}, nil},
@@ -42,6 +43,7 @@ func TestFromTableConvertsNestedValues(t *testing.T) {
 }
 
 func TestToTableLeavesCallerMapAlone(t *testing.T) {
+	t.Parallel()
 	flat := map[string]any{"task": "t", "retries": 1, "eta": nil, "tl": []any{1.5, nil}}
 	tb, err := toTable(flat)
 	must(t, err, "flat")

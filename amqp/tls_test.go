@@ -152,6 +152,7 @@ func proxiedBroker(t *testing.T, pki testPKI) (url.URL, Config, amqp091.URI) {
 }
 
 func TestTLSWithClientCertificate(t *testing.T) {
+	t.Parallel()
 	pki := newTestPKI(t)
 	u, base, uri := proxiedBroker(t, pki)
 	u.Path = "//"
@@ -195,6 +196,7 @@ func TestTLSWithClientCertificate(t *testing.T) {
 }
 
 func TestTLSClientConfig(t *testing.T) {
+	t.Parallel()
 	pki := newTestPKI(t)
 	files := TLSConfig{CAFile: pki.caFile, CertFile: pki.certFile, KeyFile: pki.keyFile}
 
@@ -251,6 +253,7 @@ func TestTLSClientConfig(t *testing.T) {
 // (as the control connection makes) to pass a broker that requires the
 // client certificate.
 func TestTLSClientConfigDialsWithClientCertificate(t *testing.T) {
+	t.Parallel()
 	pki := newTestPKI(t)
 	u, _, _ := proxiedBroker(t, pki)
 	dial := func(files TLSConfig) error {

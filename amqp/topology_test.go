@@ -50,6 +50,7 @@ func celerySendTask(t *testing.T, queue string, quorum bool) string {
 // Our declaration of a Celery queue and Celery's own agree, in either order,
 // and a task Celery sends arrives with its protocol-2 headers intact.
 func TestCeleryQueueMatchesKombu(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	ours, theirs := testenv.Name("onceler_amqp_kombu"), testenv.Name("onceler_amqp_kombu")
 	cleanupQueue(t, ours, theirs)
@@ -85,6 +86,7 @@ func TestCeleryQueueMatchesKombu(t *testing.T) {
 // A quorum queue declared by Celery is consumed with per-consumer prefetch,
 // and a requeued message comes back with x-delivery-count.
 func TestQuorumQueueDeliveryCount(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_quorum")
 	cleanupQueue(t, q)
@@ -117,6 +119,7 @@ func TestQuorumQueueDeliveryCount(t *testing.T) {
 // queue the broker refuses to declare with the arguments given fails with a
 // *PreconditionError that quotes the broker; a passive spec only checks.
 func TestPreconditionFailureSaysWhatDiffers(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q, bad := testenv.Name("onceler_amqp_406"), testenv.Name("onceler_amqp_406_bad")
 	cleanupQueue(t, q, bad)
@@ -168,6 +171,7 @@ func TestPreconditionFailureSaysWhatDiffers(t *testing.T) {
 }
 
 func TestQueueSpecDefaults(t *testing.T) {
+	t.Parallel()
 	q := QueueSpec{Name: "celery"}.resolved()
 	if q.Exchange != "celery" || q.ExchangeType != "direct" || q.RoutingKey != "celery" {
 		t.Fatalf("kombu defaults not applied: %+v", q)
@@ -193,6 +197,7 @@ func TestQueueSpecDefaults(t *testing.T) {
 // quorum consumer restarts its consumers, and deliveries of the replaced
 // consumer stay valid.
 func TestQuorumSetPrefetchTakesEffect(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_qprefetch")
 	cleanupQueue(t, q)
@@ -224,6 +229,7 @@ func TestQuorumSetPrefetchTakesEffect(t *testing.T) {
 // Celery's rpc:// client gets the result this package publishes to its
 // reply queue: the full round trip with real Celery, through celeryproto.
 func TestCeleryRPCResultRoundTrip(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	q := testenv.Name("onceler_amqp_rpc")
 	cleanupQueue(t, q)
@@ -284,6 +290,7 @@ print(r.get(timeout=30))
 // quorum queue's count is the broker's, whether the spec says Quorum or
 // gives x-queue-type in Args.
 func TestProducerDeliveryCountNotTrusted(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t)
 	classic, quorum, byArgs := testenv.Name("onceler_amqp_dc_classic"), testenv.Name("onceler_amqp_dc_quorum"), testenv.Name("onceler_amqp_dc_args")
 	cleanupQueue(t, classic, quorum, byArgs)

@@ -77,6 +77,7 @@ func BenchmarkEncodeTask(b *testing.B) {
 
 // TestDecodeTypical pins what the benchmark decodes.
 func TestDecodeTypical(t *testing.T) {
+	t.Parallel()
 	d := typicalDelivery()
 	if n := len(d.Body); n < 700 || n > 1300 {
 		t.Fatalf("typical body is %d bytes, want about 1 KiB", n)

@@ -39,6 +39,7 @@ with Connection(sys.argv[1]) as conn:
 `
 
 func TestDecodeControlFromKombu(t *testing.T) {
+	t.Parallel()
 	url := testenv.AMQPURL(t)
 	py := testenv.Python(t)
 	out, err := exec.Command(py, "-c", kombuCapture, url, testenv.Name("capns")).Output()
@@ -101,6 +102,7 @@ func TestDecodeControlFromKombu(t *testing.T) {
 }
 
 func TestDecodeControlRefuses(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		d    Delivery
@@ -137,6 +139,7 @@ print(json.dumps(loads(body, sys.argv[1], sys.argv[2], accept={'application/json
 `
 
 func TestEncodeControlReplyKombu(t *testing.T) {
+	t.Parallel()
 	py := testenv.Python(t)
 	result := map[string]any{"ok": "pong", "n": int64(7), "list": []any{"a", 1.5, nil, true}}
 	p, err := EncodeControlReply("onceler-1@host", result, "tick-1", 42)

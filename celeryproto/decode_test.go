@@ -82,6 +82,7 @@ h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
 `
 
 func TestDecodeErrors(t *testing.T) {
+	t.Parallel()
 	bomb := bytes.Repeat([]byte(" "), 4<<20)
 	bomb = append([]byte("[[], {}, null]"), bomb...)
 	withHeader := func(k string, v any) map[string]any {
@@ -174,6 +175,7 @@ func TestDecodeErrors(t *testing.T) {
 }
 
 func TestDecodeHybrid(t *testing.T) {
+	t.Parallel()
 	body := `{"task": "tasks.old", "id": "body-id", "args": [1], "kwargs": {"k": 2},
 		"eta": "2031-01-02T03:04:05", "retries": 2, "timelimit": [5.5, 2],
 		"root_id": "root", "callbacks": [{"task": "tasks.cb", "args": [], "kwargs": {}, "options": {}, "subtask_type": null, "immutable": false}]}`
@@ -203,6 +205,7 @@ func TestDecodeHybrid(t *testing.T) {
 type table map[string]interface{}
 
 func TestDecodeStamps(t *testing.T) {
+	t.Parallel()
 	h := v2Headers()
 	h["stamps"] = table{"on_behalf": "svc"}
 	h["stamped_headers"] = []any{"on_behalf"}
@@ -216,6 +219,7 @@ func TestDecodeStamps(t *testing.T) {
 }
 
 func TestDecodeHeaderTypes(t *testing.T) {
+	t.Parallel()
 	for _, tl := range []any{[]any{int16(30), int64(10)}, []any{uint8(30), 10.0}, []int64{30, 10}, []float64{30, 10}, []any{int32(30), float32(10)}} {
 		h := v2Headers()
 		h["timelimit"] = tl
@@ -236,6 +240,7 @@ func TestDecodeHeaderTypes(t *testing.T) {
 }
 
 func TestDecodeJSONNumbers(t *testing.T) {
+	t.Parallel()
 	m, err := Decode(jsonDelivery(`[[9223372036854775807, -9223372036854775808, 9223372036854775808, 1.0, 1e3, -0, NaN, Infinity, -Infinity, "\u00e9\ud83d\ude00\n"], {}, {}]`, v2Headers()))
 	if err != nil {
 		t.Fatal(err)
@@ -253,6 +258,7 @@ func TestDecodeJSONNumbers(t *testing.T) {
 }
 
 func TestDecodeMsgpackWidths(t *testing.T) {
+	t.Parallel()
 	body, err := msgpack.Marshal([]any{[]any{int8(-3), uint64(math.MaxUint64), float32(0.5), []byte("raw")}, map[string]any{"n": uint16(7)}, nil})
 	if err != nil {
 		t.Fatal(err)
@@ -268,6 +274,7 @@ func TestDecodeMsgpackWidths(t *testing.T) {
 }
 
 func TestDecodeMsgpackTimestamp(t *testing.T) {
+	t.Parallel()
 	// [[ts32, ts64, ts96], {}, nil] with the msgpack timestamp extension (-1).
 	body := []byte{0x93, 0x93,
 		0xd6, 0xff, 0x00, 0x00, 0x00, 0x3c, // 60 s
@@ -285,6 +292,7 @@ func TestDecodeMsgpackTimestamp(t *testing.T) {
 }
 
 func TestParseFormatTime(t *testing.T) {
+	t.Parallel()
 	want := time.Date(2024, 5, 1, 12, 0, 0, 123456000, time.UTC)
 	for _, s := range []string{
 		"2024-05-01T12:00:00.123456+00:00", "2024-05-01T12:00:00.123456Z", "2024-05-01T12:00:00.123456",
@@ -310,6 +318,7 @@ func TestParseFormatTime(t *testing.T) {
 }
 
 func TestCanonicalArgs(t *testing.T) {
+	t.Parallel()
 	jsonBody := `[[1, "a", 2.5, [true, null]], {"b": {"y": 1, "x": [1.0]}, "a": "z"}, {}]`
 	fromJSON, err := Decode(jsonDelivery(jsonBody, v2Headers()))
 	if err != nil {
@@ -345,6 +354,7 @@ const bz2Bomb = "425a683931415926535901b9d1660080849b80c0040004000a0005020a00082
 // TestDecompressionBombs: every compression stops at the limit with
 // ErrTooLarge, and the same body decodes when the limit allows it.
 func TestDecompressionBombs(t *testing.T) {
+	t.Parallel()
 	plain := append([]byte("[[], {}, null]"), bytes.Repeat([]byte(" "), 4<<20)...)
 	bodies := map[string][]byte{"application/x-bz2": hexBytes(t, bz2Bomb)}
 	for _, c := range []string{"zlib", "xz", "brotli", "zstd"} {

@@ -28,6 +28,7 @@ func richMessage() *Message {
 // TestEncodeDecodeRoundTrip: every protocol, serializer and compression this
 // package writes decodes back to the same message.
 func TestEncodeDecodeRoundTrip(t *testing.T) {
+	t.Parallel()
 	now := func() time.Time { return time.Date(2031, 5, 1, 23, 0, 0, 0, time.UTC) }
 	for _, proto := range []int{1, 2} {
 		for _, ser := range []string{"json", "msgpack", "yaml"} {
@@ -67,6 +68,7 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 }
 
 func TestEncodeErrors(t *testing.T) {
+	t.Parallel()
 	if _, err := EncodeTask(&Message{Task: "t"}, EncodeOptions{}); err == nil {
 		t.Error("encoded a task without id")
 	}
@@ -89,6 +91,7 @@ func TestEncodeErrors(t *testing.T) {
 }
 
 func TestEncodeResultStates(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		r    Result
 		want string

@@ -13,6 +13,7 @@ import (
 )
 
 func TestEventRoutingKey(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{
 		"task-succeeded":   "task.succeeded",
 		"worker-heartbeat": "worker.heartbeat",
@@ -26,6 +27,7 @@ func TestEventRoutingKey(t *testing.T) {
 }
 
 func TestEncodeEventRefuses(t *testing.T) {
+	t.Parallel()
 	if _, err := EncodeEvent(map[string]any{"hostname": "a@b"}); err == nil {
 		t.Error("event without type accepted")
 	}
@@ -38,6 +40,7 @@ func TestEncodeEventRefuses(t *testing.T) {
 }
 
 func TestEncodeEventJSON(t *testing.T) {
+	t.Parallel()
 	ev := map[string]any{
 		"type": "task-received", "hostname": "n@h", "s": "<a&b>\"\\\n\t\x01é\u2028\xff",
 		"i": 3, "i64": int64(-4), "f": 2.0, "g": 0.25, "b": true, "nil": nil,
@@ -71,6 +74,7 @@ func TestEncodeEventJSON(t *testing.T) {
 }
 
 func TestAppendEvent(t *testing.T) {
+	t.Parallel()
 	st := EventStamp{Type: "task-started", Hostname: "n@h", PID: 7, Clock: 9, Timestamp: 1700000000.5, UTCOffset: -1}
 	b, err := AppendEvent([]byte("["), st, map[string]any{"uuid": "u1", "hostname": "other", "clock": 1, "extra": []any{1, "x"}})
 	if err != nil {
@@ -140,6 +144,7 @@ print(json.dumps({'alive': [w.hostname for w in st.alive_workers()],
 `
 
 func TestEncodeEventCeleryState(t *testing.T) {
+	t.Parallel()
 	py := testenv.Python(t)
 	now := float64(time.Now().UnixNano()) / 1e9
 	base := func(typ string, extra map[string]any) map[string]any {

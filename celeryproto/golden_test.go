@@ -239,6 +239,7 @@ func checkVector(t *testing.T, v vector, got *Message) {
 }
 
 func TestDecodeGolden(t *testing.T) {
+	t.Parallel()
 	vectors := loadVectors(t)
 	seen := map[string]bool{}
 	for _, v := range vectors {
@@ -265,6 +266,7 @@ func TestDecodeGolden(t *testing.T) {
 // TestDecodeGoldenSpecifics pins facts of particular vectors so a wrong
 // generator cannot make the comparison above vacuous.
 func TestDecodeGoldenSpecifics(t *testing.T) {
+	t.Parallel()
 	byName := map[string]vector{}
 	for _, v := range loadVectors(t) {
 		byName[v.Name] = v
@@ -331,6 +333,7 @@ func TestDecodeGoldenSpecifics(t *testing.T) {
 // TestDecodeBrotliZstd: kombu 5.2.4 in Debian cannot write brotli or zstd,
 // so these bodies are a Celery-captured body compressed with Go's libraries.
 func TestDecodeBrotliZstd(t *testing.T) {
+	t.Parallel()
 	var base vector
 	for _, v := range loadVectors(t) {
 		if v.Name == "p2_json_basic" {

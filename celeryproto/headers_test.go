@@ -9,6 +9,7 @@ import (
 // A delivery whose headers the transport could not read is refused, even
 // when its body alone would decode (a protocol 1 body carries its task).
 func TestDecode_UnreadableHeaders(t *testing.T) {
+	t.Parallel()
 	d := &Delivery{
 		ContentType: "application/json", ContentEncoding: "utf-8",
 		Body: []byte(`{"task": "t.add", "id": "id-1", "args": [1, 2], "kwargs": {}}`),

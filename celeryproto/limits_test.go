@@ -66,6 +66,7 @@ func TestDecodeBoundsElements(t *testing.T) {
 }
 
 func TestDecodeBoundsDecodedBytes(t *testing.T) {
+	t.Parallel()
 	dec := NewDecoder(Limits{MaxDecodedBytes: 1 << 20})
 	big := strings.Repeat("x", 2<<20)
 	_, err := dec.Decode(jsonDelivery(`[["`+big+`"], {}, null]`, v2Headers()))

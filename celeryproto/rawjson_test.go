@@ -8,6 +8,7 @@ import (
 // TestEncodeResultRawJSON: a json.RawMessage result is written as the JSON
 // it holds, not as a list of byte values; invalid JSON is an error.
 func TestEncodeResultRawJSON(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		v    json.RawMessage
 		want string

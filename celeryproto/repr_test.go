@@ -6,6 +6,7 @@ import (
 )
 
 func TestRepr(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		v     any
 		tuple bool

@@ -67,6 +67,7 @@ type pyResult struct {
 // Celery 5.2.6 / kombu 5.2.4 (worker Request parsing, rpc backend result
 // machinery) in a /usr/bin/python3 subprocess.
 func TestRoundTripPython(t *testing.T) {
+	t.Parallel()
 	py := testenv.Python(t)
 	eta := time.Date(2031, 5, 1, 12, 0, 0, 123456000, time.UTC)
 	expires := time.Date(2031, 5, 2, 0, 0, 0, 0, time.UTC)

@@ -9,6 +9,7 @@ import (
 // AppendTaskEvent writes what AppendEvent writes for the map Fields
 // returns, for every task event type: a reader cannot tell the two apart.
 func TestAppendTaskEventMatchesFields(t *testing.T) {
+	t.Parallel()
 	stamp := EventStamp{Hostname: "onceler-1@host", PID: 4242, Clock: 17, Timestamp: 1764500000.123456, UTCOffset: -1}
 	events := []TaskEvent{
 		{Type: "task-received", UUID: "9b1d-…", Name: "demo.add", Args: "(2, 3)", Kwargs: "{'note': \"it's <ok> & \\\"fine\\\"\"}",

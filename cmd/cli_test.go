@@ -2,6 +2,8 @@ package cmd
 
 import (
 	"errors"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 )
 
 func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		args []string
 		env  map[string]string
@@ -59,6 +62,7 @@ func TestUsageErrorsAreOneLineWithExitStatus2(t *testing.T) {
 }
 
 func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{{"help"}, {"--help"}, {"help", "purge"}, {"purge", "--help"}, {"worker", "-h"}} {
 		r := runBin(t, nil, args...)
 		if r.code != 0 || r.stderr != "" || !strings.Contains(r.stdout, "onceler") {
@@ -74,6 +78,7 @@ func TestHelpGoesToStdoutWithExitStatus0(t *testing.T) {
 }
 
 func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
+	t.Parallel()
 	for _, args := range [][]string{{"migrate"}, {"records"}, {"repeats"}, {"purge", "--older-than", "1d"}, {"resolve", "t", "k", "--completed"}, {"worker", "--migrate"}} {
 		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": "postgres://app:secret@127.0.0.1:1/app"}, args...)
 		line := oneLineError(t, r, 1)
@@ -88,6 +93,7 @@ func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
 // whatever the flaw, and a broker URL that would be read without its host
 // is refused rather than dialled as localhost.
 func TestMalformedURLsHideTheirPassword(t *testing.T) {
+	t.Parallel()
 	for _, dsn := range []string{
 		"postgres://postgres:secretpw@127.0.0.1:abc/test",
 		"postgres://postgres:secret%zzpw@127.0.0.1:5432/test",
@@ -140,6 +146,7 @@ func TestRefusingBrokerSaysWhy(t *testing.T) {
 }
 
 func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
 	env := map[string]string{
@@ -159,6 +166,7 @@ func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
 }
 
 func TestEnvironmentSetsDefaultsAndFlagsWin(t *testing.T) {
+	t.Parallel()
 	c := lookupCommand("repeats")
 	a := &app{getenv: func(k string) string {
 		return map[string]string{"ONCELER_SINCE": "2h", "ONCELER_SCHEMA": "from_env", "ONCELER_JSON": "true"}[k]
@@ -181,6 +189,7 @@ func TestEnvironmentSetsDefaultsAndFlagsWin(t *testing.T) {
 }
 
 func TestFlagsMayFollowPositionalArguments(t *testing.T) {
+	t.Parallel()
 	c := lookupCommand("resolve")
 	fs := newFlagSet(c)
 	c.setup(&app{getenv: func(string) string { return "" }}, fs)
@@ -198,6 +207,7 @@ func TestFlagsMayFollowPositionalArguments(t *testing.T) {
 }
 
 func TestParseSince(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{"90m": "1h30m0s", "7d": "168h0m0s", "1d12h": "36h0m0s", "36500d": "876000h0m0s"} {
 		d, err := parseSince("x", "--since", in)
 		if err != nil || d.String() != want {
@@ -208,5 +218,110 @@ func TestParseSince(t *testing.T) {
 		if _, err := parseSince("x", "--since", in); err == nil {
 			t.Errorf("%q: no error", in)
 		}
+	}
+}
+
+// A duration without a unit, on the command line or in the environment,
+// says what a duration looks like.
+func TestDurationWithoutUnitSaysWhatIsExpected(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"worker", "--migrate", "--lease", "5"}, nil, `invalid value "5" for --lease: a duration needs a unit: 5s, 5m or 5h`},
+		{[]string{"worker", "--migrate"}, map[string]string{"ONCELER_LEASE": "5"}, `invalid ONCELER_LEASE="5": a duration needs a unit: 5s, 5m or 5h`},
+		{[]string{"worker", "--migrate", "--grace", "soon"}, nil, `invalid value "soon" for --grace: not a duration: use a number and a unit, such as 5s, 2m or 1h30m`},
+	} {
+		r := runBin(t, c.env, c.args...)
+		line := oneLineError(t, r, 2)
+		if !strings.Contains(line, c.want) || strings.Contains(line, "parse error") {
+			t.Errorf("%v %v: %q, want it to contain %q", c.args, c.env, line, c.want)
+		}
+	}
+}
+
+// An unknown flag names the nearest known one when it looks like a typo,
+// and nothing when nothing is near.
+func TestUnknownFlagSuggestsTheNearest(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"worker", "--concurency", "3"}, "unknown flag --concurency; did you mean --concurrency? (run 'onceler worker --help')"},
+		{[]string{"purge", "--dryrun"}, "unknown flag --dryrun; did you mean --dry-run?"},
+		{[]string{"quarantine", "list", "--queu", "x"}, "unknown flag --queu; did you mean --queue?"},
+		{[]string{"worker", "--bogus"}, "unknown flag --bogus (run 'onceler worker --help')"},
+	} {
+		r := runBin(t, nil, c.args...)
+		if line := oneLineError(t, r, 2); !strings.Contains(line, c.want) {
+			t.Errorf("%v: %q, want it to contain %q", c.args, line, c.want)
+		}
+	}
+}
+
+// Switches that decide what is destroyed are never read from the
+// environment: ONCELER_ALL=1 does not make 'quarantine drop' drop every
+// message, ONCELER_OLDER_THAN does not make 'purge' delete; each says what
+// it needs instead. A safe switch (--dry-run) still is.
+// Where a regression would reach, were the switch taken: nothing answers.
+const (
+	nowhereBroker = "amqp://guest:guest@127.0.0.1:1//"
+	nowhereDB     = "postgres://root@127.0.0.1:1/root?connect_timeout=2"
+)
+
+func TestDestructiveSwitchesIgnoreTheEnvironment(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"quarantine", "drop"}, map[string]string{"ONCELER_ALL": "1", "ONCELER_BROKER_URL": nowhereBroker},
+			"drop needs task ids or --all on the command line (ONCELER_ALL is ignored: --all is never taken from the environment)"},
+		{[]string{"quarantine", "requeue"}, map[string]string{"ONCELER_ALL": "true", "ONCELER_BROKER_URL": nowhereBroker}, "requeue needs task ids or --all on the command line"},
+		{[]string{"purge"}, map[string]string{"ONCELER_OLDER_THAN": "1s", "ONCELER_DATABASE_URL": nowhereDB},
+			"--older-than is required on the command line, e.g. --older-than 30d (ONCELER_OLDER_THAN is ignored"},
+		{[]string{"resolve", "t", "k"}, map[string]string{"ONCELER_COMPLETED": "1", "ONCELER_DATABASE_URL": nowhereDB}, "give exactly one of --completed and --retry"},
+		{[]string{"resolve", "t", "k"}, map[string]string{"ONCELER_RETRY": "1", "ONCELER_DATABASE_URL": nowhereDB}, "give exactly one of --completed and --retry"},
+	} {
+		r := runBin(t, c.env, c.args...)
+		if line := oneLineError(t, r, 2); !strings.Contains(line, c.want) {
+			t.Errorf("%v %v: %q, want it to contain %q", c.args, c.env, line, c.want)
+		}
+	}
+	for _, cmd := range []string{"quarantine", "purge", "resolve"} {
+		r := runBin(t, nil, cmd, "--help")
+		for _, name := range map[string][]string{"quarantine": {"all"}, "purge": {"older-than"}, "resolve": {"completed", "retry"}}[cmd] {
+			if !strings.Contains(r.stdout, "(command line only)") || strings.Contains(r.stdout, envName(name)) {
+				t.Errorf("%s --help does not say --%s is command line only:\n%s", cmd, name, r.stdout)
+			}
+		}
+	}
+	// The environment still sets the safe switches.
+	fs := newFlagSet(purgeCommand())
+	var dry bool
+	fs.Bool(&dry, "dry-run", "")
+	if err := fs.applyEnv(func(k string) string { return map[string]string{"ONCELER_DRY_RUN": "1"}[k] }); err != nil || !dry {
+		t.Errorf("ONCELER_DRY_RUN=1: dry %v, err %v", dry, err)
+	}
+}
+
+// 'onceler --version' and 'onceler version' print the module version and
+// the build's Go version; the VCS revision when the build recorded one.
+func TestVersion(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{"--version"}, {"version"}} {
+		r := runBin(t, nil, args...)
+		if r.code != 0 || !strings.HasPrefix(r.stdout, "onceler ") || !strings.HasSuffix(r.stdout, " "+runtime.Version()+"\n") || r.stderr != "" {
+			t.Errorf("%v: code %d, stdout %q, stderr %q", args, r.code, r.stdout, r.stderr)
+		}
+	}
+	bi := &debug.BuildInfo{GoVersion: "go1.99", Main: debug.Module{Version: "v1.2.3"}, Settings: []debug.BuildSetting{
+		{Key: "vcs.revision", Value: "0123abc"}, {Key: "vcs.time", Value: "2025-01-02T03:04:05Z"}, {Key: "vcs.modified", Value: "true"}}}
+	if got, want := formatVersion(bi), "onceler v1.2.3 revision 0123abc (modified) 2025-01-02T03:04:05Z go1.99"; got != want {
+		t.Errorf("formatVersion: %q, want %q", got, want)
 	}
 }

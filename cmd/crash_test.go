@@ -113,6 +113,7 @@ func crashCases() []crashCase {
 // recorded leaves the operation held (the caller is answered OperationHeld),
 // and an operator resolves it.
 func TestCrashInjection(t *testing.T) {
+	t.Parallel()
 	points := []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck}
 	for _, c := range crashCases() {
 		for _, point := range points {

@@ -31,6 +31,7 @@ import (
 //
 // CHANGELOG.md is history and may name what is gone: it is not read.
 func TestDocsNameWhatExists(t *testing.T) {
+	t.Parallel()
 	const root = ".."
 	idx, err := indexRepo(root)
 	if err != nil {
@@ -448,6 +449,7 @@ func typeOf(pkg string, e ast.Expr) typeRef {
 // is for: each line names something that does not exist, and each is
 // reported; the last lines name what does, and are not.
 func TestDocRefsCatchDrift(t *testing.T) {
+	t.Parallel()
 	idx, err := indexRepo("..")
 	if err != nil {
 		t.Fatal(err)
@@ -483,6 +485,7 @@ func TestDocRefsCatchDrift(t *testing.T) {
 // README says what onceler is, how to start and how to write a task, and
 // links the rest: it stays short enough to read in one sitting.
 func TestReadmeIsShort(t *testing.T) {
+	t.Parallel()
 	const limit = 12 << 10
 	fi, err := os.Stat("../README.md")
 	if err != nil {

@@ -34,6 +34,7 @@ func cliDoc(t *testing.T) string {
 }
 
 func TestCLIDocsUpToDate(t *testing.T) {
+	t.Parallel()
 	const path = "../docs/cli.md"
 	want := cliDoc(t)
 	if *update {
@@ -52,6 +53,7 @@ func TestCLIDocsUpToDate(t *testing.T) {
 }
 
 func TestHelpListsEveryFlagWithItsEnvironmentVariable(t *testing.T) {
+	t.Parallel()
 	for _, c := range commands() {
 		fs := newFlagSet(c)
 		c.setup(&app{getenv: func(string) string { return "" }}, fs)

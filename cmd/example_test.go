@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // exampleDir is docs/example: a Go module of its own, the project users copy.
@@ -112,6 +113,21 @@ func (s *stack) celery(t *testing.T, args ...string) string {
 	return p.stdout.String()
 }
 
+// ping runs celery inspect ping --json -d node, again until the node
+// answers (a loaded machine may start its control consumer after the
+// worker's first log lines) or 30 s pass, and returns the last output.
+func (s *stack) ping(t *testing.T, node string) string {
+	t.Helper()
+	var out string
+	testkit.Eventually(30*time.Second, func() bool {
+		p := start(t, "celery", s.env, testenv.Python(t), "-m", "celery", "-b", s.env["ONCELER_BROKER_URL"], "inspect", "ping", "--json", "-d", node)
+		err := p.wait(time.Minute)
+		out = p.stdout.String()
+		return err == nil
+	})
+	return out
+}
+
 // TestExampleProject builds docs/example from its own module directory, as a
 // user who copied it would, and runs it against RabbitMQ and PostgreSQL: its
 // migrate creates the refunds table (twice at once, safely), its worker
@@ -119,6 +135,7 @@ func (s *stack) celery(t *testing.T, args ...string) string {
 // record without a second row, a bad call is quarantined, records and
 // quarantine list show them, and Celery's ping reaches its node.
 func TestExampleProject(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	bin := exampleBinary(t)
 	ctx := context.Background()
@@ -182,7 +199,7 @@ func TestExampleProject(t *testing.T) {
 	}
 
 	node := nodeOf(t, w)
-	out := s.celery(t, "inspect", "ping", "--json", "-d", node)
+	out := s.ping(t, node)
 	var pong map[string]map[string]string
 	if err := json.Unmarshal([]byte(out), &pong); err != nil || pong[node]["ok"] != "pong" || len(pong) != 1 {
 		t.Fatalf("celery inspect ping -d %s: %q (%v)", node, out, err)
@@ -200,4 +217,29 @@ func hasRow(out string, cells ...string) bool {
 		}
 	}
 	return false
+}
+
+// docs/tasks.md: a same-database task's failure rolls back with its
+// transaction, the claim included: nothing is recorded, and a later copy of
+// the operation runs it again.
+func TestExampleFailedSameDBOperationIsNotRecorded(t *testing.T) {
+	t.Parallel()
+	s := newExampleStack(t)
+	bin := exampleBinary(t)
+	if r := runProg(t, bin, s.env, "migrate"); r.code != 0 {
+		t.Fatalf("refunds migrate: exit %d\n%s", r.code, r.stderr)
+	}
+	w := startExampleWorker(t, bin, s.env)
+	_, replies := s.sendTasks(t, time.Minute, call{"billing.refund", []any{"order-v", 0}}, call{"billing.refund", []any{"order-v", 0}}).replies(90 * time.Second)
+	w.stop()
+	if len(replies) != 2 || replies[0].Error != "ValueError" || replies[1].Error != "ValueError" {
+		t.Fatalf("replies %+v, want ValueError twice", replies)
+	}
+	r := runProg(t, bin, s.env, "records", "--task", "billing.refund", "--key", "order-v", "--json")
+	if r.code != 0 {
+		t.Fatalf("refunds records: exit %d\n%s", r.code, r.stderr)
+	}
+	if strings.TrimSpace(r.stdout) != "[]" {
+		t.Errorf("refunds records --task billing.refund --key order-v after the ValueError:\n%s\nwant no record, as docs/tasks.md says", r.stdout)
+	}
 }

@@ -168,7 +168,11 @@ from celery import Celery
 queue, timeout, calls = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
 app = Celery("sender", broker=os.environ["ONCELER_BROKER_URL"], backend="rpc://")
 sent = [app.send_task(name, args=args, queue=queue) for name, args in calls]
-for r in sent:
+` + printResultsPy
+
+// printResultsPy ends the Python scripts that send calls (sent, their
+// results got within timeout): the ids first, then each result or error.
+const printResultsPy = `for r in sent:
     print(json.dumps({"id": r.id}), flush=True)
 for r in sent:
     try:

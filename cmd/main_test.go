@@ -11,9 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -23,34 +22,18 @@ import (
 var binary, buildDir string
 
 func TestMain(m *testing.M) {
-	os.Exit(testMain(m))
-}
-
-func testMain(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "onceler-cmd-test")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer func() { _ = os.RemoveAll(dir) }()
-	buildDir = dir
-	binary = filepath.Join(dir, "onceler")
-	args := []string{"build", "-o", binary}
-	if raceEnabled {
-		args = append(args, "-race")
-	}
-	if out, err := exec.Command("go", append(args, "./onceler")...).CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "build onceler: %v\n%s", err, out)
-		return 1
-	}
-	code := m.Run()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
-			return 1
+	os.Exit(testenv.Main(m, func(dir string) error {
+		buildDir = dir
+		binary = filepath.Join(dir, "onceler")
+		args := []string{"build", "-o", binary}
+		if raceEnabled {
+			args = append(args, "-race")
 		}
-	}
-	return code
+		if out, err := exec.Command("go", append(args, "./onceler")...).CombinedOutput(); err != nil {
+			return fmt.Errorf("build onceler: %w\n%s", err, out)
+		}
+		return nil
+	}))
 }
 
 // demoApp is the onceler binary's App (cmd/onceler), for the tests that run

@@ -12,12 +12,14 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestWorkerDefaultNodeNameIsUniquePerProcess starts two workers on one host
 // without --hostname: each takes the name onceler-<pid>@<host>, and Celery's
 // remote control reaches each under its own name.
 func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	host, err := os.Hostname()
 	if err != nil {
@@ -34,7 +36,13 @@ func TestWorkerDefaultNodeNameIsUniquePerProcess(t *testing.T) {
 		t.Fatalf("two workers share the node name %s", nodes[0])
 	}
 	for _, node := range nodes {
-		got := celeryInspect(t, s.env, node)
+		// A loaded machine may start the control consumer after the log
+		// line: ask again until the node answers.
+		var got map[string]map[string]any
+		testkit.Eventually(30*time.Second, func() bool {
+			got = celeryInspect(t, s.env, node)
+			return len(got["ping"]) > 0
+		})
 		if len(got["ping"]) != 1 || fmt.Sprint(got["ping"][node]) != "map[ok:pong]" {
 			t.Fatalf("celery inspect ping of %s: %v", node, got["ping"])
 		}
@@ -63,6 +71,7 @@ func celeryInspect(t *testing.T, env map[string]string, node string) map[string]
 // usage error of the worker command, found before any connection (the
 // worker's and its remote control's alike).
 func TestWorkerBrokerTLSOnPlainURL(t *testing.T) {
+	t.Parallel()
 	f := brokerFlags{url: "amqp://localhost//", certFile: "cert.pem", keyFile: "key.pem"}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -75,6 +84,7 @@ func TestWorkerBrokerTLSOnPlainURL(t *testing.T) {
 // TestWorkerHostnameDefault: --hostname defaults to control's per-process
 // pattern, which expands to a name holding this process's id.
 func TestWorkerHostnameDefault(t *testing.T) {
+	t.Parallel()
 	c := workerCommand()
 	fs := newFlagSet(c)
 	c.setup(&app{getenv: func(string) string { return "" }}, fs)

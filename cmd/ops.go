@@ -367,16 +367,17 @@ func printRepeats(w io.Writer, since string, stats []idempotency.RepeatStats) {
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "TASK\tDUPLICATES\tTAKEOVERS\tHELD\tSKIPPED\tMISMATCHES\tFAILURES")
-	var tot repeatsTaskJSON
-	for _, s := range stats {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s.Task, s.Duplicates, s.Takeovers, s.Held, s.Skipped, s.Mismatches, s.Failures)
-		tot.Duplicates += s.Duplicates
-		tot.Takeovers += s.Takeovers
-		tot.Held += s.Held
-		tot.Skipped += s.Skipped
-		tot.Mismatches += s.Mismatches
-		tot.Failures += s.Failures
+	row := func(task string, n [6]int64) {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\n", task, n[0], n[1], n[2], n[3], n[4], n[5])
 	}
-	fmt.Fprintf(tw, "total\t%d\t%d\t%d\t%d\t%d\t%d\n", tot.Duplicates, tot.Takeovers, tot.Held, tot.Skipped, tot.Mismatches, tot.Failures)
+	var total [6]int64
+	for _, s := range stats {
+		n := [6]int64{s.Duplicates, s.Takeovers, s.Held, s.Skipped, s.Mismatches, s.Failures}
+		row(s.Task, n)
+		for i := range n {
+			total[i] += n[i]
+		}
+	}
+	row("total", total)
 	_ = tw.Flush()
 }

@@ -79,6 +79,7 @@ func (e *recordEnv) hold(t *testing.T, task, key string) {
 }
 
 func TestMigrateCreatesTheSchemaAndIsRepeatable(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t)
 	schema := testenv.Name("t")
 	t.Cleanup(func() {
@@ -101,6 +102,7 @@ func TestMigrateCreatesTheSchemaAndIsRepeatable(t *testing.T) {
 }
 
 func TestRecordsListsFiltersAndInspects(t *testing.T) {
+	t.Parallel()
 	e := newRecordEnv(t)
 	e.complete(t, "demo.ledger.credit", "e-1", `{"balance": 1500}`, 2)
 	e.complete(t, "demo.ledger.credit", "e-2", `{"balance": 1750}`, 0)
@@ -151,6 +153,7 @@ func TestRecordsListsFiltersAndInspects(t *testing.T) {
 }
 
 func TestRepeatsReportsDuplicates(t *testing.T) {
+	t.Parallel()
 	e := newRecordEnv(t)
 	r := runIn(t, e.env, "repeats", "--since", "1h")
 	if r.err != nil || !strings.Contains(r.stdout, "no repeats in the last 1h") {
@@ -193,6 +196,7 @@ func TestRepeatsReportsDuplicates(t *testing.T) {
 }
 
 func TestPurgeDryRunThenPurge(t *testing.T) {
+	t.Parallel()
 	e := newRecordEnv(t)
 	ctx := context.Background()
 	for _, k := range []string{"a", "b", "c", "d", "e"} {
@@ -246,6 +250,7 @@ func TestPurgeDryRunThenPurge(t *testing.T) {
 }
 
 func TestResolveCompleted(t *testing.T) {
+	t.Parallel()
 	e := newRecordEnv(t)
 	ctx := context.Background()
 	e.hold(t, "demo.email.send", "msg-1")

@@ -1,6 +1,7 @@
 package cmd
 
 import (
+	"context"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -24,6 +25,7 @@ func listQuarantine(t *testing.T, s *stack) []quarantined {
 }
 
 func TestQuarantineListRequeueDrop(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	r := runBin(t, s.env, "quarantine", "list")
 	if r.code != 0 || !strings.Contains(r.stdout, "no queue "+s.queue+".quarantine") {
@@ -98,5 +100,41 @@ func TestQuarantineListRequeueDrop(t *testing.T) {
 	r = runBin(t, s.env, "quarantine", "drop", "--all")
 	if r.code != 0 || len(listQuarantine(t, s)) != 0 {
 		t.Fatalf("drop --all: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+}
+
+// quarantine takes --queues as the worker does, --queue as its alias, and
+// ONCELER_QUEUES from the environment.
+func TestQuarantineTakesQueues(t *testing.T) {
+	t.Parallel()
+	var got string
+	c := quarantineCommand()
+	c.setup = func(a *app, fs *flagSet) func(_ context.Context, args []string) error {
+		fs.String(&got, "queues", "LIST", "celery", "")
+		fs.Alias("queue", "queues")
+		return func(context.Context, []string) error { return nil }
+	}
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{nil, nil, "celery"},
+		{[]string{"--queues", "a,b"}, nil, "a,b"},
+		{[]string{"--queue", "a"}, nil, "a"},
+		{nil, map[string]string{"ONCELER_QUEUES": "x,y"}, "x,y"},
+		{nil, map[string]string{"ONCELER_QUEUE": "x"}, "x"},
+		{nil, map[string]string{"ONCELER_QUEUE": "x", "ONCELER_QUEUES": "y"}, "y"},
+		{[]string{"--queue", "z"}, map[string]string{"ONCELER_QUEUES": "y"}, "z"},
+	} {
+		got = ""
+		a := &app{stdout: &strings.Builder{}, stderr: &strings.Builder{}, getenv: func(k string) string { return tc.env[k] }}
+		if err := a.runCommand(context.Background(), c, tc.args); err != nil || got != tc.want {
+			t.Errorf("%v %v: queues %q (err %v), want %q", tc.args, tc.env, got, err, tc.want)
+		}
+	}
+	r := runBin(t, nil, "quarantine", "list", "--queues", " , ")
+	if line := oneLineError(t, r, 2); !strings.Contains(line, "--queues names no queue") {
+		t.Errorf("empty --queues: %q", line)
 	}
 }

@@ -34,14 +34,7 @@ app.conf.task_default_queue = queue
 with app.connection_for_write() as conn:
     app.amqp.queues[queue](conn.default_channel).declare()
 sent = [app.signature(name, args=args).apply_async(priority=priority) for name, args, priority in calls]
-for r in sent:
-    print(json.dumps({"id": r.id}), flush=True)
-for r in sent:
-    try:
-        print(json.dumps({"ok": r.get(timeout=timeout)}), flush=True)
-    except Exception as e:
-        print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
-`
+` + printResultsPy
 
 // prioritized is a call sent by appPy with a priority.
 type prioritized struct {
@@ -88,6 +81,7 @@ print(json.dumps(app.control.inspect(destination=[sys.argv[1]], timeout=3).activ
 // the callers get their results, 'celery inspect active_queues' shows the
 // queue's arguments, and the prefetch defaults to the concurrency.
 func TestWorkerServesTheApplicationsQueue(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	dlx := testenv.Name("dlx")
 	sender := s.sendApp(t, dlx,
@@ -132,6 +126,7 @@ func TestWorkerServesTheApplicationsQueue(t *testing.T) {
 // ones first, as the broker hands them over: the balances the callers get
 // and the ledger's order say so.
 func TestWorkerRunsHigherPrioritiesFirst(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	acct := testenv.Name("acct")
 	var calls []prioritized
@@ -180,6 +175,7 @@ func TestWorkerRunsHigherPrioritiesFirst(t *testing.T) {
 // --queues, those with one for that queue only; the broker then accepts a
 // declare with exactly those arguments and refuses one without each.
 func TestWorkerDeclaresMissingQueuesWithQueueArg(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	other := testenv.Name("q")
 	url := testenv.AMQPURL(t)
@@ -230,6 +226,7 @@ func declareWith(url, q string, args amqp091.Table) error {
 // TestWorkerRefusedQueueArg: arguments the broker refuses for a missing
 // queue stop the worker at start with one line that names the flags.
 func TestWorkerRefusedQueueArg(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	r := runBin(t, s.env, "worker", "--migrate", "--queue-arg", "x-max-priority=high")
 	line := oneLineError(t, r, 1)
@@ -241,6 +238,7 @@ func TestWorkerRefusedQueueArg(t *testing.T) {
 }
 
 func TestParseQueueArgs(t *testing.T) {
+	t.Parallel()
 	got, err := parseQueueArgs([]string{"x-max-priority=10", "a:x-message-ttl=60000", "b=c:x-dead-letter-exchange=dl:x",
 		"x-single-active-consumer=true", `a:x-dead-letter-routing-key="42"`, "a:x-max-priority=3", "x-overflow=reject-publish"},
 		[]string{"a", "b=c"})
@@ -266,6 +264,7 @@ func TestParseQueueArgs(t *testing.T) {
 // TestQueueArgFlagRepeatsAndEnvironment: --queue-arg repeats and splits at
 // commas; the command line replaces ONCELER_QUEUE_ARG.
 func TestQueueArgFlagRepeatsAndEnvironment(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		env  string
 		args []string
@@ -291,6 +290,27 @@ func TestQueueArgFlagRepeatsAndEnvironment(t *testing.T) {
 		}
 		if !reflect.DeepEqual(f.queueArgs, c.want) {
 			t.Errorf("env %q args %v: %v, want %v", c.env, c.args, f.queueArgs, c.want)
+		}
+	}
+}
+
+// TestEdgeQueueArgValueWithColonAndEquals: queueArgItem's comment says a
+// value may hold anything but ','; a value holding ':' and then '=' (a
+// dead-letter routing key "tenant:a=b") must be read as the value of an
+// argument for every queue, not as a queue name "x-...=tenant" that is
+// not among --queues. Quoting the value does not help either.
+func TestEdgeQueueArgValueWithColonAndEquals(t *testing.T) {
+	t.Parallel()
+	names := []string{"orders"}
+	for item, want := range map[string]map[string]map[string]any{
+		"x-dead-letter-routing-key=tenant:a=b":        {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		`x-dead-letter-routing-key="tenant:a=b"`:      {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		"orders:x-dead-letter-routing-key=tenant:a=b": {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
+		`orders:x-dead-letter-exchange="dlx:v=2"`:     {"orders": {"x-dead-letter-exchange": "dlx:v=2"}},
+	} {
+		got, err := parseQueueArgs([]string{item}, names)
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Errorf("parseQueueArgs(%q) = %v, %v; want %v", item, got, err, want)
 		}
 	}
 }

@@ -54,6 +54,7 @@ func sameOutput(t *testing.T, name, got string, want block) {
 // own, and checks that every output shown in the README (and the purge dry
 // run in docs/operations.md) is what really comes out.
 func TestReadmeWalkthrough(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	// The pool size the README recommends setting in the URL: the worker
 	// and the script read the same variable.
@@ -120,6 +121,7 @@ func TestReadmeWalkthrough(t *testing.T) {
 // TestNoRecordRepeatsEffects runs the walkthrough against a worker started
 // with --no-record: every copy runs, as the README says.
 func TestNoRecordRepeatsEffects(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	w := startWorker(t, s.env, "--no-record")
 	if !strings.Contains(w.stderr.String(), "--no-record: running every task WITHOUT the idempotency record") {
@@ -150,6 +152,7 @@ func TestNoRecordRepeatsEffects(t *testing.T) {
 // own, and checks that every output shown is what really comes out (the
 // schema, node name and time replaced by the README's).
 func TestReadmeOwnBinary(t *testing.T) {
+	t.Parallel()
 	s := newExampleStack(t)
 	want := readmeBlocks(t)
 	bin := exampleBinary(t)

@@ -18,6 +18,7 @@ import (
 // line naming the schema and the command that applies it, instead of
 // holding its deliveries silently.
 func TestUserWorkerRefusesMissingSchema(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	bin := filepath.Join(t.TempDir(), "userworker")
 	args := []string{"build", "-o", bin}
@@ -54,6 +55,7 @@ func TestUserWorkerRefusesMissingSchema(t *testing.T) {
 // applied it: a missing or old schema is one line naming 'onceler migrate'
 // and --migrate.
 func TestWorkerCommandSchemaCheck(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
 	store, err := idempotency.New(pool, idempotency.Config{Schema: schema})
@@ -85,6 +87,7 @@ func TestWorkerCommandSchemaCheck(t *testing.T) {
 // started without --migrate, exits with status 1 and one line naming the
 // schema and the two ways to apply it; nothing is consumed meanwhile.
 func TestWorkerProcessRefusesMissingSchema(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	start := time.Now()
 	r := runBin(t, s.env, "worker")

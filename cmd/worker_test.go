@@ -52,6 +52,7 @@ print(json.dumps({"ping": i.ping(), "registered": i.registered(), "conf": i.conf
 // a running worker, with counters that moved for a task it ran, and that it
 // answers Celery's remote control under its --hostname.
 func TestWorkerServesMetricsAndHealth(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	addr := freeAddr(t)
 	name := testenv.Name("w")
@@ -154,6 +155,7 @@ func TestWorkerGracefulShutdown(t *testing.T) {
 // worker started without --quorum serves the quorum queue as it is
 // (per-consumer prefetch: global QoS would be refused).
 func TestWorkerQuorumQueues(t *testing.T) {
+	t.Parallel()
 	s := newStack(t)
 	w := startWorker(t, s.env, "--quorum")
 	w.waitLog(`"queue":"`+s.queue+`","arguments":{"x-queue-type":"quorum"}`, 10*time.Second)
@@ -194,6 +196,7 @@ func (s *stack) sendQuorumTask(t *testing.T, c call) *proc {
 }
 
 func TestParseSize(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]int64{"256MiB": 256 << 20, "2GiB": 2 << 30, "512Mi": 512 << 20, "1.5GiB": 3 << 29,
 		"100MB": 100e6, "1048576": 1 << 20, " 64 MiB ": 64 << 20} {
 		if got, err := parseSize(in); err != nil || got != want {

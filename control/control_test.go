@@ -464,3 +464,26 @@ func TestPythonWorkerMingle(t *testing.T) {
 		t.Errorf("the Python worker logged an error:\n%s", logged)
 	}
 }
+
+func TestRunStopsWhileUnreachable(t *testing.T) {
+	c, err := New(nil, Config{URL: "amqp://guest:guest@10.255.255.1:5672/", NodeName: "n@h", MinBackoff: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	time.Sleep(300 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run = %v", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("Run did not return after cancel while dialling")
+	}
+	if err := c.Run(context.Background()); err == nil {
+		t.Fatal("second Run accepted")
+	}
+}

@@ -9,10 +9,9 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/onceler/onceler/internal/amqp091"
-
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
 // testWorker is a small but real Worker: it consumes a Celery queue, runs
@@ -259,4 +258,17 @@ func (w *testWorker) finish(ctx context.Context, ch *amqp091.Channel, d amqp091.
 		}
 	}
 	_ = d.Ack(false)
+}
+
+func newUnitController(t *testing.T, cfg Config) *Controller {
+	t.Helper()
+	cfg.URL = "amqp://guest:secret@127.0.0.1:1/"
+	if cfg.NodeName == "" {
+		cfg.NodeName = "onceler-1@box"
+	}
+	c, err := New(newTestWorker(t, "", "", ""), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

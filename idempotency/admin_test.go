@@ -15,6 +15,7 @@ import (
 )
 
 func TestMigrateEmptyRepeatAndConcurrent(t *testing.T) {
+	t.Parallel()
 	pool := testenv.Pool(t)
 	ctx := context.Background()
 	schema := testenv.Name("mig")
@@ -84,6 +85,7 @@ func TestMigrateEmptyRepeatAndConcurrent(t *testing.T) {
 }
 
 func TestListResolveHeld(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	for _, k := range []string{"a", "b", "c"} {
@@ -132,6 +134,7 @@ func TestListResolveHeld(t *testing.T) {
 }
 
 func TestRepeatsReport(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	before := time.Now().Add(-time.Second)
@@ -173,6 +176,7 @@ func TestRepeatsReport(t *testing.T) {
 }
 
 func TestPurgeBoundedNeverClaimedOrHeld(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	const done = 25

@@ -17,6 +17,7 @@ import (
 // them), concurrent counts all count, the record is untouched, and Purge
 // deletes old counts.
 func TestCountAttempt(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Disabled: true})
 	ctx := context.Background()
 	for want := 1; want <= 3; want++ {

@@ -13,6 +13,7 @@ import (
 // completed operation, read back in order, and refused for an operation
 // that is not completed.
 func TestFollowups(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Disabled: true})
 	ctx := context.Background()
 	if _, err := e.store.Followups(ctx, "t", "none"); !errors.Is(err, idempotency.ErrNotFound) {

@@ -33,6 +33,7 @@ type modelKey struct {
 // counted twice. Two flushers (not the default one), so that concurrent
 // bursts also meet in flushes running side by side.
 func TestModel(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Flushers: 2})
 	tbl := e.effects(t)
 	ctx := context.Background()

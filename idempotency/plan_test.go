@@ -17,6 +17,7 @@ import (
 // statistics (sequential scans of the records) are read after it has
 // flushed them.
 func TestBatchedCompletionsNeverScan(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, schema, s := ownPoolStore(t, 1, idempotency.BatchConfig{Flushers: 1})
 	seqScans := func() int64 {

@@ -53,6 +53,7 @@ func (o *outside) lookup(ctx context.Context, key string) ([]byte, bool, error) 
 // not happen) and after the effect (it happened, completion lost), then a
 // redelivery that finds the stale claim and applies each policy.
 func TestCrashPolicies(t *testing.T) {
+	t.Parallel()
 	failingLookup := func(context.Context, string) ([]byte, bool, error) {
 		return nil, false, errors.New("provider down")
 	}
@@ -156,6 +157,7 @@ func skipped(s idempotency.RepeatStats) int64   { return s.Skipped }
 func held(s idempotency.RepeatStats) int64      { return s.Held }
 
 func TestApplyPolicyRaceTwoRedeliveries(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	p := params("charge", "k")

@@ -39,6 +39,7 @@ func (e *env) finish(t *testing.T, p idempotency.ClaimParams, i int) idempotency
 // then deletes, per task and status, with or without MaxBatches; Progress
 // reports the running totals.
 func TestPurgeDryRunCountsWhatPurgeDeletes(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	for i := range 17 {

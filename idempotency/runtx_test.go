@@ -34,6 +34,7 @@ func (e *env) count(t *testing.T, sql string, args ...any) int {
 }
 
 func TestRunTxEffectOnce(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	tbl := e.effects(t)
 	ctx := context.Background()
@@ -68,6 +69,7 @@ func TestRunTxEffectOnce(t *testing.T) {
 }
 
 func TestRunTxRollbackLeavesNothing(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	tbl := e.effects(t)
 	ctx := context.Background()
@@ -99,6 +101,7 @@ func TestRunTxRollbackLeavesNothing(t *testing.T) {
 }
 
 func TestRunTxConcurrentDuplicateBlocksThenSeesCompleted(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	tbl := e.effects(t)
 	ctx := context.Background()
@@ -192,6 +195,7 @@ func TestRunTxCrashBeforeCommit(t *testing.T) {
 }
 
 func TestClosedStore(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	e.store.Close()
 	e.store.Close()

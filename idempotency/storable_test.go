@@ -12,6 +12,7 @@ import (
 )
 
 func TestStorableJSON(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct{ in, want string }{
 		{`{"a": 1}`, `{"a": 1}`},
 		{`"\u0000"`, `"\\u0000"`},
@@ -45,6 +46,7 @@ func TestStorableJSON(t *testing.T) {
 // once; a claim with a key beyond MaxKeyBytes is refused before it is sent,
 // as definite.
 func TestUnstorableOutcomesAreStored(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	for i, res := range []string{`{"v": "\u0000"}`, `"\ud800"`, "\"\xff\""} {
@@ -84,6 +86,7 @@ func TestUnstorableOutcomesAreStored(t *testing.T) {
 // transaction group) return the result as the record keeps it, so that a
 // worker answers its caller with what a duplicate reads back.
 func TestStoredResultReturned(t *testing.T) {
+	t.Parallel()
 	const in, want = `{"v": "a\u0000b"}`, `{"v": "a\\u0000b"}`
 	for name, batch := range map[string]idempotency.BatchConfig{
 		"solo": {Disabled: true}, "batched": {}, "group": {GroupTx: 4, GroupFlushers: 1},

@@ -13,6 +13,7 @@ import (
 )
 
 func TestClaimCompleteDuplicate(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		ctx := context.Background()
 		p := params("pay", "k1")
@@ -56,6 +57,7 @@ func TestClaimCompleteDuplicate(t *testing.T) {
 }
 
 func TestFailThenReclaim(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		ctx := context.Background()
 		p := params("pay", "k")
@@ -92,6 +94,7 @@ func TestFailThenReclaim(t *testing.T) {
 }
 
 func TestMismatch(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		ctx := context.Background()
 		p := params("pay", "k")
@@ -130,6 +133,7 @@ func TestMismatch(t *testing.T) {
 }
 
 func TestStaleTakeOverFencesOldOwner(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		ctx := context.Background()
 		p := params("ship", "k")
@@ -191,6 +195,7 @@ func TestStaleTakeOverFencesOldOwner(t *testing.T) {
 // Lapse ends a live claim's lease: the next delivery finds it stale (the
 // policy decides), not in progress and not claimable as new.
 func TestLapseLeavesClaimStale(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		ctx := context.Background()
 		p := params("mail", "k")
@@ -220,6 +225,7 @@ func TestLapseLeavesClaimStale(t *testing.T) {
 // own: first, a new lease). B's skip or hold is refused, B is told the
 // operation is in progress, and A completes.
 func TestSettleRefusesALiveClaim(t *testing.T) {
+	t.Parallel()
 	for _, pol := range []idempotency.Policy{idempotency.PolicySkip, idempotency.PolicyHold} {
 		t.Run(pol.String(), func(t *testing.T) {
 			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
@@ -250,6 +256,7 @@ func TestSettleRefusesALiveClaim(t *testing.T) {
 // fenced, also after a person resolved the record to the state A's call
 // would have written.
 func TestSettledClaimFencesItsOldOwner(t *testing.T) {
+	t.Parallel()
 	for _, completed := range []bool{true, false} {
 		t.Run(fmt.Sprintf("resolved_completed=%v", completed), func(t *testing.T) {
 			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
@@ -282,6 +289,7 @@ func TestSettledClaimFencesItsOldOwner(t *testing.T) {
 }
 
 func TestConcurrentClaimsExactlyOneFirst(t *testing.T) {
+	t.Parallel()
 	both(t, func(t *testing.T, e *env) {
 		const n = 50
 		p := params("pay", "same")
@@ -320,6 +328,7 @@ func TestConcurrentClaimsExactlyOneFirst(t *testing.T) {
 }
 
 func TestTakeOverRaceOneWins(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Flushers: 2})
 	ctx := context.Background()
 	for round := range 10 {
@@ -454,6 +463,7 @@ func repeatsFor(t *testing.T, e *env, task string) idempotency.RepeatStats {
 // TestBatchIsolatesABadCall: a call the server refuses fails alone; the
 // other calls of its batch get their own outcomes.
 func TestBatchIsolatesABadCall(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
 	const n = 40

@@ -19,6 +19,7 @@ import (
 // answered from the record, and the groups commit far fewer transactions
 // than tasks.
 func TestRunTxGroup(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 2})
 	tbl := e.effects(t)
 	ctx := context.Background()
@@ -106,6 +107,7 @@ func TestRunTxGroup(t *testing.T) {
 // TestRunTxGroupCancelled: a call whose context is cancelled before its
 // group runs it is never written.
 func TestRunTxGroupCancelled(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{GroupTx: 8, GroupFlushers: 1})
 	tbl := e.effects(t)
 	ctx, cancel := context.WithCancel(context.Background())

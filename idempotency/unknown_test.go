@@ -136,6 +136,7 @@ func TestUnknownClaimRetriedWithItsToken(t *testing.T) {
 }
 
 func TestIsRetryable(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Disabled: true})
 	_, err := e.pool.Exec(context.Background(), `DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = '40001'; END $$`)
 	if !idempotency.IsRetryable(err) {

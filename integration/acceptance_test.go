@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -96,6 +97,7 @@ func keys(m map[string]string) []string {
 // messages return to the queue; a second worker process completes them.
 // Either way: one effect per operation, one answer per caller, queue empty.
 func TestSIGTERMDuringTasks(t *testing.T) {
+	t.Parallel()
 	t.Run("within_grace", func(t *testing.T) {
 		e := demoEnv(t)
 		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=30s"}})
@@ -200,6 +202,7 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 // same time) for every fifth. Exactly 500 effects, 2,000 results, and the
 // repeats report (onceler repeats --json) shows the 1,500 duplicates.
 func TestTwoWorkerProcessesDuplicates(t *testing.T) {
+	t.Parallel()
 	const ops, copies = 500, 4
 	e := demoEnv(t)
 	since := time.Now()
@@ -275,21 +278,10 @@ func TestTwoWorkerProcessesDuplicates(t *testing.T) {
 		len(ids), len(wl.ops), took.Round(time.Millisecond), effectsTotal, results, rep.Duplicates, rep.Takeovers, owners)
 }
 
-// repeatsTask is one task's line of onceler repeats --json.
-type repeatsTask struct {
-	Task       string `json:"task"`
-	Duplicates int64  `json:"duplicates"`
-	Takeovers  int64  `json:"takeovers"`
-	Held       int64  `json:"held"`
-	Skipped    int64  `json:"skipped"`
-	Mismatches int64  `json:"mismatches"`
-	Failures   int64  `json:"failures"`
-}
-
 // repeatsReport runs the onceler binary's repeats --json on the test's
 // schema and returns demo.ledger.credit's line (the only task the report
-// may list).
-func repeatsReport(t *testing.T, e *replay.Env, since time.Time) repeatsTask {
+// may list), read into idempotency.RepeatStats.
+func repeatsReport(t *testing.T, e *replay.Env, since time.Time) idempotency.RepeatStats {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -303,13 +295,13 @@ func repeatsReport(t *testing.T, e *replay.Env, since time.Time) repeatsTask {
 		t.Fatalf("onceler repeats --json: %v\n%s", err, stderr.String())
 	}
 	var rep struct {
-		Since time.Time     `json:"since"`
-		Tasks []repeatsTask `json:"tasks"`
+		Since time.Time                 `json:"since"`
+		Tasks []idempotency.RepeatStats `json:"tasks"` // keys match its fields' names
 	}
 	if err := json.Unmarshal(out, &rep); err != nil {
 		t.Fatalf("onceler repeats --json: %v\n%s", err, out)
 	}
-	var credit repeatsTask
+	var credit idempotency.RepeatStats
 	for _, r := range rep.Tasks {
 		if r.Task != demo.TaskCredit {
 			t.Errorf("onceler repeats --json lists %+v, a task the test did not send", r)

@@ -34,6 +34,7 @@ func ownEnv(t *testing.T, extra ...string) *replay.Env {
 // full (tasks running, more delivered and waiting), then starts another:
 // every message comes back and is done exactly once, every caller answered.
 func TestKillMidTaskFullPrefetch(t *testing.T) {
+	t.Parallel()
 	e := ownEnv(t)
 	w1 := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 16})
 	wl := newWorkload(e)
@@ -194,6 +195,7 @@ func TestStopPastLeaseOutside(t *testing.T) {
 // for a retry every time: each is answered FAILURE after a bounded number of
 // attempts (one; max_retries 3 + 1) and acknowledged; nothing loops.
 func TestPoisonAlwaysFails(t *testing.T) {
+	t.Parallel()
 	e := demoEnv(t)
 	e.StartWorker(replay.WorkerOptions{})
 	fail := e.Send(demo.TaskFail, []any{"always"}, nil)
@@ -248,6 +250,7 @@ func hasStatus(rs []replay.Reply, s string) bool {
 // the worker must count its attempts some other way (outside the rolled
 // back transaction): the samedb_classic case asserts that it does.
 func TestPoisonCrashLoop(t *testing.T) {
+	t.Parallel()
 	// The bound is the worker's default MaxAttempts (5): an outside
 	// operation is quarantined at its 6th claim, so after 5 crashes; a
 	// same-database message when delivered (quorum) or redelivered
@@ -313,6 +316,7 @@ func TestPoisonCrashLoop(t *testing.T) {
 // one runs; the other is reported as a fingerprint mismatch (FAILURE to its
 // caller, quarantined) and has no effect.
 func TestDuplicateIDDifferentArguments(t *testing.T) {
+	t.Parallel()
 	e := demoEnv(t)
 	e.StartWorker(replay.WorkerOptions{})
 	e.StartWorker(replay.WorkerOptions{})

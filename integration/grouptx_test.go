@@ -16,6 +16,7 @@ import (
 // the entries share transactions (their rows' xmin), without each has its
 // own.
 func TestWorkerGroupTx(t *testing.T) {
+	t.Parallel()
 	const ops = 120
 	for _, tc := range []struct {
 		name    string

@@ -2,14 +2,12 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/onceler/onceler/integration/replay"
+	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -21,32 +19,14 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(run(m))
-}
-
-func run(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "onceler-integration")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	defer os.RemoveAll(dir)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	if oncelerBin, err = replay.Build(ctx, dir, "github.com/onceler/onceler/cmd/onceler"); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	if ownBin, err = replay.Build(ctx, dir, "github.com/onceler/onceler/integration/testdata/replayworker"); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	code := m.Run()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
-			return 1
+	os.Exit(testenv.Main(m, func(dir string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		defer cancel()
+		var err error
+		if oncelerBin, err = replay.Build(ctx, dir, "github.com/onceler/onceler/cmd/onceler"); err != nil {
+			return err
 		}
-	}
-	return code
+		ownBin, err = replay.Build(ctx, dir, "github.com/onceler/onceler/integration/testdata/replayworker")
+		return err
+	}))
 }

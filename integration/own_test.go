@@ -24,6 +24,7 @@ func countOwn(task string) func(context.Context, *pgxpool.Pool, string) (int, er
 // task with the stale-claim policy skip (none of the demo tasks has it),
 // with and without the record.
 func TestReplaySkipPolicy(t *testing.T) {
+	t.Parallel()
 	tg := replay.Target{
 		Binary: ownBin, Task: "replay.audit", Mode: tasks.ModeOutside, Policy: tasks.PolicySkip,
 		Arguments: func(op string) ([]any, map[string]any) { return []any{op}, nil },

@@ -19,6 +19,7 @@ import (
 // new id, and an outside operation twice. Two onceler workers answer every
 // caller, and each operation has its effect once.
 func TestPythonProducerDuplicates(t *testing.T) {
+	t.Parallel()
 	py := testenv.Python(t)
 	e := demoEnv(t)
 	e.StartWorker(replay.WorkerOptions{})

@@ -25,7 +25,9 @@ func redisURL(t *testing.T) string { return "redis://" + testkit.RedisAddr(t) + 
 // TestReplayDemoRedis runs the replay suite on every demo task with the
 // workers' results in Redis (--result-backend): every caller finds its
 // result under its task id, with the same guarantees as TestReplayDemo.
+// Its keys are its own random task ids, so it runs beside other tests.
 func TestReplayDemoRedis(t *testing.T) {
+	t.Parallel()
 	url := redisURL(t)
 	for _, tg := range demoTargets() {
 		t.Run(tg.Task, func(t *testing.T) {

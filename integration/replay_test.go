@@ -74,6 +74,7 @@ func demoTargets() []replay.Target {
 // (every scenario must hold its guarantee) and without it (every scenario
 // with effects must show the duplicate the record prevents).
 func TestReplayDemo(t *testing.T) {
+	t.Parallel()
 	for _, tg := range demoTargets() {
 		t.Run(tg.Task, func(t *testing.T) {
 			t.Run("record", func(t *testing.T) { replay.Run(t, tg) })
@@ -90,6 +91,7 @@ func TestReplayDemo(t *testing.T) {
 // completions of several deliveries in one transaction, committed once.
 // Every scenario must hold as with a transaction per task.
 func TestReplayDemoGroupTx(t *testing.T) {
+	t.Parallel()
 	for _, tg := range demoTargets() {
 		if tg.Mode != tasks.ModeSameDB {
 			continue

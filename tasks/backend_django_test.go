@@ -76,6 +76,18 @@ CELERY_RESULT_BACKEND = "django-db"
 	return a
 }
 
+// openBackend opens the worker's backend on the app's tables, closed when
+// the test ends.
+func (a *djangoApp) openBackend() *djangoBackend {
+	a.t.Helper()
+	b, err := newDjangoBackend(a.backend, &Config{})
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	a.t.Cleanup(func() { _ = b.close() })
+	return b
+}
+
 // migrate creates the django-celery-results tables with Django's own
 // migrations.
 func (a *djangoApp) migrate() {
@@ -158,6 +170,7 @@ func (a *djangoApp) row(taskID string) djangoRow {
 // django-celery-results' (with result_extended: task name, argsrepr,
 // kwargsrepr, worker, traceback).
 func TestDjangoBackendCelery(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	e := newEnv(t)
 	cfg := e.config()
@@ -229,12 +242,9 @@ func djangoRegistry(t *testing.T) *Registry {
 // result and meta text, NULL traceback and request columns); a SUCCESS is
 // never replaced, anything else is.
 func TestDjangoBackendRows(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
-	b, err := newDjangoBackend(a.backend, &Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = b.close() }()
+	b := a.openBackend()
 	ctx := context.Background()
 	if err := b.ping(ctx); err != nil {
 		t.Fatalf("ping: %v", err)
@@ -285,6 +295,7 @@ func TestDjangoBackendRows(t *testing.T) {
 // migrations the backend's check at start is one line that names the table
 // and what to do, never the password; onceler creates nothing.
 func TestDjangoBackendMissingTable(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, false)
 	u, err := url.Parse(strings.TrimPrefix(a.backend, "django-db+"))
 	if err != nil {
@@ -330,6 +341,7 @@ func TestDjangoBackendMissingTable(t *testing.T) {
 // and once the application migrates, the row appears and the message is
 // settled.
 func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, false)
 	e := newEnv(t)
 	cfg := e.config()
@@ -387,6 +399,7 @@ func unacked(t *testing.T, queue string) int {
 // failed part gives the body's result ChordError and its errback is called
 // with the body's task id; no chord counter row is left.
 func TestDjangoBackendChords(t *testing.T) {
+	t.Parallel()
 	a := newDjangoApp(t, true)
 	e := newEnv(t)
 	e.backend = "django-db"
@@ -445,56 +458,4 @@ func TestDjangoBackendChords(t *testing.T) {
 	if left != 0 {
 		t.Errorf("%d chord counter rows left", left)
 	}
-}
-
-// TestDjangoChordCounter: the counter row counts parts down; at 0 the body
-// waits until every header part's row is ready, then the part publishes
-// it with the results in sub_tasks order, again on a redelivery until the
-// chord is done, and never after; without a counter row nothing is
-// published.
-func TestDjangoChordCounter(t *testing.T) {
-	a := newDjangoApp(t, true)
-	b, err := newDjangoBackend(a.backend, &Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = b.close() }()
-	ctx := context.Background()
-	gid := testenv.Name("chord")
-	if _, err := b.pool.Exec(ctx, `INSERT INTO `+DjangoChordTable+` (group_id, sub_tasks, count) VALUES ($1, $2, 2)`,
-		gid, `[[["pa", null], null], [["pb", null], null]]`); err != nil {
-		t.Fatal(err)
-	}
-	store := func(id, status, result string) {
-		t.Helper()
-		if err := b.put(ctx, id, fmt.Appendf(nil, `{"status": %q, "result": %s, "traceback": null, "children": []}`, status, result)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	part := func(id string, want bool) {
-		t.Helper()
-		fire, joined, err := b.chordPart(ctx, gid, id, nil, nil)
-		if err != nil || fire != want {
-			t.Fatalf("part %s: fire %v, %v; want %v", id, fire, err, want)
-		}
-		if fire && (len(joined) != 2 || string(joined[0]) != `[1, "pa", "SUCCESS", 1]` ||
-			string(joined[1]) != `[1, "pb", "FAILURE", {"exc_type": "ValueError", "exc_message": ["x"], "exc_module": "builtins"}]`) {
-			t.Fatalf("joined %q, want pa's then pb's", joined)
-		}
-		if fire {
-			if p, err := celeryproto.DecodeChordPart("json", joined[1]); err != nil || !p.Propagates() || p.ExceptionRepr() != "ValueError('x')" {
-				t.Fatalf("pb's entry read back as %+v, %v", p, err)
-			}
-		}
-	}
-	store("pb", "FAILURE", `{"exc_type": "ValueError", "exc_message": ["x"], "exc_module": "builtins"}`)
-	part("pb", false) // count 1
-	part("pb", false) // its redelivery counts again: 0, but pa is not ready
-	store("pa", "SUCCESS", "1")
-	part("pa", true) // 0 and all ready
-	part("pa", true) // its redelivery, before the chord is done
-	if err := b.chordDone(ctx, gid); err != nil {
-		t.Fatal(err)
-	}
-	part("pa", false) // after it: no counter row
 }

@@ -15,9 +15,11 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 )
 
 func TestDBFault(t *testing.T) {
@@ -250,12 +252,6 @@ func TestSameDBPoisonRedelivered(t *testing.T) {
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
-// TestLostClaimAnswer: the record's connection is cut just after a claim
-// reached the server, so the claim commits and the worker never hears of
-// it. The worker claims again with the same token and finds the claim its
-// own: the task runs once and completes, under attempt 1. Before, it found
-// its own claim in progress, waited for the lease to lapse and applied the
-// stale-claim policy to itself (hold: held, skip: skipped, nothing run).
 // TestFailedPolicyStepDecidesAgain: the lookup policy takes a stale claim
 // over with the delivery's token, the lookup finds the operation done, and
 // the completion that records it fails (its statement never reaches the
@@ -309,6 +305,12 @@ func TestFailedPolicyStepDecidesAgain(t *testing.T) {
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
 
+// TestLostClaimAnswer: the record's connection is cut just after a claim
+// reached the server, so the claim commits and the worker never hears of
+// it. The worker claims again with the same token and finds the claim its
+// own: the task runs once and completes, under attempt 1. Before, it found
+// its own claim in progress, waited for the lease to lapse and applied the
+// stale-claim policy to itself (hold: held, skip: skipped, nothing run).
 func TestLostClaimAnswer(t *testing.T) {
 	e := newEnv(t)
 	pool, proxy := testenv.ProxiedPool(t)
@@ -352,4 +354,83 @@ func TestLostClaimAnswer(t *testing.T) {
 		}
 	}
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
+// startCrashing runs a worker of reg, with one slot, whose crash point at
+// fires for task; the kill is recorded instead of executed, as what state
+// says then. kills returns the records.
+func (e *env) startCrashing(reg *Registry, at, task string, state func() string) (kills func() []string) {
+	e.t.Helper()
+	cfg := e.config()
+	cfg.hooks.Crash = workerhooks.Crash{At: at, Task: task}
+	cfg.Concurrency = 1
+	w, err := NewWorker(reg, cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var seen []string
+	w.kill = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, state())
+	}
+	e.run(w)
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), seen...)
+	}
+}
+
+// TestCrashPointsPure: a pure task reaches after_claim before it runs and
+// after_effect after it returned (the kill is recorded instead of executed).
+func TestCrashPointsPure(t *testing.T) {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
+		t.Run(at, func(t *testing.T) {
+			e := newEnv(t)
+			var ran atomic.Int32
+			reg := NewRegistry()
+			if err := Register(reg, Task[addArgs]{Name: "t.add", Run: func(_ context.Context, _ *Call, a addArgs) (any, error) {
+				ran.Add(1)
+				return a.X + a.Y, nil
+			}}); err != nil {
+				t.Fatal(err)
+			}
+			kills := e.startCrashing(reg, at, "t.add", func() string { return fmt.Sprintf("ran=%d", ran.Load()) })
+			replyTo, replies := e.replyQueue()
+			for i := range 2 {
+				e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(i), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo})
+			}
+			results(t, replies, 2, 20*time.Second)
+			seen := kills()
+			want := map[string]string{workerhooks.AfterClaim: "ran=0", workerhooks.AfterEffect: "ran=1", workerhooks.BeforeAck: "ran=1"}[at]
+			if len(seen) != 1 || seen[0] != want {
+				t.Errorf("kill calls %v, want one with %s", seen, want)
+			}
+		})
+	}
+}
+
+// TestCrashPoints: the configured crash point fires once, for the named
+// task only, at the right step (the kill is recorded instead of executed).
+func TestCrashPoints(t *testing.T) {
+	for _, at := range []string{workerhooks.AfterClaim, workerhooks.AfterEffect, workerhooks.BeforeAck} {
+		t.Run(at, func(t *testing.T) {
+			e := newEnv(t)
+			fx := &effects{}
+			// What had happened when the process would have died.
+			kills := e.startCrashing(testRegistry(t, fx), at, "t.pay", func() string { return fmt.Sprintf("effects=%d", len(fx.snapshot())) })
+			replyTo, replies := e.replyQueue()
+			e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: taskID(1), Args: []any{int64(1), int64(2)}, ReplyTo: replyTo})
+			e.publish(payMessage("t.pay", 2, "c-1", replyTo))
+			e.publish(payMessage("t.pay", 3, "c-2", replyTo))
+			results(t, replies, 3, 20*time.Second)
+			seen := kills()
+			want := map[string]string{workerhooks.AfterClaim: "effects=0", workerhooks.AfterEffect: "effects=1", workerhooks.BeforeAck: "effects=1"}[at]
+			if len(seen) != 1 || seen[0] != want {
+				t.Errorf("kill calls %v, want one with %s", seen, want)
+			}
+		})
+	}
 }

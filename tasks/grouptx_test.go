@@ -22,6 +22,7 @@ import (
 // must be the outcome that committed (SUCCESS where the record completed,
 // FAILURE where it rolled back), never the failure of a call that was rolled back.
 func TestGroupTxAnswersTheLastCall(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	store := e.storeOn(testenv.Pool(t), idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1})
 	var mu sync.Mutex

@@ -3,6 +3,7 @@ package tasks
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
@@ -18,6 +21,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
@@ -108,6 +112,20 @@ func (e *env) config() Config {
 		// The tests of the worker's own remote control turn it on.
 		NoControl: true,
 	}
+}
+
+// run runs w, made by the test, until the test ends; its error fails
+// the test.
+func (e *env) run(w *Worker) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	e.t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			e.t.Error(err)
+		}
+	})
 }
 
 // running is a worker started by a test.
@@ -308,4 +326,159 @@ type celeryprotoMessage = celeryproto.Message
 
 func encodeTask(m *celeryproto.Message) (*celeryproto.Publishing, error) {
 	return celeryproto.EncodeTask(m, celeryproto.EncodeOptions{})
+}
+
+// collect gathers the replies that arrive within timeout, by task id,
+// without failing the test.
+func collect(replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
+	out := make(map[string][]map[string]any)
+	deadline := time.After(timeout)
+	for got := 0; got < n; got++ {
+		select {
+		case r := <-replies:
+			id, _ := r["task_id"].(string)
+			out[id] = append(out[id], r)
+		case <-deadline:
+			return out
+		}
+	}
+	return out
+}
+
+func encodeForTest(m *celeryprotoMessage) (amqp091.Publishing, error) {
+	p, err := encodeTask(m)
+	if err != nil {
+		return amqp091.Publishing{}, err
+	}
+	return amqp091.Publishing{ContentType: p.ContentType, ContentEncoding: p.ContentEncoding,
+		Headers: amqp091.Table(p.Headers), Body: p.Body, CorrelationId: p.CorrelationID, DeliveryMode: 2}, nil
+}
+
+type opArgs struct {
+	Op string `json:"op"`
+}
+
+func opKey(a opArgs) (string, error) { return a.Op, nil }
+
+type sleepArgs struct {
+	ID string `celery:"order_id"`
+	Ms int64  `celery:"amount"`
+}
+
+// sleepRegistry has "t.sleep": an outside-mode task that sleeps Ms
+// milliseconds (giving up when its context ends) and then counts its effect.
+func sleepRegistry(t *testing.T, fx *effects) *Registry {
+	t.Helper()
+	reg := NewRegistry()
+	err := Register(reg, Task[sleepArgs]{
+		Name: "t.sleep", Mode: ModeOutside, Policy: PolicyRetry,
+		Key: func(a sleepArgs) (string, error) { return a.ID, nil },
+		Run: func(ctx context.Context, c *Call, a sleepArgs) (any, error) {
+			if !pause.For(ctx, time.Duration(a.Ms)*time.Millisecond) {
+				return nil, fmt.Errorf("interrupted: %w", context.Cause(ctx))
+			}
+			fx.add(c.Key)
+			return a.ID, nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reg
+}
+
+func sleepMessage(i int, ms int64, replyTo string) *celeryproto.Message {
+	m := payMessage("t.sleep", i, fmt.Sprintf("s-%d", i), replyTo)
+	m.Kwargs["amount"] = ms
+	return m
+}
+
+// wfCall is a wf.py call spec.
+type wfCall struct {
+	Name    string         `json:"name"`
+	Task    string         `json:"task"`
+	Args    []any          `json:"args,omitempty"`
+	Kwargs  map[string]any `json:"kwargs,omitempty"`
+	Options map[string]any `json:"options,omitempty"`
+	ReadyAt float64        `json:"ready_at,omitempty"`
+}
+
+// wfOutcome is what wf.py reports for a call spec.
+type wfOutcome struct {
+	ID         string          `json:"id"`
+	Result     json.RawMessage `json:"result"`
+	ExcType    string          `json:"exc_type"`
+	ExcModule  string          `json:"exc_module"`
+	Message    string          `json:"message"`
+	Elapsed    float64         `json:"elapsed"`
+	ReadyEarly *bool           `json:"ready_early"`
+}
+
+// calls sends call specs with real Celery (testdata/wf.py) and returns
+// their outcomes by name.
+func (e *env) calls(calls ...wfCall) map[string]wfOutcome {
+	e.t.Helper()
+	args := make([]string, len(calls))
+	for i, c := range calls {
+		b, err := json.Marshal(c)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		args[i] = string(b)
+	}
+	res := e.workflows(testenv.Name("unused"), args...)
+	out := make(map[string]wfOutcome, len(res))
+	for name, r := range res {
+		var o wfOutcome
+		if err := json.Unmarshal(r.OK, &o); err != nil {
+			e.t.Fatalf("%s: %s: %v", name, r.OK, err)
+		}
+		out[name] = o
+	}
+	return out
+}
+
+type flakyArgs struct {
+	Failures int64  `celery:"failures"`
+	Op       string `celery:"op,optional"`
+}
+
+var errTemporary = errors.New("temporary trouble")
+
+// counterValue reads a Prometheus counter.
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
+
+// results collects n results from a reply channel, by task id.
+func results(t *testing.T, replies <-chan map[string]any, n int, timeout time.Duration) map[string][]map[string]any {
+	t.Helper()
+	out := collect(replies, n, timeout)
+	got := 0
+	for _, rs := range out {
+		got += len(rs)
+	}
+	if got < n {
+		t.Fatalf("got %d of %d results in %s", got, n, timeout)
+	}
+	return out
+}
+
+// quorumQueue declares a quorum queue beside the env's queue, deleted (with
+// its quarantine) when the test ends, and returns its name.
+func (e *env) quorumQueue() string {
+	e.t.Helper()
+	q := e.queue + "_qq"
+	if _, err := e.ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() {
+		_, _ = e.ch.QueueDelete(q, false, false, false)
+		_, _ = e.ch.QueueDelete(quarantineName(q), false, false, false)
+	})
+	return q
 }

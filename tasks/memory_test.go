@@ -11,6 +11,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -129,14 +130,7 @@ func TestMessageLargerThanBudgetRefused(t *testing.T) {
 // due now still runs.
 func TestETAHeldBoundedByBytes(t *testing.T) {
 	e := newEnv(t)
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 100)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 64 << 20
-	r := e.start(blockRegistry(t, release, started), cfg)
-	w := r.w
+	w := e.startETAWorker(64 << 20)
 	replyTo, replies := e.replyQueue()
 	later := time.Now().Add(time.Hour)
 	for i := range 30 {
@@ -156,7 +150,7 @@ func TestETAHeldBoundedByBytes(t *testing.T) {
 	}
 	nheld := len(w.held)
 	w.mu.Unlock()
-	if held > cfg.MemoryBudget/2+int64(cfg.Concurrency)*(5<<20) || nheld == 0 || nheld >= 30 {
+	if held > w.cfg.MemoryBudget/2+int64(w.cfg.Concurrency)*(5<<20) || nheld == 0 || nheld >= 30 {
 		t.Errorf("%d deliveries held for their ETA, %d bytes charged; want some, within half the budget", nheld, held)
 	}
 	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
@@ -196,6 +190,20 @@ func TestStalledNotReady(t *testing.T) {
 	results(t, replies, 2, 10*time.Second)
 }
 
+// startETAWorker starts a worker of t.block (which returns at once) with
+// 2 slots, a prefetch window of 40 and budget (the tests that use it run
+// fewer than 100 tasks, the room of the channel that counts the runs).
+func (e *env) startETAWorker(budget int64) *Worker {
+	e.t.Helper()
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 100)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = budget
+	return e.start(blockRegistry(e.t, release, started), cfg).w
+}
+
 // gaugeValue reads a Prometheus gauge.
 func gaugeValue(g prometheus.Gauge) float64 {
 	var m dto.Metric
@@ -203,4 +211,135 @@ func gaugeValue(g prometheus.Gauge) float64 {
 		return -1
 	}
 	return m.GetGauge().GetValue()
+}
+
+// TestXZMessageRunsUnderSmallBudget: a small, ordinary task message that a
+// Celery producer compressed with lzma (task_compression="lzma", kombu's
+// header "application/x-lzma") runs under a memory budget of 128 MiB, the
+// default on a machine or container of 512 MiB: its estimate counts the
+// dictionary and the size the body declares, not the largest allowed.
+func TestXZMessageRunsUnderSmallBudget(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 10)
+	cfg := e.config()
+	cfg.MemoryBudget = 128 << 20
+	e.start(blockRegistry(t, release, started), cfg)
+	replyTo, replies := e.replyQueue()
+	id := taskID(1)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: id, Kwargs: map[string]any{"pad": "x"},
+		ReplyTo: replyTo}, celeryproto.EncodeOptions{Compression: "lzma"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Body) > 1024 {
+		t.Fatalf("compressed body of %d bytes, want a small one", len(p.Body))
+	}
+	e.publishRaw(p)
+	r := results(t, replies, 1, 15*time.Second)[id]
+	if len(r) != 1 || r[0]["status"] != "SUCCESS" {
+		var why []string
+		for _, q := range e.quarantined() {
+			why = append(why, fmt.Sprintf("%v: %v", q.Headers[HeaderReason], q.Headers[HeaderDecodeReason]))
+		}
+		t.Fatalf("a %d-byte lzma message under a 128 MiB budget answered %v (quarantined: %v), want one SUCCESS",
+			len(p.Body), r, why)
+	}
+}
+
+// TestDueTaskNotStarvedByHeldETA: deliveries held for their ETA take up
+// to half the budget; a task due now that needs more than the other half
+// before decoding (an lzma-compressed one, estimated near 160 MiB under a
+// 256 MiB budget) gets it: the held deliveries due latest go back to their
+// queue to make room, and the tasks due now run within seconds.
+func TestDueTaskNotStarvedByHeldETA(t *testing.T) {
+	e := newEnv(t)
+	w := e.startETAWorker(256 << 20)
+	later := time.Now().Add(time.Hour)
+	const n = 28 // about 4 MiB each once decoded: 112 MiB, under half the budget
+	for i := range n {
+		e.publishBlock(taskID(i), 2<<20, "", later)
+	}
+	testkit.WaitFor(t, "ETA deliveries held", 20*time.Second, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.held) == n
+	})
+	replyTo, replies := e.replyQueue()
+	id := taskID(100)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: id, Kwargs: map[string]any{"pad": "x"},
+		ReplyTo: replyTo}, celeryproto.EncodeOptions{Compression: "lzma"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publishRaw(p)
+	plain := taskID(101)
+	e.publishBlock(plain, 10, replyTo, time.Time{})
+	got := map[string][]map[string]any{}
+	deadline := time.After(15 * time.Second)
+	for len(got) < 2 {
+		select {
+		case m := <-replies:
+			id, _ := m["task_id"].(string)
+			got[id] = append(got[id], m)
+		case <-deadline:
+			w.mu.Lock()
+			held, waiting, used := len(w.held), len(w.waiting), w.memUsed
+			w.mu.Unlock()
+			t.Fatalf("after 15 s the due tasks answered %v; %d deliveries held for their ETA, %d waiting for memory, "+
+				"%d of %d bytes charged", got, held, waiting, used, w.cfg.MemoryBudget)
+		}
+	}
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestQuorumWindowCapBoundsIntake: on a quorum queue the prefetch window
+// is per consumer, and a change restarts the consumers with a full window
+// of their own: the worker does not cap it there, and holds no more
+// deliveries than its prefetch window while it is short of memory.
+func TestQuorumWindowCapBoundsIntake(t *testing.T) {
+	e := newEnv(t)
+	q := e.quorumQueue()
+	release := make(chan struct{})
+	started := make(chan string, 200)
+	cfg := e.config()
+	cfg.Queues = []amqp.QueueSpec{{Name: q, Exchange: amqp.DefaultExchange, Durable: true, Quorum: true}}
+	cfg.Concurrency, cfg.Prefetch = 1, 8
+	cfg.MemoryBudget = 64 << 20 // bodies up to 8 MiB, decoded values up to 16 MiB
+	r := e.start(blockRegistry(t, release, started), cfg)
+	defer close(release)
+	w := r.w
+	const n = 60
+	for i := range n {
+		p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: taskID(i),
+			Kwargs: map[string]any{"pad": strings.Repeat("p", 1<<20)}}, celeryproto.EncodeOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.ch.PublishWithContext(context.Background(), "", q, false, false, amqp091.Publishing{
+			ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: amqp091.Table(p.Headers),
+			Body: p.Body, DeliveryMode: 2}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	most, waited := 0, false
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		w.mu.Lock()
+		held := len(w.reserved) + len(w.active)
+		waited = waited || len(w.waiting) > 0
+		w.mu.Unlock()
+		most = max(most, held)
+		time.Sleep(5 * time.Millisecond)
+	}
+	if !waited {
+		t.Fatal("no delivery waited for memory: the test did not reach the cap")
+	}
+	if most > cfg.Prefetch {
+		t.Errorf("the worker held up to %d deliveries of about 1 MiB while short of memory, more than its prefetch window of %d",
+			most, cfg.Prefetch)
+	}
 }

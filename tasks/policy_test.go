@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -35,6 +36,7 @@ func (e *env) staleClaim(task, key string, kwargs map[string]any) {
 // TestStalePolicies: an operation whose owner died after claiming is settled
 // by each task's policy when its message comes again.
 func TestStalePolicies(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	var lookups atomic.Int32
@@ -134,11 +136,11 @@ func TestStalePolicies(t *testing.T) {
 		task, policy string
 		n            float64
 	}{{"p.retry", "retry", 1}, {"p.skip", "skip", 1}, {"p.hold", "hold", 1}, {"p.lookup", "lookup", 3}} {
-		if got := counter(w.w.m.stale.WithLabelValues(c.task, c.policy)); got != c.n {
+		if got := counterValue(w.w.m.stale.WithLabelValues(c.task, c.policy)); got != c.n {
 			t.Errorf("onceler_stale_claims_total{task=%q,policy=%q} = %v, want %v", c.task, c.policy, got, c.n)
 		}
 	}
-	if got := counter(w.w.m.held.WithLabelValues("p.hold")); got != 1 {
+	if got := counterValue(w.w.m.held.WithLabelValues("p.hold")); got != 1 {
 		t.Errorf("onceler_held_total{task=\"p.hold\"} = %v, want 1", got)
 	}
 }
@@ -147,6 +149,7 @@ func TestStalePolicies(t *testing.T) {
 // transaction; 4 copies of each of 50 operations over two workers write 50
 // rows; a failing task leaves no row and no record.
 func TestSameDatabase(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenvPool(t)
 	table := pgx.Identifier{e.schema, "ledger"}.Sanitize()
@@ -206,4 +209,137 @@ func TestSameDatabase(t *testing.T) {
 		t.Errorf("failed same-database task left a record: %v", err)
 	}
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}
+
+// TestLookupAsLongAsTheLeaseAnswered: a lookup policy with fallback retry,
+// a LookupTimeout as long as the lease (cut to half of it) and an outside
+// system that does not answer: the lookup runs out, the fallback runs the
+// task under a lease the database still holds, and the caller is answered.
+func TestLookupAsLongAsTheLeaseAnswered(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const lease = 600 * time.Millisecond
+	var lookups, runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.lookup", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyRetry,
+		Key: opKey, Lease: lease, LookupTimeout: lease,
+		Lookup: func(ctx context.Context, _ *Call, _ opArgs) (any, bool, error) {
+			lookups.Add(1)
+			<-ctx.Done() // the outside system does not answer
+			return nil, false, context.Cause(ctx)
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.lookup", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.lookup", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	rec, _ := e.store.Get(ctx, "rv.lookup", "op-1")
+	if rs := res[taskID(1)]; len(rs) != 1 {
+		t.Errorf("not answered within 10 s: %d lookups, %d runs, record %s attempt %d", lookups.Load(), runs.Load(), rec.Status, rec.Attempt)
+	}
+}
+
+// TestLookupResultUnstorableSettled: a lookup that finds the operation
+// done, with a result the database refuses (a number beyond PostgreSQL's
+// numeric range): the operation is held for a person (the reason says what
+// the lookup found), the caller told OperationHeld, and no claim is left
+// behind.
+func TestLookupResultUnstorableSettled(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	var runs atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "rv.found", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyHold,
+		Key: opKey, Lease: time.Second,
+		Lookup: func(context.Context, *Call, opArgs) (any, bool, error) {
+			return json.RawMessage(`1e999999`), true, nil
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) { runs.Add(1); return "charged", nil }}); err != nil {
+		t.Fatal(err)
+	}
+	p := idempotency.ClaimParams{Task: "rv.found", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 50 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	e.start(r, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "rv.found", ID: taskID(1), Kwargs: map[string]any{"op": "op-1"},
+		ReplyTo: replyTo, CorrelationID: taskID(1)})
+	res := collect(replies, 1, 10*time.Second)
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+	rec, err := e.store.Get(ctx, "rv.found", "op-1")
+	t.Logf("answer %v; runs %d; record %v (%v)", res[taskID(1)], runs.Load(), rec.Status, err)
+	if err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("record %v (%v), want held", rec.Status, err)
+	}
+	if rs := res[taskID(1)]; len(rs) != 1 || rs[0]["status"] != "FAILURE" || runs.Load() != 0 {
+		t.Errorf("answered %v after %d runs, want one FAILURE and none", rs, runs.Load())
+	}
+}
+
+// TestSlowLookupRunsOnce: a stale claim, a lookup policy whose lookup is
+// slower than the lease (it reads the outside system, then takes its
+// time), and two deliveries of the operation at once: the effect happens
+// once. The lookup is cut at its time limit (half the lease) and falls back
+// to retry under a lease the database still holds; the second delivery
+// finds the operation in progress, then completed. Without the limit, the
+// first delivery's lease lapsed during its lookup, the second took the
+// operation over, and both ran the effect.
+func TestSlowLookupRunsOnce(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const lease = time.Second
+	var effects, lookups atomic.Int32
+	r := NewRegistry()
+	if err := Register(r, Task[opArgs]{Name: "l.charge", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyRetry,
+		Key: opKey, Lease: lease,
+		Lookup: func(ctx context.Context, _ *Call, _ opArgs) (any, bool, error) {
+			lookups.Add(1)
+			found := effects.Load() > 0 // what the outside system says now
+			select {                    // then the answer takes its time
+			case <-time.After(3 * lease / 2):
+			case <-ctx.Done():
+				return nil, false, context.Cause(ctx)
+			}
+			return "found", found, nil
+		},
+		Run: func(context.Context, *Call, opArgs) (any, error) {
+			effects.Add(1)
+			return "charged", nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	// A claim whose worker died: stale by the time the messages arrive.
+	p := idempotency.ClaimParams{Task: "l.charge", Key: "op-1", Owner: "dead", TaskID: "dead", Lease: 100 * time.Millisecond}
+	if _, err := e.store.Claim(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	cfg := e.config()
+	cfg.Concurrency = 4
+	e.start(r, cfg)
+	replyTo, replies := e.replyQueue()
+	for i := range 2 {
+		e.publish(&celeryproto.Message{Protocol: 2, Task: "l.charge", ID: taskID(i), Kwargs: map[string]any{"op": "op-1"},
+			ReplyTo: replyTo, CorrelationID: taskID(i)})
+	}
+	res := results(t, replies, 2, 20*time.Second)
+	for i := range 2 {
+		if rs := res[taskID(i)]; len(rs) != 1 || rs[0]["status"] != "SUCCESS" || rs[0]["result"] != "charged" {
+			t.Errorf("delivery %d answered %v", i, rs)
+		}
+	}
+	if n := effects.Load(); n != 1 {
+		t.Errorf("effect ran %d times (lookups %d), want once", n, lookups.Load())
+	}
 }

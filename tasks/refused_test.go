@@ -155,6 +155,7 @@ func (e *env) publishHostile(m *celeryproto.Message) {
 // follow-up) and quarantined once; it is not run again, and the worker
 // serves the next task at once.
 func TestRefusedPublishIsAnsweredOnce(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	runs := &effects{}
 	e.start(hostileRegistry(t, runs), e.config())
@@ -253,6 +254,7 @@ func TestRefusedPublishIsAnsweredOnce(t *testing.T) {
 // the broker refuses, with a prefetch of 4, do not hold the worker: each
 // runs once and a normal task behind them is answered.
 func TestRefusedPublishesDoNotStallTheWorker(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	runs := &effects{}
 	cfg := e.config()
@@ -287,6 +289,7 @@ func TestRefusedPublishesDoNotStallTheWorker(t *testing.T) {
 // quarantined once, its copy's headers cut (HeaderTruncated says so) and
 // its body whole; its log lines are bounded and not repeated.
 func TestQuarantineCopyCutToFitAFrame(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	cfg := e.config()
 	core, logs := observer.New(zap.DebugLevel)

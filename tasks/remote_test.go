@@ -29,6 +29,7 @@ import (
 // worker's broker URL, CA and client certificate, node name, task events
 // setting, queues, concurrency and prefetch.
 func TestControlConfigUsesBrokerTLS(t *testing.T) {
+	t.Parallel()
 	certFile, keyFile, cert := writeSelfSigned(t)
 	cfg := Config{
 		Broker: amqp.Config{URL: "amqps://u:p@rabbit.example:5671//",
@@ -81,6 +82,7 @@ func TestControlConfigUsesBrokerTLS(t *testing.T) {
 // process, as the onceler command does; NoControl turns the control off;
 // a control.Controller as Observer needs NoControl.
 func TestNewWorkerDefaults(t *testing.T) {
+	t.Parallel()
 	w, err := NewWorker(NewRegistry(), Config{Broker: amqp.Config{URL: "amqp://localhost//"}})
 	if err != nil {
 		t.Fatal(err)
@@ -115,6 +117,7 @@ func TestNewWorkerDefaults(t *testing.T) {
 // user's, the Observer gets every task event (each its own value) whether
 // or not the control's task events are on.
 func TestObserverBesideControl(t *testing.T) {
+	t.Parallel()
 	w, err := NewWorker(NewRegistry(), Config{Broker: amqp.Config{URL: "amqp://localhost//"}, Logger: zap.NewNop(),
 		Observer: &valueObserver{}})
 	if err != nil {

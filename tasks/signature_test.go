@@ -6,6 +6,7 @@ import (
 )
 
 func TestStepID(t *testing.T) {
+	t.Parallel()
 	a, b := stepID("parent", "link", 0), stepID("parent", "link", 1)
 	if a != stepID("parent", "link", 0) || a == b || a == stepID("other", "link", 0) {
 		t.Errorf("step ids not stable and distinct: %s %s", a, b)
@@ -16,6 +17,7 @@ func TestStepID(t *testing.T) {
 }
 
 func TestOptSignatures(t *testing.T) {
+	t.Parallel()
 	one := map[string]any{"task": "t.cb", "args": []any{int64(1)}, "kwargs": map[string]any{}, "options": map[string]any{"task_id": "x"},
 		"subtask_type": nil, "immutable": true}
 	got, err := optSignatures(map[string]any{"link": one}, "link")
@@ -37,6 +39,7 @@ func TestOptSignatures(t *testing.T) {
 }
 
 func TestWithoutBrokerHeaders(t *testing.T) {
+	t.Parallel()
 	h := map[string]any{"idempotency_key": "k", "x-delivery-count": int64(3), "x-death": []any{}, "x-first-death-queue": "q", "x-custom": "keep"}
 	got := withoutBrokerHeaders(h)
 	if len(got) != 2 || got["idempotency_key"] != "k" || got["x-custom"] != "keep" {

@@ -32,6 +32,7 @@ func outsideRegistry(t *testing.T) *Registry {
 // returns from Run at once with an error naming the schema and the command
 // that applies it, instead of holding deliveries it can never claim.
 func TestRunRefusesMissingOrOldSchema(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pool := testenv.Pool(t)
 	empty := testenv.Schema(t, pool)
@@ -81,6 +82,7 @@ func TestRunRefusesMissingOrOldSchema(t *testing.T) {
 // it has waited longer than a lease, the worker says so, with the claim's
 // lease end, and says it once per lease, not at every look.
 func TestWarnsWhenClaimHeldElsewhere(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
 	held, err := e.store.Claim(ctx, idempotency.ClaimParams{Task: "t.stall_pay", Key: "order-held", Owner: "elsewhere",

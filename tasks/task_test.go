@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/onceler/onceler/idempotency"
 )
 
 type chargeArgs struct {
@@ -22,6 +24,7 @@ type chargeArgs struct {
 func noRun(context.Context, *Call, chargeArgs) (any, error) { return nil, nil }
 
 func TestRegisterRefusesUnsafeTasks(t *testing.T) {
+	t.Parallel()
 	key := func(a chargeArgs) (string, error) { return a.OrderID, nil }
 	runTx := func(context.Context, pgx.Tx, *Call, chargeArgs) (any, error) { return nil, nil }
 	lookup := func(context.Context, *Call, chargeArgs) (any, bool, error) { return nil, false, nil }
@@ -81,6 +84,7 @@ func bindCharge(t *testing.T, args []any, kwargs map[string]any) (chargeArgs, er
 }
 
 func TestBindPositionalAndKeyword(t *testing.T) {
+	t.Parallel()
 	a, err := bindCharge(t, []any{"o-1", int64(250)}, map[string]any{"currency": "EUR", "note": "n", "tags": []any{"x", "y"}})
 	if err != nil {
 		t.Fatal(err)
@@ -99,6 +103,7 @@ func TestBindPositionalAndKeyword(t *testing.T) {
 }
 
 func TestBindErrors(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		name   string
 		args   []any
@@ -128,6 +133,7 @@ func TestBindErrors(t *testing.T) {
 }
 
 func TestBindNestedAndTypes(t *testing.T) {
+	t.Parallel()
 	type item struct {
 		SKU string
 		Qty uint8
@@ -171,6 +177,7 @@ func TestBindNestedAndTypes(t *testing.T) {
 }
 
 func TestSnakeCase(t *testing.T) {
+	t.Parallel()
 	for in, want := range map[string]string{"OrderID": "order_id", "Amount": "amount", "HTTPServer": "http_server", "A": "a", "userName2": "user_name2"} {
 		if got := snakeCase(in); got != want {
 			t.Errorf("snakeCase(%q) = %q, want %q", in, got, want)
@@ -179,6 +186,7 @@ func TestSnakeCase(t *testing.T) {
 }
 
 func TestExceptionFor(t *testing.T) {
+	t.Parallel()
 	cases := []struct {
 		err            error
 		typ, mod, text string
@@ -202,6 +210,7 @@ func TestExceptionFor(t *testing.T) {
 }
 
 func TestMetricsRegistration(t *testing.T) {
+	t.Parallel()
 	reg := prometheus.NewRegistry()
 	m, err := newMetrics(reg, nil)
 	if err != nil {
@@ -224,5 +233,21 @@ func TestMetricsRegistration(t *testing.T) {
 	}
 	if _, err := newMetrics(reg, nil); err == nil {
 		t.Error("second worker on the same registry accepted")
+	}
+}
+
+// TestRegisterRefusesNamesTheRecordCannotKeep: a task with a record and a
+// name beyond idempotency.MaxTaskBytes is refused at registration, not at
+// every claim.
+func TestRegisterRefusesNamesTheRecordCannotKeep(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("n", idempotency.MaxTaskBytes+1)
+	err := Register(NewRegistry(), Task[opArgs]{Name: long, Mode: ModeOutside, Key: opKey,
+		Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }})
+	if !errors.Is(err, ErrInvalidTask) {
+		t.Errorf("long name registered: %v", err)
+	}
+	if err := Register(NewRegistry(), Task[opArgs]{Name: long, Run: func(context.Context, *Call, opArgs) (any, error) { return nil, nil }}); err != nil {
+		t.Errorf("long name of a pure task (no record): %v", err)
 	}
 }

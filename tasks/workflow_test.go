@@ -150,6 +150,7 @@ func (e *env) workflows(pyq string, scenarios ...string) map[string]pyResult {
 // by real Celery 5.2.6 over Go tasks, with a Python Celery worker serving a
 // step of a mixed chain.
 func TestWorkflowsWithPython(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	pyq := testenv.Name("pyq")
 	rec := &callRecorder{}
@@ -227,6 +228,7 @@ func TestWorkflowsWithPython(t *testing.T) {
 // one), in outside and same-database mode; the published step carries the
 // result, ids and reply_to as Celery would send it.
 func TestChainStepPublishedOnce(t *testing.T) {
+	t.Parallel()
 	for _, task := range []string{"t.pay", "t.credit"} {
 		t.Run(task, func(t *testing.T) {
 			e := newEnv(t)
@@ -320,6 +322,7 @@ func TestChainStepPublishedOnce(t *testing.T) {
 // FAILURE NotImplementedError to the caller and to the rest of its chain,
 // and the message is quarantined.
 func TestUnsupportedWorkflowRefused(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t)
 	fx := &effects{}
 	e.start(testRegistry(t, fx), e.config())
@@ -347,6 +350,7 @@ func TestUnsupportedWorkflowRefused(t *testing.T) {
 }
 
 func TestUnsupportedWorkflowCases(t *testing.T) {
+	t.Parallel()
 	plain := celeryproto.Signature{Task: "t.add"}
 	group := func(members ...any) celeryproto.Signature {
 		return celeryproto.Signature{Task: "celery.group", SubtaskType: "group", Kwargs: map[string]any{"tasks": members}}

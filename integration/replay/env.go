@@ -122,10 +122,10 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 	}
 	e.Quarantine = e.Queue + ".quarantine"
 	if e.AMQPURL == "" {
-		e.AMQPURL = testkit.AMQPURL(t)
+		e.AMQPURL = testkit.Rabbit.URL(t)
 	}
 	if e.DatabaseURL == "" {
-		e.DatabaseURL = testkit.DatabaseURL(t)
+		e.DatabaseURL = testkit.Postgres.URL(t)
 	}
 	e.Pool, e.Schema = ownSchema(t, e.DatabaseURL)
 	store, err := idempotency.New(e.Pool, idempotency.Config{Schema: e.Schema})

@@ -43,8 +43,8 @@ func Unavailable(tb testing.TB, format string, args ...any) {
 }
 
 var (
-	rabbit   = &testkit.Service{What: "RabbitMQ", Env: "ONCELER_TEST_AMQP_URL", Default: DefaultAMQPURL, Start: startRabbit}
-	postgres = &testkit.Service{What: "PostgreSQL", Env: "ONCELER_TEST_DATABASE_URL", Default: DefaultDatabaseURL, Start: startPostgres}
+	rabbit   = testkit.Rabbit.Starting(startRabbit)
+	postgres = testkit.Postgres.Starting(startPostgres)
 	dockerMu sync.Mutex
 	pool     *dockertest.Pool
 )

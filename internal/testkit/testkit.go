@@ -115,25 +115,18 @@ func Dial(raw string) error {
 	return c.Close()
 }
 
+// Rabbit and Postgres are the broker and the database the tests look for,
+// each once per process (Rabbit.URL, Postgres.URL): no container is started
+// here; internal/testenv adds that with Starting.
 var (
-	rabbit   = &Service{What: "RabbitMQ", Env: "ONCELER_TEST_AMQP_URL", Default: DefaultAMQPURL}
-	postgres = &Service{What: "PostgreSQL", Env: "ONCELER_TEST_DATABASE_URL", Default: DefaultDatabaseURL}
+	Rabbit   = &Service{What: "RabbitMQ", Env: "ONCELER_TEST_AMQP_URL", Default: DefaultAMQPURL}
+	Postgres = &Service{What: "PostgreSQL", Env: "ONCELER_TEST_DATABASE_URL", Default: DefaultDatabaseURL}
 )
 
-// AMQPURL returns ONCELER_TEST_AMQP_URL, else DefaultAMQPURL when the broker
-// answers there; otherwise it skips tb (fails it when services are
-// required).
-func AMQPURL(tb testing.TB) string {
-	tb.Helper()
-	return rabbit.URL(tb)
-}
-
-// DatabaseURL returns ONCELER_TEST_DATABASE_URL, else DefaultDatabaseURL
-// when PostgreSQL answers there; otherwise it skips tb (fails it when
-// services are required).
-func DatabaseURL(tb testing.TB) string {
-	tb.Helper()
-	return postgres.URL(tb)
+// Starting returns a service like s, looked for on its own, that runs
+// start when neither Env nor Default answers.
+func (s *Service) Starting(start func() (string, error)) *Service {
+	return &Service{What: s.What, Env: s.Env, Default: s.Default, Start: start}
 }
 
 // Name returns a unique lower-case identifier with the given prefix, safe

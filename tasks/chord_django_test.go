@@ -2,60 +2,68 @@ package tasks
 
 import (
 	"context"
+	"fmt"
 	"net/url"
-	"strings"
 	"testing"
-	"time"
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
-// TestRedisResultOverBulkLimit: a result longer than the Redis server's
-// proto-max-bulk-len (here 1 MB, a documented setting) is refused on every
-// write: the backend calls the error permanent, so the worker stores a
-// ResultNotStored failure instead of retrying for ever.
-func TestRedisResultOverBulkLimit(t *testing.T) {
-	p := startRedisProc(t)
+// TestDjangoChordCounter: the counter row counts parts down; at 0 the body
+// waits until every header part's row is ready, then the part publishes
+// it with the results in sub_tasks order, again on a redelivery until the
+// chord is done, and never after; without a counter row nothing is
+// published.
+func TestDjangoChordCounter(t *testing.T) {
+	t.Parallel()
+	a := newDjangoApp(t, true)
+	b := a.openBackend()
 	ctx := context.Background()
-	c := redisClient(t, p.addr(), 0)
-	if err := c.ConfigSet(ctx, "proto-max-bulk-len", "1mb").Err(); err != nil {
+	gid := testenv.Name("chord")
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+DjangoChordTable+` (group_id, sub_tasks, count) VALUES ($1, $2, 2)`,
+		gid, `[[["pa", null], null], [["pb", null], null]]`); err != nil {
 		t.Fatal(err)
 	}
-	b, err := newBackend(&Config{ResultBackend: "redis://" + p.addr() + "/0", ResultExpires: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = b.close() }()
-	if err := b.ping(ctx); err != nil { // as the worker does at start
-		t.Fatal(err)
-	}
-	id := testenv.Name("big")
-	_, meta, err := celeryproto.EncodeMeta(&celeryproto.Result{TaskID: id, Status: celeryproto.StateSuccess,
-		Serializer: "json", Value: strings.Repeat("x", 2<<20)}, nil, time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var errs []error
-	for range 3 {
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		errs = append(errs, b.put(pctx, id, meta))
-		cancel()
-	}
-	for i, err := range errs {
-		if err == nil {
-			t.Fatalf("write %d of a 2 MB result stored despite proto-max-bulk-len 1mb", i)
-		}
-		if !b.permanent(err) {
-			t.Errorf("write %d: %v: permanent() = false; the same error comes on every retry, so storeResult retries for ever", i, err)
+	store := func(id, status, result string) {
+		t.Helper()
+		if err := b.put(ctx, id, fmt.Appendf(nil, `{"status": %q, "result": %s, "traceback": null, "children": []}`, status, result)); err != nil {
+			t.Fatal(err)
 		}
 	}
+	part := func(id string, want bool) {
+		t.Helper()
+		fire, joined, err := b.chordPart(ctx, gid, id, nil, nil)
+		if err != nil || fire != want {
+			t.Fatalf("part %s: fire %v, %v; want %v", id, fire, err, want)
+		}
+		if fire && (len(joined) != 2 || string(joined[0]) != `[1, "pa", "SUCCESS", 1]` ||
+			string(joined[1]) != `[1, "pb", "FAILURE", {"exc_type": "ValueError", "exc_message": ["x"], "exc_module": "builtins"}]`) {
+			t.Fatalf("joined %q, want pa's then pb's", joined)
+		}
+		if fire {
+			if p, err := celeryproto.DecodeChordPart("json", joined[1]); err != nil || !p.Propagates() || p.ExceptionRepr() != "ValueError('x')" {
+				t.Fatalf("pb's entry read back as %+v, %v", p, err)
+			}
+		}
+	}
+	store("pb", "FAILURE", `{"exc_type": "ValueError", "exc_message": ["x"], "exc_module": "builtins"}`)
+	part("pb", false) // count 1
+	part("pb", false) // its redelivery counts again: 0, but pa is not ready
+	store("pa", "SUCCESS", "1")
+	part("pa", true) // 0 and all ready
+	part("pa", true) // its redelivery, before the chord is done
+	if err := b.chordDone(ctx, gid); err != nil {
+		t.Fatal(err)
+	}
+	part("pa", false) // after it: no counter row
 }
 
 // TestDjangoChordBadSubTasks: a chord counter row whose sub_tasks is not a
 // JSON list of result tuples can never be joined: the error is permanent,
 // and the worker's chord step stops on it instead of retrying for ever.
 func TestDjangoChordBadSubTasks(t *testing.T) {
+	t.Parallel()
 	raw := testenv.DatabaseURL(t)
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
