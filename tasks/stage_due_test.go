@@ -32,8 +32,8 @@ func TestCountdownAndExpiresWithPython(t *testing.T) {
 	if len(f.Quick) != 10 || len(f.Held) != 40 || f.Quick[9] != 10 || f.Held[39] != 39 {
 		t.Errorf("eta_flood results %+v", f)
 	}
-	if f.QuickSeconds > 2 || f.HeldSeconds < 5 {
-		t.Errorf("immediate tasks took %.3f s behind held ones (want < 2 s); countdown tasks took %.3f s (want >= 5 s)",
+	if f.QuickSeconds > 4 || f.HeldSeconds < 5 {
+		t.Errorf("immediate tasks took %.3f s behind held ones (want < 4 s: they would wait the 5 s countdown if held behind); countdown tasks took %.3f s (want >= 5 s)",
 			f.QuickSeconds, f.HeldSeconds)
 	}
 	res := e.calls(
