@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,6 +27,17 @@ import (
 //
 // The functions run one after another on the flusher's connection, so a
 // slow task delays the others of its group: groups suit short tasks.
+//
+// Adaptive groups (BatchConfig.GroupTx 0, the default) size themselves. A
+// call that finds no other running runs at once in a transaction of its
+// own: no added latency on a quiet store. Calls that come while others run
+// queue up, and one group at a time takes as many of them as fit in
+// AdaptiveGroupBudget of function time, estimated from the durations of
+// recent functions: small groups under light load, large ones when the
+// queue is deep. Only one group runs at a time, so two groups never take
+// row locks against each other (deadlocks between groups); calls whose
+// functions are slow (over adaptiveSlow, measured or estimated) run in
+// transactions of their own, in parallel, as without groups.
 
 type txOp struct {
 	ctx   context.Context
@@ -39,25 +51,116 @@ func (op *txOp) key() opKey         { return opKey{op.p.Task, op.p.Key} }
 func (op *txOp) stateRef() *opState { return &op.state }
 
 type txResult struct {
-	c   Claim
-	err error
+	c     Claim
+	err   error
+	alone bool // not run: run it in a transaction of its own (adaptive groups)
 }
+
+// AdaptiveGroupBudget is the function time an adaptive transaction group
+// holds at most, estimated from recent functions' durations: the most a
+// group's last member waits for the others' functions.
+const AdaptiveGroupBudget = 20 * time.Millisecond
+
+const (
+	// adaptiveMax is the most members of an adaptive group.
+	adaptiveMax = 256
+	// adaptiveSlow is the function time from which adaptive groups leave a
+	// task to a transaction of its own: its commit is a small share of its
+	// time, and the others must not wait for it.
+	adaptiveSlow = 2 * time.Millisecond
+)
 
 type txGroup struct {
 	s        *Store
-	max      int
+	max      int // members of a group; 0: adaptive
 	flushers int
 	timeout  time.Duration
 
 	mu     sync.Mutex
 	queue  []*txOp
 	active int
+	solos  int // adaptive: calls running in transactions of their own
 	closed bool
 	wg     sync.WaitGroup
+
+	est atomic.Int64 // adaptive: recent functions' duration, ns (moving average from 0)
 }
 
 func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
-	return &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+	g := &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+	if g.max <= 1 {
+		g.max = 0
+	}
+	return g
+}
+
+func (g *txGroup) adaptive() bool { return g.max == 0 }
+
+// observe adds a function's duration to the estimate.
+func (g *txGroup) observe(d time.Duration) {
+	for {
+		// From 0, so that one slow first call (preparing its statements,
+		// say) does not count as a slow task.
+		old := g.est.Load()
+		n := old + (int64(d)-old)/8
+		if g.est.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+// timed wraps fn to measure it. In a group (inGroup), a function still
+// running after AdaptiveGroupBudget sends the calls queued behind it to
+// transactions of their own.
+func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGroup bool) func(context.Context, pgx.Tx) ([]byte, error) {
+	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		t0 := time.Now()
+		if inGroup {
+			t := time.AfterFunc(AdaptiveGroupBudget, g.releaseQueued)
+			defer t.Stop()
+		}
+		defer func() { g.observe(time.Since(t0)) }()
+		return fn(ctx, tx)
+	}
+}
+
+// slow reports whether recent functions were slow: calls run alone.
+func (g *txGroup) slow() bool { return time.Duration(g.est.Load()) >= adaptiveSlow }
+
+// releaseQueued answers every queued call "run alone": the group's running
+// function is slow.
+func (g *txGroup) releaseQueued() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, op := range g.queue {
+		if op.state == opQueued {
+			op.state = opCancelled // dropped from the queue by the next take
+			g.solos++
+			op.done <- txResult{alone: true}
+		}
+	}
+}
+
+// size is the most members of the next group.
+func (g *txGroup) size() int {
+	if !g.adaptive() {
+		return g.max
+	}
+	est := time.Duration(g.est.Load())
+	if est <= 0 {
+		return adaptiveMax
+	}
+	return int(min(adaptiveMax, max(2, int64(AdaptiveGroupBudget/est))))
+}
+
+// solo runs one call in a transaction of its own, counted among the solos.
+func (g *txGroup) solo(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
+	defer func() {
+		g.mu.Lock()
+		g.solos--
+		g.mu.Unlock()
+	}()
+	return g.s.runSolo(ctx, p, g.timed(fn, false))
 }
 
 // close waits for the running groups; calls still queued fail with
@@ -81,11 +184,22 @@ func (g *txGroup) close() {
 }
 
 func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
-	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
 	g.mu.Lock()
 	if g.closed {
 		g.mu.Unlock()
 		return Claim{}, ErrClosed
+	}
+	if g.adaptive() {
+		if (g.solos == 0 && g.active == 0 && len(g.queue) == 0) || g.slow() {
+			// Alone, or slow: at once, in a transaction of its own.
+			g.solos++
+			g.mu.Unlock()
+			return g.solo(ctx, p, fn)
+		}
+	}
+	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
+	if g.adaptive() {
+		op.fn = g.timed(fn, true)
 	}
 	g.queue = append(g.queue, op)
 	lead := g.active < g.flushers
@@ -97,9 +211,9 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 	if lead {
 		g.lead(op)
 	}
+	var r txResult
 	select {
-	case r := <-op.done:
-		return r.c, r.err
+	case r = <-op.done:
 	case <-ctx.Done():
 		g.mu.Lock()
 		queued := op.state == opQueued
@@ -111,9 +225,12 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 			return Claim{}, fmt.Errorf("run tx: %w", context.Cause(ctx))
 		}
 		// Taken by a flusher: its answer comes (the function sees ctx).
-		r := <-op.done
-		return r.c, r.err
+		r = <-op.done
 	}
+	if r.alone {
+		return g.solo(ctx, p, fn)
+	}
+	return r.c, r.err
 }
 
 // lead runs groups in the caller's goroutine until its own op is answered,
@@ -141,6 +258,13 @@ func (g *txGroup) flushNext() bool {
 		g.wg.Done()
 		return false
 	}
+	if len(ops) == 1 && g.adaptive() {
+		// Alone: a transaction of its own costs less than a group's.
+		op := ops[0]
+		c, err := g.s.runSolo(op.ctx, op.p, op.fn)
+		op.done <- txResult{c: c, err: err}
+		return true
+	}
 	g.flush(ops)
 	return true
 }
@@ -151,7 +275,7 @@ func (g *txGroup) flushNext() bool {
 func (g *txGroup) take() []*txOp {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	ops, rest := takeFrom(g.queue, g.max, map[opKey]bool{})
+	ops, rest := takeFrom(g.queue, g.size(), map[opKey]bool{})
 	g.queue = rest
 	if len(ops) == 0 {
 		g.active--
