@@ -90,7 +90,7 @@ type BatchConfig struct {
 	// others run wait for the next group, which takes as many as fit in
 	// AdaptiveGroupBudget (20 ms) of function time, estimated from recent
 	// functions, up to 256. One group runs at a time (so that groups never
-	// deadlock on each other's row locks); functions slower than 2 ms run
+	// deadlock on each other's row locks); functions slower than 5 ms run
 	// in transactions of their own, in parallel.
 	// 1: off, each call in a transaction of its own.
 	// N > 1: groups of up to N calls (at most 32), GroupFlushers at once.
@@ -188,14 +188,23 @@ type BatchStats struct {
 	Flushes int64
 	// Ops is the number of claims and completions they carried.
 	Ops int64
+	// TxGroups is the number of transaction groups of two or more RunTx
+	// calls run, TxGrouped the calls they carried, TxAlone the RunTx calls
+	// run in transactions of their own while groups were on.
+	TxGroups, TxGrouped, TxAlone int64
 }
 
-// BatchStats returns the batcher's counters (zero when batching is off).
+// BatchStats returns the batcher's and the transaction groups' counters
+// (zero when they are off).
 func (s *Store) BatchStats() BatchStats {
-	if s.batch == nil {
-		return BatchStats{}
+	var st BatchStats
+	if s.batch != nil {
+		st.Flushes, st.Ops = s.batch.flushes.Load(), s.batch.rows.Load()
 	}
-	return BatchStats{Flushes: s.batch.flushes.Load(), Ops: s.batch.rows.Load()}
+	if s.txg != nil {
+		st.TxGroups, st.TxGrouped, st.TxAlone = s.txg.groups.Load(), s.txg.grouped.Load(), s.txg.alone.Load()
+	}
+	return st
 }
 
 // Token identifies one claim. Completion, renewal, failure and release

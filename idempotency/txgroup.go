@@ -35,9 +35,13 @@ import (
 // AdaptiveGroupBudget of function time, estimated from the durations of
 // recent functions: small groups under light load, large ones when the
 // queue is deep. Only one group runs at a time, so two groups never take
-// row locks against each other (deadlocks between groups); calls whose
-// functions are slow (over adaptiveSlow, measured or estimated) run in
-// transactions of their own, in parallel, as without groups.
+// row locks against each other (deadlocks between groups), and the
+// functions of a group, one after another on one connection, do not wait
+// for each other's locks: the estimate is of their work (the functions of
+// lone calls count too). When functions are slow (the estimate over
+// adaptiveSlow), calls run in transactions of their own, in parallel, as
+// without groups; when one function of a group runs for longer than
+// adaptiveStuck, the calls queued behind it do too.
 
 type txOp struct {
 	ctx   context.Context
@@ -64,10 +68,15 @@ const AdaptiveGroupBudget = 20 * time.Millisecond
 const (
 	// adaptiveMax is the most members of an adaptive group.
 	adaptiveMax = 256
-	// adaptiveSlow is the function time from which adaptive groups leave a
-	// task to a transaction of its own: its commit is a small share of its
-	// time, and the others must not wait for it.
-	adaptiveSlow = 2 * time.Millisecond
+	// adaptiveSlow is the function time from which adaptive groups leave
+	// tasks to transactions of their own, in parallel: a commit is a small
+	// share of their time, and one group at a time would serialise them.
+	adaptiveSlow = 5 * time.Millisecond
+	// adaptiveStuck is how long a function of a group may run before the
+	// calls queued behind it run in transactions of their own: far above
+	// AdaptiveGroupBudget, so that a pause of the process or the machine
+	// does not scatter a deep queue.
+	adaptiveStuck = 5 * AdaptiveGroupBudget
 )
 
 type txGroup struct {
@@ -84,6 +93,8 @@ type txGroup struct {
 	wg     sync.WaitGroup
 
 	est atomic.Int64 // adaptive: recent functions' duration, ns (moving average from 0)
+
+	groups, grouped, alone atomic.Int64 // BatchStats
 }
 
 func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
@@ -110,13 +121,13 @@ func (g *txGroup) observe(d time.Duration) {
 }
 
 // timed wraps fn to measure it. In a group (inGroup), a function still
-// running after AdaptiveGroupBudget sends the calls queued behind it to
+// running after adaptiveStuck sends the calls queued behind it to
 // transactions of their own.
 func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGroup bool) func(context.Context, pgx.Tx) ([]byte, error) {
 	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		t0 := time.Now()
 		if inGroup {
-			t := time.AfterFunc(AdaptiveGroupBudget, g.releaseQueued)
+			t := time.AfterFunc(adaptiveStuck, g.releaseQueued)
 			defer t.Stop()
 		}
 		defer func() { g.observe(time.Since(t0)) }()
@@ -153,14 +164,19 @@ func (g *txGroup) size() int {
 	return int(min(adaptiveMax, max(2, int64(AdaptiveGroupBudget/est))))
 }
 
-// solo runs one call in a transaction of its own, counted among the solos.
-func (g *txGroup) solo(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
+// solo runs one call in a transaction of its own, counted among the solos;
+// timed says whether its function's duration counts in the estimate.
+func (g *txGroup) solo(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error), timed bool) (Claim, error) {
+	g.alone.Add(1)
 	defer func() {
 		g.mu.Lock()
 		g.solos--
 		g.mu.Unlock()
 	}()
-	return g.s.runSolo(ctx, p, g.timed(fn, false))
+	if timed {
+		fn = g.timed(fn, false)
+	}
+	return g.s.runSolo(ctx, p, fn)
 }
 
 // close waits for the running groups; calls still queued fail with
@@ -190,11 +206,14 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 		return Claim{}, ErrClosed
 	}
 	if g.adaptive() {
-		if (g.solos == 0 && g.active == 0 && len(g.queue) == 0) || g.slow() {
-			// Alone, or slow: at once, in a transaction of its own.
+		lone := g.solos == 0 && g.active == 0 && len(g.queue) == 0
+		if lone || g.slow() {
+			// Alone, or slow: at once, in a transaction of its own. The
+			// estimate counts the lone, and the slow while it says slow
+			// (else it could never say otherwise).
 			g.solos++
 			g.mu.Unlock()
-			return g.solo(ctx, p, fn)
+			return g.solo(ctx, p, fn, true)
 		}
 	}
 	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
@@ -228,7 +247,7 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 		r = <-op.done
 	}
 	if r.alone {
-		return g.solo(ctx, p, fn)
+		return g.solo(ctx, p, fn, false)
 	}
 	return r.c, r.err
 }
@@ -261,10 +280,13 @@ func (g *txGroup) flushNext() bool {
 	if len(ops) == 1 && g.adaptive() {
 		// Alone: a transaction of its own costs less than a group's.
 		op := ops[0]
+		g.alone.Add(1)
 		c, err := g.s.runSolo(op.ctx, op.p, op.fn)
 		op.done <- txResult{c: c, err: err}
 		return true
 	}
+	g.groups.Add(1)
+	g.grouped.Add(int64(len(ops)))
 	g.flush(ops)
 	return true
 }

@@ -338,6 +338,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 					return err
 				}
 			}
+			if c := res.Counts; c["tx_grouped"]+c["tx_alone"] > 0 {
+				fmt.Fprintf(os.Stderr, "(%s) transaction groups: %.0f tasks in %.0f groups, %.0f alone\n", sc.ID, c["tx_grouped"], c["tx_groups"], c["tx_alone"])
+			}
 			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
 			r.rssKiB = res.PeakRSSKiB
 			r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)

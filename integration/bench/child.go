@@ -288,6 +288,9 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
 	res.Counts = counters(metrics.Registry)
+	st := store.BatchStats()
+	res.Counts["record_flushes"], res.Counts["tx_groups"], res.Counts["tx_grouped"], res.Counts["tx_alone"] =
+		float64(st.Flushes), float64(st.TxGroups), float64(st.TxGrouped), float64(st.TxAlone)
 	if job.Debug {
 		for k, v := range tracer.summary() {
 			res.Counts[k] = v
