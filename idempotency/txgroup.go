@@ -37,11 +37,12 @@ import (
 // queue is deep. Only one group runs at a time, so two groups never take
 // row locks against each other (deadlocks between groups), and the
 // functions of a group, one after another on one connection, do not wait
-// for each other's locks: the estimate is of their work (the functions of
-// lone calls count too). When functions are slow (the estimate over
-// adaptiveSlow), calls run in transactions of their own, in parallel, as
-// without groups; when one function of a group runs for longer than
-// adaptiveStuck, the calls queued behind it do too.
+// for each other's locks: the estimate (the median of the last functions
+// of groups and of lone calls) is of their work. When functions are slow
+// (the estimate and the last one over adaptiveSlow), calls run in
+// transactions of their own, in parallel, as without groups, and every
+// second a group measures again; when one function of a group runs for
+// longer than adaptiveStuck, the calls queued behind it run alone too.
 
 type txOp struct {
 	ctx   context.Context
@@ -77,6 +78,11 @@ const (
 	// AdaptiveGroupBudget, so that a pause of the process or the machine
 	// does not scatter a deep queue.
 	adaptiveStuck = 5 * AdaptiveGroupBudget
+	// estimateWindow is how many recent functions the estimate is the
+	// median of; estimateStale how long a slow estimate holds without new
+	// measurements.
+	estimateWindow = 16
+	estimateStale  = time.Second
 )
 
 type txGroup struct {
@@ -92,7 +98,12 @@ type txGroup struct {
 	closed bool
 	wg     sync.WaitGroup
 
-	est atomic.Int64 // adaptive: recent functions' duration, ns (moving average from 0)
+	est      atomic.Int64 // adaptive: recent functions' duration, ns (see observe)
+	last     atomic.Int64 // adaptive: the last function's duration, ns
+	measured atomic.Int64 // adaptive: when est was last renewed, unix ns
+	estMu    sync.Mutex
+	recent   [estimateWindow]time.Duration // guarded by estMu
+	next     int                           // guarded by estMu
 
 	groups, grouped, alone atomic.Int64 // BatchStats
 }
@@ -107,17 +118,21 @@ func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
 
 func (g *txGroup) adaptive() bool { return g.max == 0 }
 
-// observe adds a function's duration to the estimate.
+// observe adds a function's duration to the estimate: the median of the
+// last estimateWindow durations, so that a few functions that waited (for a
+// lock another transaction held, for a core) do not make the tasks look
+// slow, nor one slow first call (preparing its statements, say).
 func (g *txGroup) observe(d time.Duration) {
-	for {
-		// From 0, so that one slow first call (preparing its statements,
-		// say) does not count as a slow task.
-		old := g.est.Load()
-		n := old + (int64(d)-old)/8
-		if g.est.CompareAndSwap(old, n) {
-			return
-		}
-	}
+	g.estMu.Lock()
+	defer g.estMu.Unlock()
+	g.recent[g.next%estimateWindow] = d
+	g.next++
+	n := min(g.next, estimateWindow)
+	sorted := g.recent
+	slices.Sort(sorted[:n])
+	g.est.Store(int64(sorted[n/2]))
+	g.last.Store(int64(d))
+	g.measured.Store(time.Now().UnixNano())
 }
 
 // timed wraps fn to measure it. In a group (inGroup), a function still
@@ -135,8 +150,14 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 	}
 }
 
-// slow reports whether recent functions were slow: calls run alone.
-func (g *txGroup) slow() bool { return time.Duration(g.est.Load()) >= adaptiveSlow }
+// slow reports whether recent functions were slow, the last one too: calls
+// run alone. An estimate not renewed for estimateStale is not trusted: the
+// calls go to groups again, which measure their functions (alone, they
+// would measure each other's lock waits too), and a fast one ends it.
+func (g *txGroup) slow() bool {
+	return time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow &&
+		time.Since(time.Unix(0, g.measured.Load())) < estimateStale
+}
 
 // releaseQueued answers every queued call "run alone": the group's running
 // function is slow.
@@ -209,11 +230,11 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 		lone := g.solos == 0 && g.active == 0 && len(g.queue) == 0
 		if lone || g.slow() {
 			// Alone, or slow: at once, in a transaction of its own. The
-			// estimate counts the lone, and the slow while it says slow
-			// (else it could never say otherwise).
+			// estimate counts the lone only: the slow run beside each
+			// other and may wait for each other's locks.
 			g.solos++
 			g.mu.Unlock()
-			return g.solo(ctx, p, fn, true)
+			return g.solo(ctx, p, fn, lone)
 		}
 	}
 	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
