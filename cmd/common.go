@@ -20,6 +20,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/logging"
+	"github.com/onceler/onceler/tasks"
 )
 
 // connectTimeout bounds the first contact with a service, so an unreachable
@@ -127,6 +128,11 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	}
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	}
+	if cmd == "worker" && !strings.Contains(d.url, "pool_max_conns") {
+		// pgxpool's own default (the CPUs, at least 4) would leave the
+		// worker's same-database tasks waiting for connections.
+		cfg.MaxConns = tasks.DefaultPoolConns
 	}
 	where := describeDB(cfg)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)

@@ -10,8 +10,9 @@
 //     either is one (3.0 stays a float). Pure: no record, every delivery
 //     runs it.
 //   - demo.ledger.credit(account, entry_id, cents): same-database. Inserts a
-//     row into onceler_demo.ledger in the record's own transaction; key
-//     entry_id. Returns {"entry_id", "account", "balance"}.
+//     row into onceler_demo.ledger and adds cents to the account's row of
+//     onceler_demo.balances, in one statement in the record's own
+//     transaction; key entry_id. Returns {"entry_id", "account", "balance"}.
 //   - demo.payments.charge(order_id, cents): an outside payment gateway that
 //     de-duplicates by reference ("charge:<order_id>"). Every call is a row in
 //     onceler_demo.gateway_calls; a charge is a row in
@@ -342,16 +343,20 @@ type CreditResult struct {
 	Balance int64  `json:"balance"`
 }
 
+// creditSQL enters a credit and updates its account's balance in one
+// round trip; the balance row keeps the cost of a credit from growing with
+// the ledger.
+const creditSQL = `WITH entry AS (
+	INSERT INTO onceler_demo.ledger (entry_id, account, cents, task_id) VALUES ($1, $2, $3, $4)
+)
+INSERT INTO onceler_demo.balances AS b (account, cents) VALUES ($2, $3)
+ON CONFLICT (account) DO UPDATE SET cents = b.cents + excluded.cents
+RETURNING b.cents`
+
 func (d *demo) credit(ctx context.Context, tx pgx.Tx, c *tasks.Call, a CreditArgs) (any, error) {
-	_, err := tx.Exec(ctx, `INSERT INTO onceler_demo.ledger (entry_id, account, cents, task_id) VALUES ($1, $2, $3, $4)`,
-		a.EntryID, a.Account, a.Cents, c.TaskID)
-	if err != nil {
-		return nil, fmt.Errorf("insert ledger entry: %w", err)
-	}
 	var balance int64
-	err = tx.QueryRow(ctx, `SELECT coalesce(sum(cents), 0)::bigint FROM onceler_demo.ledger WHERE account = $1`, a.Account).Scan(&balance)
-	if err != nil {
-		return nil, fmt.Errorf("read balance: %w", err)
+	if err := tx.QueryRow(ctx, creditSQL, a.EntryID, a.Account, a.Cents, c.TaskID).Scan(&balance); err != nil {
+		return nil, fmt.Errorf("enter credit: %w", err)
 	}
 	d.log.Info("ledger entry written", zap.String("task_id", c.TaskID), zap.String("key", c.Key))
 	return CreditResult{EntryID: a.EntryID, Account: a.Account, Balance: balance}, nil

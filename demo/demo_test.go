@@ -46,7 +46,7 @@ func TestMigrateConcurrentAndRepeated(t *testing.T) {
 	if err := errors.Join(errs...); err != nil {
 		t.Fatal(err)
 	}
-	for _, table := range []string{"ledger", "gateway_calls", "gateway_charges", "email_sends", "sleeps"} {
+	for _, table := range []string{"ledger", "balances", "gateway_calls", "gateway_charges", "email_sends", "sleeps"} {
 		var ok bool
 		if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, Schema+"."+table).Scan(&ok); err != nil || !ok {
 			t.Fatalf("table %s missing after Migrate (err %v)", table, err)
@@ -141,6 +141,11 @@ func TestCreditWritesInTheGivenTransaction(t *testing.T) {
 	}
 	if b, err := Balance(ctx, d.pool, account); err != nil || b != 1750 {
 		t.Fatalf("Balance = %d, %v; want 1750", b, err)
+	}
+	// The account's balance row, which the credits update, agrees.
+	var kept int64
+	if err := d.pool.QueryRow(ctx, `SELECT cents FROM onceler_demo.balances WHERE account = $1`, account).Scan(&kept); err != nil || kept != 1750 {
+		t.Fatalf("balance row = %d, %v; want 1750", kept, err)
 	}
 }
 

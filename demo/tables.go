@@ -23,6 +23,10 @@ CREATE TABLE IF NOT EXISTS onceler_demo.ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_entry_id ON onceler_demo.ledger (entry_id);
 CREATE INDEX IF NOT EXISTS ledger_account ON onceler_demo.ledger (account);
+CREATE TABLE IF NOT EXISTS onceler_demo.balances (
+	account text   PRIMARY KEY,
+	cents   bigint NOT NULL
+);
 CREATE TABLE IF NOT EXISTS onceler_demo.gateway_calls (
 	reference text        NOT NULL,
 	order_id  text        NOT NULL,
@@ -59,8 +63,19 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock)); err != nil {
 			return fmt.Errorf("lock: %w", err)
 		}
+		var fresh bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass('onceler_demo.balances') IS NULL`).Scan(&fresh); err != nil {
+			return fmt.Errorf("look for the balances table: %w", err)
+		}
 		if _, err := tx.Exec(ctx, ddl); err != nil {
 			return fmt.Errorf("create tables: %w", err)
+		}
+		if fresh {
+			// A ledger from before the balances table: its balances.
+			if _, err := tx.Exec(ctx, `INSERT INTO onceler_demo.balances (account, cents)
+				SELECT account, sum(cents) FROM onceler_demo.ledger GROUP BY account`); err != nil {
+				return fmt.Errorf("fill the balances: %w", err)
+			}
 		}
 		return nil
 	})

@@ -77,17 +77,27 @@ type BatchConfig struct {
 	// A lone call on an idle store does not wait. Default DefaultLinger;
 	// negative: never.
 	Linger time.Duration
-	// GroupTx, when above 1, runs up to that many concurrent RunTx calls
-	// (same-database tasks) in one transaction, committed once: a group
-	// commit. The group's claims go out as one statement and the functions
-	// run one after another; when one fails, the group is rolled back and
-	// run again with each member in a savepoint of its own, so a failure
-	// stays its own (and the functions before it run a second time, their
-	// first effects rolled back). Suits short tasks. At most 32; default 0
-	// (each RunTx its own transaction).
+	// GroupTx sets the transaction groups of RunTx calls (same-database
+	// tasks): several concurrent calls run in one transaction, committed
+	// once (a group commit). The group's claims go out as one statement
+	// and the functions run one after another; when one fails, the group
+	// is rolled back and run again with each member in a savepoint of its
+	// own, so a failure stays its own (and the functions before it run a
+	// second time, their first effects rolled back).
+	//
+	// 0 (the default): adaptive groups. A call that finds no other running
+	// commits at once in a transaction of its own; calls that come while
+	// others run wait for the next group, which takes as many as fit in
+	// AdaptiveGroupBudget (20 ms) of function time, estimated from recent
+	// functions, up to 256. One group runs at a time (so that groups never
+	// deadlock on each other's row locks); functions slower than 5 ms run
+	// in transactions of their own, in parallel.
+	// 1: off, each call in a transaction of its own.
+	// N > 1: groups of up to N calls (at most 32), GroupFlushers at once.
 	GroupTx int
 	// GroupFlushers is the number of groups running at once, each on one
-	// pool connection. Default 4.
+	// pool connection. Default 4 for fixed groups (GroupTx > 1), 1 for
+	// adaptive ones.
 	GroupFlushers int
 	// Timeout bounds one flush. Default 30s.
 	Timeout time.Duration
@@ -102,7 +112,7 @@ type Store struct {
 	log    *zap.Logger
 	q      queries
 	batch  *batcher // nil when batching is disabled
-	txg    *txGroup // nil unless BatchConfig.GroupTx > 1
+	txg    *txGroup // nil when BatchConfig.GroupTx is 1
 }
 
 var schemaName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
@@ -144,10 +154,17 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if !cfg.Batch.Disabled {
 		s.batch = newBatcher(s, cfg.Batch)
 	}
-	if cfg.Batch.GroupTx > 1 {
+	switch {
+	case cfg.Batch.GroupTx > 1:
 		cfg.Batch.GroupTx = min(cfg.Batch.GroupTx, 32)
 		if cfg.Batch.GroupFlushers <= 0 {
 			cfg.Batch.GroupFlushers = 4
+		}
+		s.txg = newTxGroup(s, cfg.Batch)
+	case cfg.Batch.GroupTx <= 0:
+		cfg.Batch.GroupTx = 0
+		if cfg.Batch.GroupFlushers <= 0 {
+			cfg.Batch.GroupFlushers = 1
 		}
 		s.txg = newTxGroup(s, cfg.Batch)
 	}
@@ -171,14 +188,23 @@ type BatchStats struct {
 	Flushes int64
 	// Ops is the number of claims and completions they carried.
 	Ops int64
+	// TxGroups is the number of transaction groups of two or more RunTx
+	// calls run, TxGrouped the calls they carried, TxAlone the RunTx calls
+	// run in transactions of their own while groups were on.
+	TxGroups, TxGrouped, TxAlone int64
 }
 
-// BatchStats returns the batcher's counters (zero when batching is off).
+// BatchStats returns the batcher's and the transaction groups' counters
+// (zero when they are off).
 func (s *Store) BatchStats() BatchStats {
-	if s.batch == nil {
-		return BatchStats{}
+	var st BatchStats
+	if s.batch != nil {
+		st.Flushes, st.Ops = s.batch.flushes.Load(), s.batch.rows.Load()
 	}
-	return BatchStats{Flushes: s.batch.flushes.Load(), Ops: s.batch.rows.Load()}
+	if s.txg != nil {
+		st.TxGroups, st.TxGrouped, st.TxAlone = s.txg.groups.Load(), s.txg.grouped.Load(), s.txg.alone.Load()
+	}
+	return st
 }
 
 // Token identifies one claim. Completion, renewal, failure and release

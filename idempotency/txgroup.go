@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,6 +27,22 @@ import (
 //
 // The functions run one after another on the flusher's connection, so a
 // slow task delays the others of its group: groups suit short tasks.
+//
+// Adaptive groups (BatchConfig.GroupTx 0, the default) size themselves. A
+// call that finds no other running runs at once in a transaction of its
+// own: no added latency on a quiet store. Calls that come while others run
+// queue up, and one group at a time takes as many of them as fit in
+// AdaptiveGroupBudget of function time, estimated from the durations of
+// recent functions: small groups under light load, large ones when the
+// queue is deep. Only one group runs at a time, so two groups never take
+// row locks against each other (deadlocks between groups), and the
+// functions of a group, one after another on one connection, do not wait
+// for each other's locks: the estimate (the median of the last functions
+// of groups and of lone calls) is of their work. When functions are slow
+// (the estimate and the last one over adaptiveSlow), calls run in
+// transactions of their own, in parallel, as without groups, and every
+// second a group measures again; when one function of a group runs for
+// longer than adaptiveStuck, the calls queued behind it run alone too.
 
 type txOp struct {
 	ctx   context.Context
@@ -39,25 +56,148 @@ func (op *txOp) key() opKey         { return opKey{op.p.Task, op.p.Key} }
 func (op *txOp) stateRef() *opState { return &op.state }
 
 type txResult struct {
-	c   Claim
-	err error
+	c     Claim
+	err   error
+	alone bool // not run: run it in a transaction of its own (adaptive groups)
 }
+
+// AdaptiveGroupBudget is the function time an adaptive transaction group
+// holds at most, estimated from recent functions' durations: the most a
+// group's last member waits for the others' functions.
+const AdaptiveGroupBudget = 20 * time.Millisecond
+
+const (
+	// adaptiveMax is the most members of an adaptive group.
+	adaptiveMax = 256
+	// adaptiveSlow is the function time from which adaptive groups leave
+	// tasks to transactions of their own, in parallel: a commit is a small
+	// share of their time, and one group at a time would serialise them.
+	adaptiveSlow = 5 * time.Millisecond
+	// adaptiveStuck is how long a function of a group may run before the
+	// calls queued behind it run in transactions of their own: far above
+	// AdaptiveGroupBudget, so that a pause of the process or the machine
+	// does not scatter a deep queue.
+	adaptiveStuck = 5 * AdaptiveGroupBudget
+	// estimateWindow is how many recent functions the estimate is the
+	// median of; estimateStale how long a slow estimate holds without new
+	// measurements.
+	estimateWindow = 16
+	estimateStale  = time.Second
+)
 
 type txGroup struct {
 	s        *Store
-	max      int
+	max      int // members of a group; 0: adaptive
 	flushers int
 	timeout  time.Duration
 
 	mu     sync.Mutex
 	queue  []*txOp
 	active int
+	solos  int // adaptive: calls running in transactions of their own
 	closed bool
 	wg     sync.WaitGroup
+
+	est      atomic.Int64 // adaptive: recent functions' duration, ns (see observe)
+	last     atomic.Int64 // adaptive: the last function's duration, ns
+	measured atomic.Int64 // adaptive: when est was last renewed, unix ns
+	estMu    sync.Mutex
+	recent   [estimateWindow]time.Duration // guarded by estMu
+	next     int                           // guarded by estMu
+
+	groups, grouped, alone atomic.Int64 // BatchStats
 }
 
 func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
-	return &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+	g := &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+	if g.max <= 1 {
+		g.max = 0
+	}
+	return g
+}
+
+func (g *txGroup) adaptive() bool { return g.max == 0 }
+
+// observe adds a function's duration to the estimate: the median of the
+// last estimateWindow durations, so that a few functions that waited (for a
+// lock another transaction held, for a core) do not make the tasks look
+// slow, nor one slow first call (preparing its statements, say).
+func (g *txGroup) observe(d time.Duration) {
+	g.estMu.Lock()
+	defer g.estMu.Unlock()
+	g.recent[g.next%estimateWindow] = d
+	g.next++
+	n := min(g.next, estimateWindow)
+	sorted := g.recent
+	slices.Sort(sorted[:n])
+	g.est.Store(int64(sorted[n/2]))
+	g.last.Store(int64(d))
+	g.measured.Store(time.Now().UnixNano())
+}
+
+// timed wraps fn to measure it. In a group (inGroup), a function still
+// running after adaptiveStuck sends the calls queued behind it to
+// transactions of their own.
+func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGroup bool) func(context.Context, pgx.Tx) ([]byte, error) {
+	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		t0 := time.Now()
+		if inGroup {
+			t := time.AfterFunc(adaptiveStuck, g.releaseQueued)
+			defer t.Stop()
+		}
+		defer func() { g.observe(time.Since(t0)) }()
+		return fn(ctx, tx)
+	}
+}
+
+// slow reports whether recent functions were slow, the last one too: calls
+// run alone. An estimate not renewed for estimateStale is not trusted: the
+// calls go to groups again, which measure their functions (alone, they
+// would measure each other's lock waits too), and a fast one ends it.
+func (g *txGroup) slow() bool {
+	return time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow &&
+		time.Since(time.Unix(0, g.measured.Load())) < estimateStale
+}
+
+// releaseQueued answers every queued call "run alone": the group's running
+// function is slow.
+func (g *txGroup) releaseQueued() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, op := range g.queue {
+		if op.state == opQueued {
+			op.state = opCancelled // dropped from the queue by the next take
+			g.solos++
+			op.done <- txResult{alone: true}
+		}
+	}
+}
+
+// size is the most members of the next group.
+func (g *txGroup) size() int {
+	if !g.adaptive() {
+		return g.max
+	}
+	est := time.Duration(g.est.Load())
+	if est <= 0 {
+		return adaptiveMax
+	}
+	return int(min(adaptiveMax, max(2, int64(AdaptiveGroupBudget/est))))
+}
+
+// solo runs one call in a transaction of its own, counted among the solos;
+// timed says whether its function's duration counts in the estimate.
+func (g *txGroup) solo(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error), timed bool) (Claim, error) {
+	g.alone.Add(1)
+	defer func() {
+		g.mu.Lock()
+		g.solos--
+		g.mu.Unlock()
+	}()
+	if timed {
+		fn = g.timed(fn, false)
+	}
+	return g.s.runSolo(ctx, p, fn)
 }
 
 // close waits for the running groups; calls still queued fail with
@@ -81,11 +221,25 @@ func (g *txGroup) close() {
 }
 
 func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Context, pgx.Tx) ([]byte, error)) (Claim, error) {
-	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
 	g.mu.Lock()
 	if g.closed {
 		g.mu.Unlock()
 		return Claim{}, ErrClosed
+	}
+	if g.adaptive() {
+		lone := g.solos == 0 && g.active == 0 && len(g.queue) == 0
+		if lone || g.slow() {
+			// Alone, or slow: at once, in a transaction of its own. The
+			// estimate counts the lone only: the slow run beside each
+			// other and may wait for each other's locks.
+			g.solos++
+			g.mu.Unlock()
+			return g.solo(ctx, p, fn, lone)
+		}
+	}
+	op := &txOp{ctx: ctx, p: p, fn: fn, done: make(chan txResult, 1)}
+	if g.adaptive() {
+		op.fn = g.timed(fn, true)
 	}
 	g.queue = append(g.queue, op)
 	lead := g.active < g.flushers
@@ -97,9 +251,9 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 	if lead {
 		g.lead(op)
 	}
+	var r txResult
 	select {
-	case r := <-op.done:
-		return r.c, r.err
+	case r = <-op.done:
 	case <-ctx.Done():
 		g.mu.Lock()
 		queued := op.state == opQueued
@@ -111,9 +265,12 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 			return Claim{}, fmt.Errorf("run tx: %w", context.Cause(ctx))
 		}
 		// Taken by a flusher: its answer comes (the function sees ctx).
-		r := <-op.done
-		return r.c, r.err
+		r = <-op.done
 	}
+	if r.alone {
+		return g.solo(ctx, p, fn, false)
+	}
+	return r.c, r.err
 }
 
 // lead runs groups in the caller's goroutine until its own op is answered,
@@ -141,6 +298,16 @@ func (g *txGroup) flushNext() bool {
 		g.wg.Done()
 		return false
 	}
+	if len(ops) == 1 && g.adaptive() {
+		// Alone: a transaction of its own costs less than a group's.
+		op := ops[0]
+		g.alone.Add(1)
+		c, err := g.s.runSolo(op.ctx, op.p, op.fn)
+		op.done <- txResult{c: c, err: err}
+		return true
+	}
+	g.groups.Add(1)
+	g.grouped.Add(int64(len(ops)))
 	g.flush(ops)
 	return true
 }
@@ -151,7 +318,7 @@ func (g *txGroup) flushNext() bool {
 func (g *txGroup) take() []*txOp {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	ops, rest := takeFrom(g.queue, g.max, map[opKey]bool{})
+	ops, rest := takeFrom(g.queue, g.size(), map[opKey]bool{})
 	g.queue = rest
 	if len(ops) == 0 {
 		g.active--

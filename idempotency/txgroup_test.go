@@ -187,3 +187,87 @@ func TestRunTxGroupAbortedByAMember(t *testing.T) {
 		})
 	}
 }
+
+// TestRunTxAdaptiveGroups: with the default (adaptive) groups a lone call
+// commits in a transaction of its own at once; a burst of short calls
+// shares transactions, a failing member rolled back alone; slow functions
+// run in parallel, in transactions of their own.
+func TestRunTxAdaptiveGroups(t *testing.T) {
+	e := newEnv(t, idempotency.BatchConfig{})
+	ctx := context.Background()
+	tbl := e.schema + ".adaptive"
+	// txid_current() is the top transaction's id, savepoints or not.
+	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+tbl+` (key text NOT NULL, amount int NOT NULL, xid bigint NOT NULL DEFAULT txid_current())`); err != nil {
+		t.Fatal(err)
+	}
+	errBoom := errors.New("boom")
+	insert := func(key string, fail bool, sleep time.Duration) func(context.Context, pgx.Tx) ([]byte, error) {
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			time.Sleep(sleep)
+			if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key); err != nil {
+				return nil, err
+			}
+			if fail {
+				return nil, errBoom
+			}
+			return []byte(`1`), nil
+		}
+	}
+	xmins := func(prefix string) int {
+		return e.count(t, `SELECT count(DISTINCT xid) FROM `+tbl+` WHERE key LIKE $1`, prefix+"%")
+	}
+
+	t0 := time.Now()
+	if c, err := e.store.RunTx(ctx, params("credit", "lone"), insert("lone", false, 0)); err != nil || c.Outcome != idempotency.OutcomeFirst {
+		t.Fatalf("lone call: %+v %v", c, err)
+	}
+	if took := time.Since(t0); took > time.Second {
+		t.Errorf("a lone call took %v", took)
+	}
+
+	const n = 300
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("burst%03d", i)
+			_, errs[i] = e.store.RunTx(ctx, params("credit", key), insert(key, i%50 == 7, 0))
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if (i%50 == 7) != errors.Is(err, errBoom) || (i%50 != 7 && err != nil) {
+			t.Fatalf("burst call %d: %v", i, err)
+		}
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key LIKE 'burst%'`); got != n-n/50 {
+		t.Fatalf("%d burst effects, want %d", got, n-n/50)
+	}
+	if txs := xmins("burst"); txs > n/4 {
+		t.Errorf("%d burst calls committed in %d transactions: not grouped", n, txs)
+	} else {
+		t.Logf("%d burst calls committed in %d transactions", n, txs)
+	}
+
+	// Slow functions: once measured slow, calls run alone, in parallel
+	// (the first round teaches the estimate).
+	const slow = 8
+	for round := range 2 {
+		t0 = time.Now()
+		for i := range slow {
+			wg.Go(func() {
+				key := fmt.Sprintf("slow%d-%d", round, i)
+				if _, err := e.store.RunTx(ctx, params("credit", key), insert(key, false, 100*time.Millisecond)); err != nil {
+					t.Errorf("slow call: %v", err)
+				}
+			})
+		}
+		wg.Wait()
+		if took := time.Since(t0); round > 0 && took > 500*time.Millisecond {
+			t.Errorf("round %d: %d slow calls of 100 ms took %v: run one after another", round, slow, took)
+		}
+	}
+	if txs := xmins("slow1-"); txs != slow {
+		t.Errorf("%d slow calls committed in %d transactions, want one each", slow, txs)
+	}
+}

@@ -11,7 +11,8 @@ import (
 )
 
 // TestWorkerGroupTx queues 120 ledger credits, each twice, and then starts
-// an onceler worker with --group-tx 16, or one without: either way every
+// an onceler worker with --group-tx 16, with the default adaptive groups,
+// or with none (--group-tx 1): either way every
 // credit is entered once and every call answered, promptly; with groups
 // the entries share transactions (their rows' xmin), without each has its
 // own.
@@ -24,7 +25,8 @@ func TestWorkerGroupTx(t *testing.T) {
 		grouped bool
 	}{
 		{"group-tx 16", []string{"ONCELER_GROUP_TX=16"}, true},
-		{"no groups", nil, false},
+		{"adaptive groups (the default)", nil, true},
+		{"no groups", []string{"ONCELER_GROUP_TX=1"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()

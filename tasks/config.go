@@ -41,11 +41,15 @@ type Config struct {
 	// must be migrated (Store.Migrate) before Run.
 	Store *idempotency.Store
 
-	// Concurrency is the number of task goroutines. Default 4 × GOMAXPROCS,
-	// at least 8.
+	// Concurrency is the number of task goroutines. Default
+	// DefaultConcurrency(): 64 × GOMAXPROCS, at least 256. Goroutines are
+	// cheap, and most tasks wait (for the record, the database, a reply):
+	// many in flight fill the record's batches and transaction groups,
+	// which is where the throughput comes from.
 	Concurrency int
 	// Prefetch is the broker's prefetch window (unacknowledged deliveries).
-	// Default Concurrency × 4. A priority queue (x-max-priority) orders the
+	// Default DefaultPrefetch(Concurrency): 4 × Concurrency up to 256, never
+	// below Concurrency. A priority queue (x-max-priority) orders the
 	// messages still in the queue, not those already delivered, and the
 	// worker runs deliveries in the order they arrive: a delivery waiting
 	// for a task slot is not overtaken by one of higher priority that
@@ -173,12 +177,22 @@ func init() {
 	workerhooks.Install(func(c *Config, h workerhooks.Hooks) { c.hooks = h })
 }
 
-// DefaultConcurrency is Config.Concurrency's default: 4 × GOMAXPROCS, at
-// least 8.
-func DefaultConcurrency() int { return max(8, 4*runtime.GOMAXPROCS(0)) }
+// DefaultConcurrency is Config.Concurrency's default: 64 × GOMAXPROCS, at
+// least 256.
+func DefaultConcurrency() int { return max(256, 64*runtime.GOMAXPROCS(0)) }
 
-// DefaultPrefetch is Config.Prefetch's default for a concurrency: 4 × it.
-func DefaultPrefetch(concurrency int) int { return 4 * concurrency }
+// DefaultPrefetch is Config.Prefetch's default for a concurrency: 4 × it,
+// at most 256 (more only holds deliveries in memory longer), but never
+// below the concurrency (every task goroutine can have a delivery).
+func DefaultPrefetch(concurrency int) int { return max(concurrency, min(256, 4*concurrency)) }
+
+// DefaultPoolConns is the size of the PostgreSQL pool the onceler command
+// opens for its worker (unless the database URL sets pool_max_conns), and
+// the size this package suggests for Config.Pool: the record's batches
+// take one or two connections, same-database tasks one each while they
+// run alone, and a pool this size keeps them from waiting for one another
+// without loading the server with backends.
+const DefaultPoolConns = 16
 
 func (c *Config) setDefaults() error {
 	if len(c.Queues) == 0 {

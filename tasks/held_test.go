@@ -133,6 +133,10 @@ func TestLongETARepublished(t *testing.T) {
 	core, logs := observer.New(zapcore.DebugLevel)
 	cfg := e.config()
 	cfg.MaxHold = 700 * time.Millisecond
+	// A window the memory budget does not cap (the default, 256 deliveries
+	// of up to 16 MiB, is capped at what 2 GiB holds): the window in force
+	// is then the configured one.
+	cfg.Concurrency, cfg.Prefetch = 8, 32
 	cfg.Logger = zap.New(zapcore.NewTee(cfg.Logger.Core(), core))
 	cfg.Broker.Logger = zap.New(zapcore.NewTee(cfg.Broker.Logger.Core(), core))
 	fx := &effects{}

@@ -33,12 +33,14 @@ type scenario struct {
 	Round     int  // the pair's round, for (f) and its (b) twins
 	N         int  // messages, when not -n
 	Redis     bool // results to the Redis result backend (-redis)
+	Accounts  int  // taskCredit: the accounts credited in turn
 }
 
 var scenarios = []scenario{
 	{ID: "a", Title: "raw consume + ack (ceiling)", Kind: "raw", Task: taskOutside},
 	{ID: "b", Title: "onceler, outside no-op, ignore_result", Kind: "worker", Task: taskOutside, Latency: true},
-	{ID: "b'", Title: "onceler, same-database insert, ignore_result", Kind: "worker", Task: taskSameDB, Latency: true},
+	{ID: "b'", Title: "onceler, same-database demo.ledger.credit over 1,000 accounts, ignore_result", Kind: "worker", Task: taskCredit, Accounts: 1000, Latency: true},
+	{ID: "b'-hot", Title: "onceler, demo.ledger.credit, every credit to one account (hot row)", Kind: "worker", Task: taskCredit, Accounts: 1},
 	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
 	{ID: "c-redis", Title: "(c) with results to Redis (--result-backend redis://)", Kind: "worker", Task: taskOutside, Redis: true},
 	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
@@ -251,6 +253,11 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		if err := setupSchema(ctx, b.o.dbURL, schema); err != nil {
 			return err
 		}
+		if sc.Task == taskCredit {
+			if err := setupLedger(ctx, b.o.dbURL); err != nil {
+				return err
+			}
+		}
 		if err := b.pub.Declare(ctx, amqp.CeleryQueue(queue)); err != nil {
 			return fmt.Errorf("declare %s: %w", queue, err)
 		}
@@ -260,7 +267,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			}
 		}
 		spec := msgSpec{Task: sc.Task, N: r.n, RunID: b.runID + sc.ID, ReplyTo: reply, Ignore: reply == "" && !sc.Redis,
-			DupEvery: sc.DupEvery, DupGap: 4 * b.o.prefetch}
+			DupEvery: sc.DupEvery, DupGap: 4 * b.o.rawPrefetch(), Accounts: sc.Accounts}
 		msgs, ops, err := spec.build()
 		if err != nil {
 			return err
@@ -331,6 +338,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 					return err
 				}
 			}
+			if c := res.Counts; c["tx_grouped"]+c["tx_alone"] > 0 {
+				fmt.Fprintf(os.Stderr, "(%s) transaction groups: %.0f tasks in %.0f groups, %.0f alone\n", sc.ID, c["tx_grouped"], c["tx_groups"], c["tx_alone"])
+			}
 			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
 			r.rssKiB = res.PeakRSSKiB
 			r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)
@@ -341,7 +351,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			return err
 		}
 		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
-		if err := b.verify(ctx, sc, queue, schema, reply, ops); err != nil || !sc.Redis {
+		if err := b.verify(ctx, sc, spec, queue, schema, reply, ops); err != nil || !sc.Redis {
 			return err
 		}
 		return verifyRedis(ctx, b.o.redisURL, msgs)
@@ -353,8 +363,12 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 // consumerJob is a consumer child of kind on queue and schema, expecting n
 // tasks, with the bench's worker settings.
 func (b *bench) consumerJob(kind, queue, schema string, n int) childJob {
+	prefetch := b.o.prefetch
+	if kind == "raw" {
+		prefetch = b.o.rawPrefetch()
+	}
 	return childJob{Kind: kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: b.o.prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+		Expect: n, Prefetch: prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
 		Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
 		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Procs: b.o.workerProcs}
 }
@@ -362,7 +376,7 @@ func (b *bench) consumerJob(kind, queue, schema string, n int) childJob {
 // verify checks that the run did what it claims: the queue is empty, every
 // operation is completed once, every effect happened once, every result
 // arrived.
-func (b *bench) verify(ctx context.Context, sc scenario, queue, schema, reply string, ops []string) error {
+func (b *bench) verify(ctx context.Context, sc scenario, spec msgSpec, queue, schema, reply string, ops []string) error {
 	if d, err := b.broker.depth(queue); err != nil || d != 0 {
 		return fmt.Errorf("after the run the queue holds %d messages (%v)", d, err)
 	}
@@ -391,12 +405,23 @@ func (b *bench) verify(ctx context.Context, sc scenario, queue, schema, reply st
 		if n != len(distinct) {
 			return fmt.Errorf("%d completed records, want %d", n, len(distinct))
 		}
-		if sc.Task == taskSameDB {
-			if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+s+".bench_effects").Scan(&n); err != nil {
-				return fmt.Errorf("count effects: %w", err)
+		if sc.Task == taskCredit {
+			if err := pool.QueryRow(ctx, "SELECT count(*) FROM onceler_demo.ledger WHERE entry_id = ANY($1)", ops).Scan(&n); err != nil {
+				return fmt.Errorf("count ledger entries: %w", err)
 			}
 			if n != len(distinct) {
-				return fmt.Errorf("%d effect rows, want %d", n, len(distinct))
+				return fmt.Errorf("%d ledger entries, want %d", n, len(distinct))
+			}
+			accounts := make([]string, min(len(ops), max(1, sc.Accounts)))
+			for i := range accounts {
+				accounts[i] = spec.account(i)
+			}
+			var total int64
+			if err := pool.QueryRow(ctx, "SELECT coalesce(sum(cents), 0)::bigint FROM onceler_demo.balances WHERE account = ANY($1)", accounts).Scan(&total); err != nil {
+				return fmt.Errorf("sum balances: %w", err)
+			}
+			if want := int64(len(distinct)) * creditCents; total != want {
+				return fmt.Errorf("balances sum to %d, want %d", total, want)
 			}
 		}
 		if sc.DupEvery > 0 {

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
@@ -158,8 +159,8 @@ type outsideArgs struct {
 }
 
 // benchRegistry registers the bench tasks: an outside-system no-op (claim,
-// then completion) and a same-database task inserting one row.
-func benchRegistry(schema string) (*tasks.Registry, error) {
+// then completion) and the onceler binary's demo tasks (demo.ledger.credit).
+func benchRegistry(pool *pgxpool.Pool) (*tasks.Registry, error) {
 	reg := tasks.NewRegistry()
 	key := func(a outsideArgs) (string, error) { return a.Op, nil }
 	err := tasks.Register(reg, tasks.Task[outsideArgs]{
@@ -169,15 +170,7 @@ func benchRegistry(schema string) (*tasks.Registry, error) {
 	if err != nil {
 		return nil, err
 	}
-	insert := "INSERT INTO " + pgx.Identifier{schema, "bench_effects"}.Sanitize() + " (op) VALUES ($1)"
-	err = tasks.Register(reg, tasks.Task[outsideArgs]{
-		Name: taskSameDB, Mode: tasks.ModeSameDB, Key: key,
-		RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a outsideArgs) (any, error) {
-			_, err := tx.Exec(ctx, insert, a.Op)
-			return nil, err
-		},
-	})
-	return reg, err
+	return reg, demo.Register(reg, pool)
 }
 
 // runWorkerChild runs the onceler worker in this process until it has
@@ -188,7 +181,11 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("worker: database url: %w", err)
 	}
-	pcfg.MaxConns = int32(job.PoolConns)
+	// The pool the onceler command opens for its worker.
+	pcfg.MaxConns = tasks.DefaultPoolConns
+	if job.PoolConns > 0 {
+		pcfg.MaxConns = int32(job.PoolConns)
+	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "onceler-bench-worker"
 	if v := os.Getenv("ONCELER_BENCH_PG_PARAMS"); v != "" {
 		for _, kv := range strings.Split(v, ",") {
@@ -213,7 +210,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		return res, fmt.Errorf("worker: store: %w", err)
 	}
 	defer store.Close()
-	reg, err := benchRegistry(job.Schema)
+	reg, err := benchRegistry(pool)
 	if err != nil {
 		return res, fmt.Errorf("worker: registry: %w", err)
 	}
@@ -291,6 +288,9 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	stopProfile()
 	res.Elapsed = res.Last.Sub(res.First)
 	res.Counts = counters(metrics.Registry)
+	st := store.BatchStats()
+	res.Counts["record_flushes"], res.Counts["tx_groups"], res.Counts["tx_grouped"], res.Counts["tx_alone"] =
+		float64(st.Flushes), float64(st.TxGroups), float64(st.TxGrouped), float64(st.TxAlone)
 	if job.Debug {
 		for k, v := range tracer.summary() {
 			res.Counts[k] = v

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 )
 
@@ -125,6 +126,20 @@ CREATE TABLE `+s+`.py_records (task text NOT NULL, key text NOT NULL, status tex
     claimed_at timestamptz NOT NULL, completed_at timestamptz, PRIMARY KEY (task, key))`)
 		if err != nil {
 			return fmt.Errorf("create bench tables in %s: %w", schema, err)
+		}
+		return nil
+	})
+}
+
+// setupLedger creates the demo tables (demo.Migrate) and empties the
+// ledger and the balances, so that every credit scenario starts alike.
+func setupLedger(ctx context.Context, dbURL string) error {
+	return withPool(ctx, dbURL, func(pool *pgxpool.Pool) error {
+		if err := demo.Migrate(ctx, pool); err != nil {
+			return err
+		}
+		if _, err := pool.Exec(ctx, "TRUNCATE onceler_demo.ledger, onceler_demo.balances"); err != nil {
+			return fmt.Errorf("empty the demo ledger: %w", err)
 		}
 		return nil
 	})

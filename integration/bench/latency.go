@@ -41,7 +41,12 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 			return err
 		}
 	}
-	spec := msgSpec{Task: sc.Task, N: n, RunID: b.runID + sc.ID + "l", ReplyTo: reply, Ignore: reply == ""}
+	if sc.Task == taskCredit {
+		if err := setupLedger(ctx, b.o.dbURL); err != nil {
+			return err
+		}
+	}
+	spec := msgSpec{Task: sc.Task, N: n, RunID: b.runID + sc.ID + "l", ReplyTo: reply, Ignore: reply == "", Accounts: sc.Accounts}
 	msgs, _, err := spec.build()
 	if err != nil {
 		return err

@@ -35,6 +35,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/onceler/onceler/tasks"
 )
 
 type options struct {
@@ -87,21 +89,21 @@ func run() error {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.IntVar(&o.n, "n", 50000, "messages per drain scenario")
 	fs.IntVar(&o.pyN, "python-n", 10000, "messages for the Python worker (e); 0 = same as -n")
-	fs.IntVar(&o.prefetch, "prefetch", 256, "prefetch of every consumer")
-	fs.IntVar(&o.concurrency, "concurrency", 256, "task goroutines of the onceler worker")
-	fs.IntVar(&o.poolConns, "pool", 16, "PostgreSQL pool size of the onceler worker")
-	fs.IntVar(&o.flushers, "flushers", 1, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, also 1): one makes the largest batches, and with the broker and PostgreSQL on the same cores the fewest commits win")
+	fs.IntVar(&o.prefetch, "prefetch", 0, "prefetch of the onceler worker (0: its default, tasks.DefaultPrefetch) and of the raw consumer (0: the worker's default prefetch)")
+	fs.IntVar(&o.concurrency, "concurrency", 0, "task goroutines of the onceler worker (0: its default, tasks.DefaultConcurrency)")
+	fs.IntVar(&o.poolConns, "pool", 0, "PostgreSQL pool size of the onceler worker (0: the onceler command's, tasks.DefaultPoolConns)")
+	fs.IntVar(&o.flushers, "flushers", 0, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, 1)")
 	fs.DurationVar(&o.linger, "linger", 0, "how long a flush of the worker's record waits for calls on their way (BatchConfig.Linger; 0: the store's default, negative: none)")
 	fs.IntVar(&o.workerProcs, "worker-procs", 0, "GOMAXPROCS of the consumer processes (0: the runtime's default, the number of CPUs)")
 	fs.IntVar(&o.procs, "procs", 1, "GOMAXPROCS of the bench's own process, the load generator (publisher, events monitor, reply reader): one keeps its idle scheduler from spinning on the cores the measured processes share; 0: the runtime's default")
 	fs.IntVar(&o.workerGOGC, "worker-gogc", 400, "GOGC of the worker process: 400 is the onceler worker's own when GOGC is unset; 100 is Go's default")
-	fs.IntVar(&o.groupTx, "group-tx", 32, "same-database tasks per group transaction of the worker's record (0: a transaction each)")
+	fs.IntVar(&o.groupTx, "group-tx", 0, "same-database transaction groups of the worker's record, as onceler worker --group-tx (0: adaptive, the default; 1: a transaction each; N: groups of up to N)")
 	fs.StringVar(&o.amqpURL, "amqp", envOr("ONCELER_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ URL")
 	fs.StringVar(&o.dbURL, "db", envOr("ONCELER_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/onceler_bench?sslmode=disable"),
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
-	fs.StringVar(&o.only, "scenarios", "a,b,b',c,c-redis,d,e,f", "scenarios to run, comma-separated")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',b'-hot,c,c-redis,d,e,f", "scenarios to run, comma-separated")
 	fs.StringVar(&o.redisURL, "redis", envOr("ONCELER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"), "Redis result backend of (c-redis); its results are deleted after the run")
 	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.StringVar(&o.monitor, "monitor", monitorAfter, "how (f)'s events monitor reads them: "+monitorAfter+" (its queue bound during the run, read once the worker is done, as by a monitor on another machine), "+
@@ -151,6 +153,42 @@ func run() error {
 	fmt.Println()
 	fmt.Print(report(o, rows))
 	return err
+}
+
+// workerSettings describes the worker's settings: its defaults unless
+// flags tuned them.
+func (o options) workerSettings() string {
+	c, pool := o.concurrency, o.poolConns
+	if c <= 0 {
+		c = tasks.DefaultConcurrency()
+	}
+	if pool <= 0 {
+		pool = tasks.DefaultPoolConns
+	}
+	group := "adaptive transaction groups"
+	switch {
+	case o.groupTx == 1:
+		group = "no transaction groups"
+	case o.groupTx > 1:
+		group = fmt.Sprintf("transaction groups of %d", o.groupTx)
+	}
+	s := fmt.Sprintf("concurrency %d, prefetch %d, pool %d connections, %s", c, o.rawPrefetch(), pool, group)
+	if o.concurrency > 0 || o.prefetch > 0 || o.poolConns > 0 || o.groupTx > 0 || o.flushers > 0 || o.linger != 0 {
+		return "TUNED: " + s
+	}
+	return "at its defaults: " + s
+}
+
+// rawPrefetch is the prefetch of the raw consumer (a): the worker's.
+func (o options) rawPrefetch() int {
+	if o.prefetch > 0 {
+		return o.prefetch
+	}
+	c := o.concurrency
+	if c <= 0 {
+		c = tasks.DefaultConcurrency()
+	}
+	return tasks.DefaultPrefetch(c)
 }
 
 func envOr(name, def string) string {

@@ -7,14 +7,20 @@ import (
 	"strconv"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/demo"
 )
 
 // Task names of the bench tasks, served by the Go worker and by the Python
 // script alike.
 const (
 	taskOutside = "bench.outside"
-	taskSameDB  = "bench.samedb"
+	// taskCredit is the onceler binary's demo.ledger.credit (package demo):
+	// same-database, a ledger row and the account's balance row.
+	taskCredit = demo.TaskCredit
 )
+
+// creditCents is what every bench credit adds.
+const creditCents = 125
 
 // msgSpec says what messages to build.
 type msgSpec struct {
@@ -25,6 +31,12 @@ type msgSpec struct {
 	Ignore   bool
 	DupEvery int // every DupEvery-th message repeats an earlier operation (0: none)
 	DupGap   int // how far back the repeated operation is
+	Accounts int // taskCredit: the accounts the credits go to, in turn
+}
+
+// account is the account of the i-th credit.
+func (s msgSpec) account(i int) string {
+	return s.RunID + "-acct-" + strconv.Itoa(i%max(1, s.Accounts))
 }
 
 // ops returns the operation id of each message.
@@ -50,9 +62,14 @@ func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
 	out := make([]*celeryproto.Publishing, len(ops))
 	for i, op := range ops {
 		id := uuid4()
+		args, repr := []any{op}, "['"+op+"']"
+		if s.Task == taskCredit {
+			acct := s.account(i)
+			args, repr = []any{acct, op, creditCents}, fmt.Sprintf("['%s', '%s', %d]", acct, op, creditCents)
+		}
 		m := &celeryproto.Message{
-			Protocol: 2, Task: s.Task, ID: id, Args: []any{op}, Kwargs: map[string]any{},
-			RootID: id, Origin: origin, ArgsRepr: "['" + op + "']", KwargsRepr: "{}",
+			Protocol: 2, Task: s.Task, ID: id, Args: args, Kwargs: map[string]any{},
+			RootID: id, Origin: origin, ArgsRepr: repr, KwargsRepr: "{}",
 			ReplyTo: s.ReplyTo, IgnoreResult: s.Ignore,
 		}
 		p, err := celeryproto.EncodeTask(m, celeryproto.EncodeOptions{Protocol: 2})
