@@ -1,0 +1,91 @@
+package tasks
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
+)
+
+// Hostile inputs to the worker's run-time commands (control_cmds.go).
+
+// TestSettingsHideBackendPasswordInQuery: a django-db result backend URL
+// whose password is in the query (pgx reads ?password=), with or without a
+// user before '@', must not show the password in conf or report
+// (Settings), as the backend's own messages do not.
+func TestSettingsHideBackendPasswordInQuery(t *testing.T) {
+	e := newEnv(t)
+	reg := NewRegistry()
+	if err := Register(reg, Task[chargeArgs]{Name: "t.pure", Run: noRun}); err != nil {
+		t.Fatal(err)
+	}
+	for _, backend := range []string{
+		"django-db+postgresql://127.0.0.1:5432/test?user=root&password=S3cretPw",
+		"django-db+postgresql://root@127.0.0.1:5432/test?password=S3cretPw",
+	} {
+		cfg := e.config()
+		cfg.ResultBackend = backend
+		w, err := NewWorker(reg, cfg)
+		if err != nil {
+			t.Fatalf("%s: %v", backend, err)
+		}
+		for _, all := range []bool{false, true} {
+			if got := w.Settings(all)["result_backend"]; strings.Contains(celeryproto.Repr(got), "S3cretPw") {
+				t.Errorf("Settings(%v) result_backend = %v: the password shows", all, got)
+			}
+		}
+		w.closeBackend()
+	}
+}
+
+// TestRateLimitTinyRate: a rate limit so low that its interval overflows a
+// time.Duration ("1e-12/s": one task every ~31,700 years) must hold the
+// second delivery, not let every delivery start at once.
+func TestRateLimitTinyRate(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	started := 0
+	run := func(_ context.Context, _ *Call, _ chargeArgs) (any, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		started++
+		return "ok", nil
+	}
+	reg := NewRegistry()
+	if err := Register(reg, Task[chargeArgs]{Name: "t.slow", Run: run}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 8
+	cfg.Grace = 2 * time.Second
+	r := e.start(reg, cfg)
+	if err := r.w.SetRateLimit("t.slow", "1e-12/s"); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		e.publish(payMessage("t.slow", i, "tiny", ""))
+	}
+	testkit.WaitFor(t, "the first start", 10*time.Second, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return started >= 1
+	})
+	time.Sleep(2 * time.Second)
+	mu.Lock()
+	n := started
+	mu.Unlock()
+	if n > 1 {
+		t.Errorf("rate limit 1e-12/s: %d tasks started within 2 s", n)
+	}
+	// the deliveries held by the rate limit go back to the queue at shutdown
+	r.stop(t)
+	if n == 1 {
+		if d := e.queueDepth(e.queue); d != 2 {
+			t.Errorf("after shutdown, %d messages in the queue, want the 2 held by the rate limit", d)
+		}
+	}
+}
