@@ -107,3 +107,51 @@ func TestAddQueueWhileReconnectingRefusedQueue(t *testing.T) {
 		t.Logf("refused with %v", addErr)
 	}
 }
+
+// TestAddQueueQuorumUnderGlobalQos: add_consumer of a queue that exists as
+// a quorum queue, while the consumer's channel runs under global QoS (its
+// configured queues are classic), must consume it or refuse it without
+// dropping the consuming connection: a delivery held meanwhile must still
+// be acknowledged, and not come back.
+func TestAddQueueQuorumUnderGlobalQos(t *testing.T) {
+	cfg, q1, p, ctx := declaredQueue(t, "onceler_amqp_qqg", 60*time.Second)
+	qq := testenv.Name("onceler_amqp_qqg")
+	cleanupQueue(t, qq)
+	conn, err := amqp091.Dial(cfg.URL)
+	must(t, err, "dial")
+	defer func() { _ = conn.Close() }()
+	ch, err := conn.Channel()
+	must(t, err, "channel")
+	_, err = ch.QueueDeclare(qq, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"})
+	must(t, err, "declare quorum queue")
+
+	c := NewConsumer(cfg, ConsumerConfig{Queues: []QueueSpec{CeleryQueue(q1)}, Prefetch: 4})
+	got := make(chan *Delivery, 10)
+	runConsumer(t, c, func(d *Delivery) { got <- d })
+	testkit.WaitFor(t, "consumer ready", 10*time.Second, c.Ready)
+	must(t, p.Publish(ctx, q1, q1, textMessage("held"), PublishOptions{Mandatory: true}), "publish")
+	held := recv(t, got, 10*time.Second)
+
+	addErr := c.AddQueue(CeleryQueue(qq))
+	t.Logf("AddQueue(quorum queue) under global QoS = %v", addErr)
+	if err := held.Ack(); err != nil {
+		t.Errorf("the delivery held while add_consumer ran can no longer be acknowledged: %v", err)
+	}
+	if n := c.reconnects.Load(); n != 0 {
+		t.Errorf("add_consumer of a quorum queue dropped the consuming connection (%d reconnects)", n)
+	}
+	select {
+	case d := <-got:
+		t.Errorf("the message held while add_consumer ran was redelivered: %q (redelivered=%v)", d.Body, d.Redelivered)
+		_ = d.Ack()
+	case <-time.After(2 * time.Second):
+	}
+	if addErr == nil {
+		must(t, p.Publish(ctx, "", qq, textMessage("qq"), PublishOptions{Mandatory: true}), "publish qq")
+		if d := recv(t, got, 10*time.Second); d.Queue != qq {
+			t.Errorf("delivery from %s, want the added quorum queue", d.Queue)
+		} else {
+			must(t, d.Ack(), "ack")
+		}
+	}
+}
