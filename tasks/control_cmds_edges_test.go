@@ -89,3 +89,59 @@ func TestRateLimitTinyRate(t *testing.T) {
 		}
 	}
 }
+
+// TestRateLimitAfterReconnect: deliveries waiting for a rate limit when
+// the consuming connection is lost are redelivered; their lost reservations
+// must not stay in the token bucket (Celery clears the pending ones on a
+// connection loss), or the redelivered ones wait behind starts that never
+// happen (and, repeated, past the broker's consumer timeout). At 2/s, 24
+// tasks (11.5 s of starts) with the connection lost after the second start
+// must all start within about 14 s of the first.
+func TestRateLimitAfterReconnect(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	starts := map[string]time.Time{}
+	run := func(_ context.Context, c *Call, _ chargeArgs) (any, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if _, ok := starts[c.Message.ID]; !ok {
+			starts[c.Message.ID] = time.Now()
+		}
+		return "ok", nil
+	}
+	reg := NewRegistry()
+	if err := Register(reg, Task[chargeArgs]{Name: "t.rated", Run: run, RateLimit: "2/s"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 32
+	cfg.Grace = 2 * time.Second
+	e.start(reg, cfg)
+	const n = 24
+	for i := range n {
+		e.publish(payMessage("t.rated", i, "rc", ""))
+	}
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(starts)
+	}
+	testkit.WaitFor(t, "two starts", 10*time.Second, func() bool { return count() >= 2 })
+	pids := testkit.ConnectionPIDs(t, cfg.Broker.Name)
+	testkit.CloseConnections(t, pids)
+	testkit.WaitFor(t, "all starts", 60*time.Second, func() bool { return count() == n })
+	mu.Lock()
+	defer mu.Unlock()
+	first, last := time.Now(), time.Time{}
+	for _, s := range starts {
+		if s.Before(first) {
+			first = s
+		}
+		if s.After(last) {
+			last = s
+		}
+	}
+	if span := last.Sub(first); span > 14*time.Second {
+		t.Errorf("rate limit 2/s, connection lost after the first starts: %d tasks took %v from the first start to the last (want ≈ 11.5-13 s: the lost reservations held the redelivered ones back)", n, span)
+	}
+}
