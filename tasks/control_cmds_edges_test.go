@@ -13,9 +13,9 @@ import (
 
 // Hostile inputs to the worker's run-time commands (control_cmds.go).
 
-// TestSettingsHideBackendPasswordInQuery: a django-db result backend URL
-// whose password is in the query (pgx reads ?password=), with or without a
-// user before '@', must not show the password in conf or report
+// TestSettingsHideBackendPasswordInQuery: a django-db or Redis result
+// backend URL whose password is in the query (pgx and redisOptions read
+// ?password=), with or without a user before '@', must not show the password in conf or report
 // (Settings), as the backend's own messages do not.
 func TestSettingsHideBackendPasswordInQuery(t *testing.T) {
 	e := newEnv(t)
@@ -26,6 +26,7 @@ func TestSettingsHideBackendPasswordInQuery(t *testing.T) {
 	for _, backend := range []string{
 		"django-db+postgresql://127.0.0.1:5432/test?user=root&password=S3cretPw",
 		"django-db+postgresql://root@127.0.0.1:5432/test?password=S3cretPw",
+		"redis://127.0.0.1:6379/0?password=S3cretPw",
 	} {
 		cfg := e.config()
 		cfg.ResultBackend = backend
