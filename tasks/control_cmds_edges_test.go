@@ -146,3 +146,44 @@ func TestRateLimitAfterReconnect(t *testing.T) {
 		t.Errorf("rate limit 2/s, connection lost after the first starts: %d tasks took %v from the first start to the last (want ≈ 11.5-13 s: the lost reservations held the redelivered ones back)", n, span)
 	}
 }
+
+// TestRateLimitWaitBoundedByMaxHold: a delivery waiting for its task's
+// rate limit waits unacknowledged in the worker's timers; like one held
+// for its ETA it must not stay unacknowledged past Config.MaxHold (kept
+// below RabbitMQ's consumer_timeout, 30 min by default, past which the
+// broker closes the channel and every delivery on it, running tasks'
+// included, returns to the queue). rate_limit 1/h with two deliveries
+// otherwise holds the second one for an hour.
+func TestRateLimitWaitBoundedByMaxHold(t *testing.T) {
+	e := newEnv(t)
+	reg := NewRegistry()
+	if err := Register(reg, Task[chargeArgs]{Name: "t.rated", Run: noRun}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.MaxHold = 700 * time.Millisecond
+	cfg.Grace = 2 * time.Second
+	r := e.start(reg, cfg)
+	if err := r.w.SetRateLimit("t.rated", "20/m"); err != nil { // one start every 3 s
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		e.publish(payMessage("t.rated", i, "hold", ""))
+	}
+	var oldest time.Duration
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		r.w.mu.Lock()
+		for j := range r.w.timers {
+			if j.d.Stale() {
+				continue
+			}
+			oldest = max(oldest, time.Since(j.received))
+		}
+		r.w.mu.Unlock()
+		time.Sleep(50 * time.Millisecond)
+	}
+	if oldest > cfg.MaxHold+time.Second {
+		t.Errorf("a delivery waited %v unacknowledged for its rate limit, past MaxHold %v", oldest.Round(time.Millisecond), cfg.MaxHold)
+	}
+}
