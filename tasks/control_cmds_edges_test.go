@@ -187,3 +187,49 @@ func TestRateLimitWaitBoundedByMaxHold(t *testing.T) {
 		t.Errorf("a delivery waited %v unacknowledged for its rate limit, past MaxHold %v", oldest.Round(time.Millisecond), cfg.MaxHold)
 	}
 }
+
+// TestInspectReservedWhileDecoding: inspect reserved (Worker.Reserved, from
+// the remote-control goroutine) while the task goroutines decode the
+// deliveries it lists must not race with them (go test -race): the decode
+// stage sets the job's message without the worker's lock that Reserved
+// reads it under.
+func TestInspectReservedWhileDecoding(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	ran := 0
+	run := func(_ context.Context, _ *Call, _ chargeArgs) (any, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		ran++
+		return "ok", nil
+	}
+	reg := NewRegistry()
+	if err := Register(reg, Task[chargeArgs]{Name: "t.quick", Run: run}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 4, 64
+	r := e.start(reg, cfg)
+	const n = 300
+	for i := range n {
+		e.publish(payMessage("t.quick", i, "insp", ""))
+	}
+	done := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return ran >= n
+	}
+	listed := 0
+	deadline := time.Now().Add(60 * time.Second)
+	for !done() && time.Now().Before(deadline) {
+		for _, ti := range r.w.Reserved() {
+			if ti.Name != "" {
+				listed++
+			}
+		}
+	}
+	if !done() {
+		t.Fatal("tasks not done")
+	}
+	t.Logf("listed %d decoded reserved tasks", listed)
+}
