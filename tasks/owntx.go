@@ -2,11 +2,9 @@ package tasks
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/internal/workerhooks"
@@ -24,14 +22,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 		return
 	}
 	w.crash(workerhooks.AfterClaim, j)
-	var ttx pgx.Tx = &taskTx{Tx: tx}
-	var guard *txGuard
-	if j.hardLimit() > 0 {
-		// As in runSameDB: a task abandoned at its hard time limit is kept
-		// off the connection from then on.
-		guard = newTxGuard()
-		ttx = &guardedTx{g: guard, tx: ttx}
-	}
+	ttx, guard := taskTxOf(j, tx)
 	res, taskErr := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.runTx(ctx, ttx, c, j.args)
 	})
@@ -45,21 +36,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 			w.log.Debug("rollback after the task failed", w.fields(j, zap.Error(err))...)
 		}
 		cancel()
-		if errors.Is(taskErr, errRevokedWaiting) {
-			w.revokeDelivery(ctx, j, false)
-			return
-		}
-		if shutdownCut(ctx, taskErr) {
-			w.giveBack(j)
-			return
-		}
-		if !j.abandoned && dbFault(taskErr, connClosed) {
-			// The database failed the transaction, not the task: run it
-			// again after a pause.
-			w.recordTrouble(ctx, j, "own transaction (task)", taskErr)
-			return
-		}
-		w.finish(ctx, j, nil, taskErr)
+		w.taskTxFailed(ctx, j, taskErr, connClosed, "own transaction (task)")
 		return
 	}
 	w.crash(workerhooks.AfterEffect, j)

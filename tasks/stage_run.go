@@ -60,6 +60,35 @@ func (w *Worker) runPure(ctx context.Context, j *job) {
 	w.finish(ctx, j, res, err)
 }
 
+// taskTxOf is the transaction a same-database task is given: tx, and when
+// the task has a hard time limit, a guard that keeps a task abandoned at
+// that limit (while it still holds tx) off the connection from then on.
+func taskTxOf(j *job, tx pgx.Tx) (pgx.Tx, *txGuard) {
+	var ttx pgx.Tx = &taskTx{Tx: tx}
+	if j.hardLimit() <= 0 {
+		return ttx, nil
+	}
+	guard := newTxGuard()
+	return &guardedTx{g: guard, tx: ttx}, guard
+}
+
+// taskTxFailed answers a same-database task whose function failed, its
+// transaction rolled back: revoked while it waited (nothing ran), cut by
+// the shutdown's grace period (given back), failed by the database rather
+// than the task (run again after a pause), or the task's own error.
+func (w *Worker) taskTxFailed(ctx context.Context, j *job, taskErr error, connClosed bool, what string) {
+	switch {
+	case errors.Is(taskErr, errRevokedWaiting):
+		w.revokeDelivery(ctx, j, false)
+	case shutdownCut(ctx, taskErr):
+		w.giveBack(j)
+	case !j.abandoned && dbFault(taskErr, connClosed):
+		w.recordTrouble(ctx, j, what, taskErr)
+	default:
+		w.finish(ctx, j, nil, taskErr)
+	}
+}
+
 // runSameDB claims, runs the effect and completes in one transaction.
 func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	if !w.countRedelivery(ctx, j) {
@@ -77,14 +106,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		w.m.claimSecs.Observe(time.Since(start).Seconds())
 		w.crash(workerhooks.AfterClaim, j)
 		ran = true
-		var ttx pgx.Tx = &taskTx{Tx: tx}
-		var guard *txGuard
-		if j.hardLimit() > 0 {
-			// The task may be abandoned at its hard time limit while it still
-			// holds tx: the guard keeps it off the connection from then on.
-			guard = newTxGuard()
-			ttx = &guardedTx{g: guard, tx: ttx}
-		}
+		ttx, guard := taskTxOf(j, tx)
 		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 			return j.h.runTx(ctx, ttx, c, j.args)
 		})
@@ -102,20 +124,8 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		return out, nil
 	})
 	switch {
-	case ran && errors.Is(taskErr, errRevokedWaiting):
-		w.revokeDelivery(ctx, j, false) // rolled back with its claim: nothing ran
 	case ran && taskErr != nil:
-		if shutdownCut(ctx, taskErr) {
-			w.giveBack(j)
-			return
-		}
-		if !j.abandoned && dbFault(taskErr, connClosed) {
-			// The database failed the transaction, not the task: nothing
-			// committed; run it again after a pause.
-			w.recordTrouble(ctx, j, "same-database transaction (task)", taskErr)
-			return
-		}
-		w.finish(ctx, j, nil, taskErr)
+		w.taskTxFailed(ctx, j, taskErr, connClosed, "same-database transaction (task)")
 	case err != nil && taskCaused(err):
 		// The task's own work failed its transaction (a deferred
 		// constraint at commit, a statement error it caught, a transaction
