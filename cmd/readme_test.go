@@ -11,8 +11,9 @@ import (
 )
 
 // outputPages are the pages that show the walkthrough's outputs: the README
-// has most of them, docs/operations.md the purge dry run.
-var outputPages = []string{"../README.md", "../docs/operations.md"}
+// has most of them, docs/operations.md the purge dry run, docs/tasks.md the
+// example binary seen as a Celery node and in the record.
+var outputPages = []string{"../README.md", "../docs/operations.md", "../docs/tasks.md"}
 
 // readmeBlocks returns the expected outputs of the walkthrough: each ```text
 // block after a <!-- output: NAME --> marker in the outputPages, with the
