@@ -380,10 +380,12 @@ func (g *slotGate) release() {
 	}
 }
 
-// redactBackend is a result backend URL without its password.
+// redactBackend is a result backend URL without its password, in the
+// user information or in a query parameter (?password=, which pgx and
+// the Redis client read).
 func redactBackend(u string) string {
-	if !strings.Contains(u, "@") {
+	if !strings.Contains(u, "@") && !strings.Contains(strings.ToLower(u), "password") {
 		return u
 	}
-	return amqp.RedactURL(u)
+	return redactURL(u)
 }
