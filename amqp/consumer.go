@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -61,6 +62,9 @@ type Consumer struct {
 	// notes, the last logged description of each.
 	found []queueState
 	notes []string
+	// added names the queues added at run time (AddQueue): one the broker
+	// refuses on a reconnect is dropped, not an end of the consumer.
+	added map[string]bool
 
 	// qosChanged asks the consume goroutine to restart per-consumer
 	// prefetch consumers (quorum queues) under the new limit.
@@ -116,32 +120,59 @@ func (c *Consumer) Queues() []QueueSpec {
 }
 
 // ensureQueues makes sure every queue exists, on side channels of conn
-// (a refused declare closes its channel), and returns them as found.
+// (a refused declare closes its channel), and returns them as found. A
+// queue added at run time that the broker refuses is dropped from the
+// configuration, with an error log.
 func (c *Consumer) ensureQueues(conn *amqp091.Connection) ([]QueueSpec, error) {
 	c.mu.Lock()
 	prev := c.found
 	queues := slices.Clone(c.cc.Queues)
+	added := maps.Clone(c.added)
 	c.mu.Unlock()
 	sc := &scratch{conn: conn}
 	defer sc.close()
-	states := make([]queueState, len(queues))
-	specs := make([]QueueSpec, len(queues))
+	states := make([]queueState, 0, len(queues))
+	specs := make([]QueueSpec, 0, len(queues))
+	kept := make([]QueueSpec, 0, len(queues))
+	var dropped []string
 	for i, q := range queues {
 		var last *QueueSpec
 		if i < len(prev) && prev[i].learned {
 			last = &prev[i].spec
 		}
 		st, err := ensure(sc, q, last)
+		if err != nil && added[q.Name] && refusedAdded(err) {
+			c.log.Error("queue added at run time refused by the broker on reconnect: no longer consumed",
+				zap.String("queue", q.Name), zap.Error(err))
+			dropped = append(dropped, q.Name)
+			if conn.IsClosed() {
+				c.dropQueues(dropped)
+				return nil, fmt.Errorf("declare %s: %w", q.Name, err)
+			}
+			continue
+		}
 		if err != nil {
 			return nil, err
 		}
-		states[i], specs[i] = st, st.spec
+		states, specs, kept = append(states, st), append(specs, st.spec), append(kept, q)
 	}
 	c.mu.Lock()
+	for _, name := range dropped {
+		c.removeQueueLocked(name)
+	}
 	c.found = states
 	c.mu.Unlock()
-	c.noteQueues(states, queues)
+	c.noteQueues(states, kept)
 	return specs, nil
+}
+
+// dropQueues drops the queues named from the configuration.
+func (c *Consumer) dropQueues(names []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, name := range names {
+		c.removeQueueLocked(name)
+	}
 }
 
 // noteQueues logs how each queue was found, when it changed since the last

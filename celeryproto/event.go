@@ -247,8 +247,14 @@ func appendEventJSON(b []byte, v any) ([]byte, error) {
 }
 
 func appendEventFloat(b []byte, f float64) ([]byte, error) {
-	if math.IsNaN(f) || math.IsInf(f, 0) {
-		return nil, fmt.Errorf("unsupported float %v", f)
+	// As Python's json.dumps (kombu's) writes them, and json.loads reads.
+	switch {
+	case math.IsNaN(f):
+		return append(b, "NaN"...), nil
+	case math.IsInf(f, 1):
+		return append(b, "Infinity"...), nil
+	case math.IsInf(f, -1):
+		return append(b, "-Infinity"...), nil
 	}
 	if f == math.Trunc(f) && math.Abs(f) < 1e15 {
 		// keep it a float for Python readers: 2 -> 2.0

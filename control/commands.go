@@ -58,9 +58,9 @@ func (c *Controller) tuning(req *celeryproto.ControlRequest) (result any, handle
 		}
 		n := intArg(args["n"], 1)
 		if req.Method == "pool_shrink" {
-			n = -n
+			n = -max(n, -math.MaxInt)
 		}
-		size := t.SetPoolSize(t.PoolSize() + n)
+		size := t.SetPoolSize(addSat(t.PoolSize(), n))
 		c.log.Info("task slots changed by remote", zap.String("command", req.Method), zap.Int("slots", size))
 		if n < 0 {
 			return ok("pool will shrink"), true
@@ -240,11 +240,31 @@ func seconds(v any) time.Duration {
 	return time.Duration(f * float64(time.Second))
 }
 
+// addSat is a+b, saturated at the ends of int (pool_grow by 2**63-1).
+func addSat(a, b int) int {
+	switch {
+	case b > 0 && a > math.MaxInt-b:
+		return math.MaxInt
+	case b < 0 && a < math.MinInt-b:
+		return math.MinInt
+	}
+	return a + b
+}
+
+// intArg reads an integer argument; a float beyond int saturates.
 func intArg(v any, def int) int {
 	switch x := v.(type) {
 	case int64:
 		return int(x)
 	case float64:
+		switch {
+		case math.IsNaN(x):
+			return def
+		case x >= math.MaxInt:
+			return math.MaxInt
+		case x <= math.MinInt:
+			return math.MinInt
+		}
 		return int(x)
 	case string:
 		if n, err := strconv.Atoi(x); err == nil {

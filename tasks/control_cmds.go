@@ -3,6 +3,8 @@ package tasks
 import (
 	"context"
 	"fmt"
+	"math"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -42,16 +44,43 @@ type timeLimits struct{ soft, hard time.Duration }
 type bucket struct {
 	interval time.Duration
 	next     time.Time // when the next task may start
+	// waiting are the jobs holding a start ahead (job.rateAt), in start
+	// order: a start given back (its delivery lost with its channel, or
+	// republished after Config.MaxHold) moves the later ones up.
+	waiting []*job
 }
 
-// reserve takes the next start time and returns how long to wait for it.
-func (b *bucket) reserve(now time.Time) time.Duration {
+// maxRateInterval bounds the interval of a rate limit: a rate so low that
+// one start in this long is as good as none ("1e-12/s") waits this long,
+// instead of overflowing a time.Duration.
+const maxRateInterval = 100 * 365 * 24 * time.Hour
+
+// rateInterval is the interval between starts at r per second.
+func rateInterval(r float64) time.Duration {
+	f := float64(time.Second) / r
+	if math.IsNaN(f) || f >= float64(maxRateInterval) {
+		return maxRateInterval
+	}
+	return max(time.Duration(f), 1)
+}
+
+// reserve takes the next start time for j and returns how long to wait
+// for it; a job that waits is in waiting until it starts or gives its start
+// back.
+func (b *bucket) reserve(j *job, now time.Time) time.Duration {
 	start := now
 	if b.next.After(now) {
 		start = b.next
 	}
 	b.next = start.Add(b.interval)
-	return start.Sub(now)
+	// Starts of jobs long gone otherwise (revoked while waiting) are let go.
+	b.waiting = slices.DeleteFunc(b.waiting, func(o *job) bool { return o.rateAt.Before(now.Add(-time.Minute)) })
+	wait := start.Sub(now)
+	if wait > 0 {
+		j.rateBucket, j.rateAt = b, start
+		b.waiting = append(b.waiting, j)
+	}
+	return wait
 }
 
 // rate returns the rate limit in force for h, per second (0: none).
@@ -62,17 +91,18 @@ func (t *taskTuning) rate(h *handler) float64 {
 	return h.rateLimit
 }
 
-// rateDelay reserves a start for a task of h and returns how long it must
-// wait for it (0: it may start now).
-func (w *Worker) rateDelay(h *handler) time.Duration {
+// rateDelay reserves a start for j and returns how long it must wait for
+// it (0: it may start now).
+func (w *Worker) rateDelay(j *job) time.Duration {
 	t := &w.tuning
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	h := j.h
 	r := t.rate(h)
 	if r <= 0 {
 		return 0
 	}
-	interval := time.Duration(float64(time.Second) / r)
+	interval := rateInterval(r)
 	b := t.buckets[h.name]
 	if b == nil || b.interval != interval {
 		if t.buckets == nil {
@@ -81,23 +111,110 @@ func (w *Worker) rateDelay(h *handler) time.Duration {
 		b = &bucket{interval: interval}
 		t.buckets[h.name] = b
 	}
-	return b.reserve(time.Now())
+	return b.reserve(j, time.Now())
 }
 
 // rateLimited holds j until its task's rate limit lets it start (without
 // a task slot meanwhile) and reports whether it did; a delivery held once
-// is not held again.
-func (w *Worker) rateLimited(j *job) bool {
+// is not held again. A wait longer than Config.MaxHold is cut to MaxHold:
+// then the delivery gives its start back, is republished to its queue and
+// acknowledged (as a hold for an ETA is), and the copy waits in its turn.
+func (w *Worker) rateLimited(ctx context.Context, j *job) bool {
+	if j.rateRehold {
+		j.rateRehold = false
+		w.rateGiveBack(j)
+		w.republishHeld(ctx, j, "held delivery republished (max hold reached before its rate limit let it start)")
+		return true
+	}
 	if j.rated {
+		w.rateStarted(j)
 		return false
 	}
 	j.rated = true
-	d := w.rateDelay(j.h)
+	d := w.rateDelay(j)
 	if d <= 0 {
 		return false
 	}
+	if mh := w.cfg.MaxHold; mh > 0 && d > mh {
+		d, j.rateRehold = mh, true
+	}
 	w.later(j, d)
 	return true
+}
+
+// rateStarted takes j, whose start has come, off its bucket's waiting.
+func (w *Worker) rateStarted(j *job) {
+	t := &w.tuning
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if b := j.rateBucket; b != nil {
+		b.waiting = slices.DeleteFunc(b.waiting, func(o *job) bool { return o == j })
+		j.rateBucket = nil
+	}
+}
+
+// rateGiveBack gives back the start j waits for (its delivery is gone, or
+// republished): the jobs waiting after it move up by one interval, their
+// timers with them, as Celery clears the pending starts on a connection
+// loss.
+func (w *Worker) rateGiveBack(j *job) {
+	t := &w.tuning
+	t.mu.Lock()
+	b := j.rateBucket
+	if b == nil {
+		t.mu.Unlock()
+		return
+	}
+	j.rateBucket = nil
+	var moved []*job
+	var at []time.Time
+	if i := slices.Index(b.waiting, j); i >= 0 {
+		b.waiting = slices.Delete(b.waiting, i, i+1)
+		for _, o := range b.waiting[i:] {
+			o.rateAt = o.rateAt.Add(-b.interval)
+			moved, at = append(moved, o), append(at, o.rateAt)
+		}
+		b.next = b.next.Add(-b.interval)
+	}
+	t.mu.Unlock()
+	if len(moved) == 0 {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for k, o := range moved {
+		// A timer that fired already runs its job at the old start.
+		if tm, ok := w.timers[o]; ok && tm.Stop() {
+			tm.Reset(max(0, time.Until(at[k])))
+		}
+	}
+}
+
+// dropStaleRated forgets the deliveries waiting for their task's rate limit
+// whose channel is gone (the broker redelivers them) and gives their starts
+// back, so that the redelivered copies do not wait behind them.
+func (w *Worker) dropStaleRated() {
+	var gone []*job
+	w.mu.Lock()
+	for j, tm := range w.timers {
+		if j.rateBucket == nil || !j.d.Stale() {
+			continue
+		}
+		tm.Stop()
+		delete(w.timers, j)
+		delete(w.reserved, j)
+		w.release(j)
+		gone = append(gone, j)
+	}
+	w.mu.Unlock()
+	if len(gone) == 0 {
+		return
+	}
+	w.settled.Store(time.Now().UnixNano())
+	for _, j := range gone {
+		w.rateGiveBack(j)
+	}
+	w.log.Info("deliveries waiting for a rate limit lost with their channel; the broker redelivers them", zap.Int("count", len(gone)))
 }
 
 // SetRateLimit sets task's rate limit, in Celery's syntax ("10/s", "10/m",
@@ -380,10 +497,12 @@ func (g *slotGate) release() {
 	}
 }
 
-// redactBackend is a result backend URL without its password.
+// redactBackend is a result backend URL without its password, in the
+// user information or in a query parameter (?password=, which pgx and
+// the Redis client read).
 func redactBackend(u string) string {
-	if !strings.Contains(u, "@") {
+	if !strings.Contains(u, "@") && !strings.Contains(strings.ToLower(u), "password") {
 		return u
 	}
-	return amqp.RedactURL(u)
+	return redactURL(u)
 }

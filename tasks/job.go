@@ -57,6 +57,13 @@ type job struct {
 	named, keyed bool
 	// rated: its task's rate limit let it start (or it waited for it).
 	rated bool
+	// rateBucket, rateAt: the bucket whose start at rateAt it waits for
+	// (nil once it started or gave the start back), guarded by
+	// taskTuning.mu; rateRehold: its wait was cut to Config.MaxHold, and it
+	// is republished when that is over.
+	rateBucket *bucket
+	rateAt     time.Time
+	rateRehold bool
 	// limits: the task's time limits as they stood when it was let run
 	// (its registration's, or those set at run time by time_limit).
 	limits timeLimits

@@ -46,6 +46,7 @@ import (
 func (w *Worker) process(ctx context.Context, j *job) {
 	if j.d.Stale() {
 		// Its channel is gone: the broker has it back and redelivers it.
+		w.rateGiveBack(j)
 		w.forget(j)
 		return
 	}
@@ -62,7 +63,7 @@ func (w *Worker) process(ctx context.Context, j *job) {
 	if !w.due(ctx, j) {
 		return
 	}
-	if w.rateLimited(j) {
+	if w.rateLimited(ctx, j) {
 		return
 	}
 	j.limits = w.limitsOf(j.h)

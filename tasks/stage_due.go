@@ -80,6 +80,13 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 // and is held in its place. A crash in between leaves two copies with the
 // same task id: the record answers the second.
 func (w *Worker) rehold(ctx context.Context, j *job) {
+	w.republishHeld(ctx, j, "held delivery republished (max hold reached before its ETA)")
+}
+
+// republishHeld publishes a copy of j's message to the queue it came from
+// (default exchange, confirmed), then acknowledges the delivery; msg is the
+// debug log line.
+func (w *Worker) republishHeld(ctx context.Context, j *job, msg string) {
 	d := j.d
 	p := &celeryproto.Publishing{
 		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: withoutBrokerHeaders(d.Headers),
@@ -93,7 +100,7 @@ func (w *Worker) rehold(ctx context.Context, j *job) {
 		w.recordTrouble(ctx, j, "republish held delivery", err)
 		return
 	}
-	if ce := w.log.Check(zap.DebugLevel, "held delivery republished (max hold reached before its ETA)"); ce != nil {
+	if ce := w.log.Check(zap.DebugLevel, msg); ce != nil {
 		ce.Write(w.fields(j, zap.Time("eta", j.msg.ETA))...)
 	}
 	w.ack(j)

@@ -354,6 +354,7 @@ func (w *Worker) watchReconnects(ctx context.Context) {
 		w.checkStall(&full)
 		if tick%4 == 0 {
 			w.dropStaleHeld()
+			w.dropStaleRated()
 			w.mu.Lock()
 			w.sweepCharges()
 			w.mu.Unlock()
