@@ -25,7 +25,9 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 		w.quarantineUndecodable(ctx, j, err)
 		return false
 	}
+	w.mu.Lock() // Reserved reads it
 	j.msg = msg
+	w.mu.Unlock()
 	if d.DeliveryCount > w.cfg.MaxAttempts {
 		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
 		return false
