@@ -237,3 +237,83 @@ func TestTasksWorkerDemoAddAsPython(t *testing.T) {
 		}
 	}
 }
+
+// TestTasksWorkerSeesTasksOnArrival: with both task slots of a worker busy,
+// five more tasks get task-received within 100 ms of being published (a
+// Python event receiver), inspect reserved and query_task list them with
+// their name and arguments, and a countdown task is in scheduled (with its
+// eta), not in reserved.
+func TestTasksWorkerSeesTasksOnArrival(t *testing.T) {
+	n, start := prepareTasksNodeWith(t, true, 2)
+	start()
+	res := n.Script(t, "ops.py", "arrival")
+	if res["active_before"] != float64(2) {
+		t.Fatalf("slots not filled: %v", res)
+	}
+	sent, _ := res["sent"].(map[string]any)
+	received, _ := res["received"].(map[string]any)
+	if len(sent) != 5 {
+		t.Fatalf("sent %v", sent)
+	}
+	want := map[string][]any{}
+	for id, at := range sent {
+		ev, _ := received[id].([]any)
+		if len(ev) != 3 {
+			t.Errorf("%s: no task-received (received %v)", id, received)
+			continue
+		}
+		if lag := ev[0].(float64) - at.(float64); lag > 0.1 {
+			t.Errorf("%s: task-received %.0f ms after publishing, want ≤ 100 ms", id, lag*1000)
+		}
+		if ev[1] != "demo.add" {
+			t.Errorf("%s: task-received %v", id, ev)
+		}
+	}
+	reserved, _ := res["reserved"].([]any)
+	for _, r := range reserved {
+		req, _ := r.(map[string]any)
+		id, _ := req["id"].(string)
+		if id == res["later"] {
+			t.Errorf("the countdown task is in reserved: %v", req)
+		}
+		if _, ok := sent[id]; !ok {
+			continue
+		}
+		args, _ := req["args"].([]any)
+		di, _ := req["delivery_info"].(map[string]any)
+		if req["name"] != "demo.add" || req["type"] != "demo.add" || len(args) != 2 || args[1].(float64) != args[0].(float64)+1000 ||
+			req["kwargs"] == nil || di["routing_key"] == nil {
+			t.Errorf("reserved request %v", req)
+		}
+		want[id] = args
+	}
+	if len(want) != 5 {
+		t.Errorf("reserved lists %d of the 5 waiting tasks: %v", len(want), reserved)
+	}
+	query, _ := res["query"].(map[string]any)
+	for id := range sent {
+		q, _ := query[id].([]any)
+		if len(q) != 2 || q[0] != "reserved" {
+			t.Errorf("query_task %s: %v", id, query[id])
+			continue
+		}
+		if req, _ := q[1].(map[string]any); req["name"] != "demo.add" || asJSON(req["args"]) != asJSON(want[id]) {
+			t.Errorf("query_task %s: %v", id, q)
+		}
+	}
+	scheduled, _ := res["scheduled"].([]any)
+	found := false
+	for _, s := range scheduled {
+		e, _ := s.(map[string]any)
+		req, _ := e["request"].(map[string]any)
+		if req["id"] == res["later"] {
+			found = e["eta"] != nil && req["name"] == "demo.add" && asJSON(req["args"]) == "[7,8]"
+		}
+	}
+	if !found {
+		t.Errorf("countdown task %v not in scheduled with its eta and request: %v", res["later"], scheduled)
+	}
+	if asJSON(res["values"]) != "[1000,1002,1004,1006,1008]" {
+		t.Errorf("values %v", res["values"])
+	}
+}

@@ -30,6 +30,12 @@ func startTasksNode(t *testing.T, taskEvents bool) *control.PyNode {
 // waits until it consumes and its remote control is connected.
 func prepareTasksNode(t *testing.T, taskEvents bool) (*control.PyNode, func()) {
 	t.Helper()
+	return prepareTasksNodeWith(t, taskEvents, 4)
+}
+
+// prepareTasksNodeWith is prepareTasksNode with concurrency task slots.
+func prepareTasksNodeWith(t *testing.T, taskEvents bool, concurrency int) (*control.PyNode, func()) {
+	t.Helper()
 	url := testenv.AMQPURL(t)
 	pool := testenv.Pool(t)
 	schema := testenv.Schema(t, pool)
@@ -59,7 +65,7 @@ func prepareTasksNode(t *testing.T, taskEvents bool) (*control.PyNode, func()) {
 	n := control.NewPyNode(t, name, queue, url, "ONCELER_SLEEP_KWARGS=1")
 	w, err := tasks.NewWorker(reg, tasks.Config{
 		Broker: amqp.Config{URL: url, Name: "onceler worker " + name}, Queues: []amqp.QueueSpec{amqp.CeleryQueue(queue)},
-		Store: store, Pool: pool, Concurrency: 4, Lease: 10 * time.Second, Grace: 5 * time.Second, Hostname: name,
+		Store: store, Pool: pool, Concurrency: concurrency, Lease: 10 * time.Second, Grace: 5 * time.Second, Hostname: name,
 		TaskEvents: taskEvents, Logger: zaptest.NewLogger(t),
 	})
 	if err != nil {

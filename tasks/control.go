@@ -29,7 +29,15 @@ func (w *Worker) info(j *job, started time.Time) control.TaskInfo {
 		ti.ID, ti.Name, ti.ArgsRepr, ti.KwargsRepr, ti.ETA = j.msg.ID, j.msg.Task, j.msg.ArgsRepr, j.msg.KwargsRepr, j.msg.ETA
 		ti.Args, ti.Kwargs = j.msg.Args, j.msg.Kwargs
 	} else {
-		ti.ID = j.d.CorrelationID
+		// Not decoded yet (waiting for room in the memory budget): what
+		// the protocol 2 headers say.
+		ti.ID, _ = j.d.Headers["id"].(string)
+		if ti.ID == "" {
+			ti.ID = j.d.CorrelationID
+		}
+		ti.Name, _ = j.d.Headers["task"].(string)
+		ti.ArgsRepr, _ = j.d.Headers["argsrepr"].(string)
+		ti.KwargsRepr, _ = j.d.Headers["kwargsrepr"].(string)
 	}
 	return ti
 }
@@ -45,14 +53,19 @@ func (w *Worker) Active() []control.TaskInfo {
 	return out
 }
 
-// Reserved returns the deliveries received and waiting to run (not those
-// scheduled for an ETA).
+// Reserved returns the deliveries received and waiting to run, decoded on
+// arrival (stage_arrive.go): not those running, nor those held for an ETA
+// still ahead.
 func (w *Worker) Reserved() []control.TaskInfo {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	now := time.Now()
 	out := make([]control.TaskInfo, 0, len(w.reserved))
 	for j := range w.reserved {
-		if _, held := w.timers[j]; held && j.msg != nil && !j.msg.ETA.IsZero() {
+		if w.active[j] != nil {
+			continue
+		}
+		if _, held := w.held[j]; held || (j.msg != nil && now.Before(j.msg.ETA)) {
 			continue
 		}
 		out = append(out, w.info(j, time.Time{}))

@@ -348,8 +348,10 @@
 // Celery, on the first event, task-received).
 // task-succeeded carries runtime (seconds) and result (the Python repr of
 // the result, at most 1024 bytes); task-failed and task-retried carry
-// exception (its Python repr) and traceback (a short one in Python's shape
-// naming the Go task: there is no Python traceback). When the Observer has a
+// exception (its Python repr) and traceback (in Python's text shape: for a
+// failure of the task function, its Go frames and error chain, see
+// WithStack). task-received goes when a delivery is taken from the broker,
+// before a task slot is free. When the Observer has a
 // TaskEvents() bool method (control.Controller has), the worker asks it
 // first and builds no event when it says no. The remote control gets them
 // too while its task events are on.

@@ -84,6 +84,7 @@ var (
 type PanicError struct {
 	Value any
 	Stack []byte
+	pcs   []uintptr // the panicking goroutine's stack, from the frame that panicked
 }
 
 // Error implements error.

@@ -11,8 +11,9 @@ func succeededEvent(res []byte, runtime float64, duplicate bool) *celeryproto.Ta
 }
 
 // failedEvent is task-failed (or task-retried): exception, the Python repr of
-// the exception, and traceback. A Go task has no Python traceback: a short
-// one in Python's shape names the task and the exception.
+// the exception, and traceback: here a short one in Python's shape naming
+// the task and the exception; a failure of the task function gets its Go
+// frames instead (taskTraceback, traceback.go).
 func failedEvent(typ, task string, exc *celeryproto.Exception) *celeryproto.TaskEvent {
 	return &celeryproto.TaskEvent{Type: typ,
 		Exception: exc.Type + "(" + celeryproto.StringRepr(exc.Message) + ")",

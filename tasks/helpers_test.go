@@ -179,6 +179,7 @@ type pyResult struct {
 	ExcType   string          `json:"exc_type"`
 	ExcModule string          `json:"exc_module"`
 	Message   string          `json:"message"`
+	Traceback string          `json:"traceback"`
 }
 
 type pyCall struct {

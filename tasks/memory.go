@@ -135,12 +135,12 @@ func (w *Worker) admit(j *job) {
 	j.need = w.dec.dec.Estimate(&j.d.Delivery) + deliveryOverhead
 	if j.need > w.cfg.MemoryBudget {
 		w.charge(j, int64(len(j.d.Body))+deliveryOverhead)
-		w.enqueue(j)
+		w.admitted(j)
 		return
 	}
 	if len(w.waiting) == 0 && w.fits(j.need) {
 		w.charge(j, j.need)
-		w.enqueue(j)
+		w.admitted(j)
 		return
 	}
 	w.waiting = append(w.waiting, j)
@@ -253,7 +253,7 @@ func (w *Worker) admitWaiting() {
 			continue
 		}
 		w.charge(j, j.need)
-		w.enqueue(j)
+		w.admitted(j)
 	}
 }
 

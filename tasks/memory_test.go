@@ -312,10 +312,11 @@ func TestQuorumWindowCapBoundsIntake(t *testing.T) {
 	r := e.start(blockRegistry(t, release, started), cfg)
 	defer close(release)
 	w := r.w
-	const n = 60
+	// Bodies of 4 MiB: decoded on arrival, eight of them fill the budget.
+	const n = 30
 	for i := range n {
 		p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: taskID(i),
-			Kwargs: map[string]any{"pad": strings.Repeat("p", 1<<20)}}, celeryproto.EncodeOptions{})
+			Kwargs: map[string]any{"pad": strings.Repeat("p", 4<<20)}}, celeryproto.EncodeOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -339,7 +340,7 @@ func TestQuorumWindowCapBoundsIntake(t *testing.T) {
 		t.Fatal("no delivery waited for memory: the test did not reach the cap")
 	}
 	if most > cfg.Prefetch {
-		t.Errorf("the worker held up to %d deliveries of about 1 MiB while short of memory, more than its prefetch window of %d",
+		t.Errorf("the worker held up to %d deliveries of about 4 MiB while short of memory, more than its prefetch window of %d",
 			most, cfg.Prefetch)
 	}
 }

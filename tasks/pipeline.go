@@ -1,8 +1,11 @@
 package tasks
 
-// The pipeline: the path of one delivery, from the task goroutine that takes
-// it (Worker.loop, worker.go) to its ack. Its stages, in order, each in a
-// file of its own; each receives the job from the one before and hands it on:
+// The pipeline: the path of one delivery, from the arrival goroutine that
+// takes it (stage_arrive.go) and the task goroutine that runs it
+// (Worker.loop, worker.go) to its ack. Its stages, in order, each in a file
+// of its own; each receives the job from the one before and hands it on.
+// Stages 1 to 3 run on arrival, before a task slot is free; a job coming
+// back (deferred, or due after its ETA) runs process again from stage 3:
 //
 //  1. decode (stage_decode.go): the Celery message out of the delivery,
 //     charged against the memory budget; the broker's delivery count.

@@ -73,10 +73,14 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	if errors.Is(taskErr, ErrTimeLimit) {
 		exc = &celeryproto.Exception{Type: "TimeLimitExceeded", Module: "billiard.exceptions", Message: strconv.FormatFloat(j.hardLimit().Seconds(), 'g', -1, 64)}
 	}
+	tb := j.taskTraceback(exc, taskErr)
 	if w.wantEvents() {
-		w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
+		ev := failedEvent("task-failed", j.h.name, exc)
+		ev.Traceback = tb
+		w.event(ctx, j, ev)
 	}
-	if !w.replyFailure(ctx, j, exc, taskErr) || !w.failWorkflow(ctx, j, exc, taskErr.Error()) {
+	r := &celeryproto.Result{TaskID: msg.ID, Status: celeryproto.StateFailure, Exception: exc, Traceback: tb}
+	if !w.publishResult(ctx, j, r) || !w.failWorkflow(ctx, j, exc, tb) {
 		return
 	}
 	w.crash(workerhooks.BeforeAck, j)

@@ -1,6 +1,6 @@
 package tasks
 
-// Stage 1, decode. Receives a job from the task goroutines' queue, its
+// Stage 1, decode. Receives a job from the arrival goroutines' queue, its
 // delivery charged what decoding it may take (memory.go). Hands on the job
 // with its Celery message (j.msg), charged what the message really costs. A
 // delivery that cannot be decoded, or that came more often than
@@ -25,7 +25,9 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 		w.quarantineUndecodable(ctx, j, err)
 		return false
 	}
+	w.mu.Lock() // Reserved reads it
 	j.msg = msg
+	w.mu.Unlock()
 	if d.DeliveryCount > w.cfg.MaxAttempts {
 		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
 		return false

@@ -290,7 +290,7 @@ func (w *Worker) runLimited(tctx context.Context, j *job, c *Call, fn func(conte
 func protect(ctx context.Context, c *Call, fn func(context.Context, *Call) (any, error)) (v any, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			v, err = nil, &PanicError{Value: r, Stack: debug.Stack()}
+			v, err = nil, &PanicError{Value: r, Stack: debug.Stack(), pcs: panicPCs()}
 		}
 	}()
 	return fn(ctx, c)

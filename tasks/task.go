@@ -213,6 +213,10 @@ type handler struct {
 	run    func(ctx context.Context, c *Call, a any) (any, error)
 	runTx  func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error)
 	lookup func(ctx context.Context, c *Call, a any) (any, bool, error)
+	// fnPC is the entry of the task function (Run or RunTx): its frame in
+	// a traceback (traceback.go) when nothing better is known; callPC the
+	// worker's call of it (run or runTx), the traceback's first frame.
+	fnPC, callPC uintptr
 }
 
 // Registry holds the tasks a worker serves, by Celery name. It is safe for
@@ -333,10 +337,14 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 		h.key = func(a any) (string, error) { return t.Key(a.(A)) }
 	}
 	if t.Run != nil {
+		h.fnPC = reflect.ValueOf(t.Run).Pointer()
 		h.run = func(ctx context.Context, c *Call, a any) (any, error) { return t.Run(ctx, c, a.(A)) }
+		h.callPC = reflect.ValueOf(h.run).Pointer()
 	}
 	if t.RunTx != nil {
+		h.fnPC = reflect.ValueOf(t.RunTx).Pointer()
 		h.runTx = func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error) { return t.RunTx(ctx, tx, c, a.(A)) }
+		h.callPC = reflect.ValueOf(h.runTx).Pointer()
 	}
 	if t.Lookup != nil {
 		h.lookup = func(ctx context.Context, c *Call, a any) (any, bool, error) { return t.Lookup(ctx, c, a.(A)) }

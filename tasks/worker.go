@@ -50,8 +50,9 @@ type Worker struct {
 	// taskObs is obs when it takes task events as values.
 	taskObs TaskEventObserver
 
-	jobs chan *job     // deliveries waiting for a task goroutine
-	quit chan struct{} // closed when shutdown begins: take no new jobs
+	jobs     chan *job     // deliveries waiting for a task goroutine
+	arrivals chan *job     // fresh deliveries waiting for an arrival goroutine (stage_arrive.go)
+	quit     chan struct{} // closed when shutdown begins: take no new jobs
 
 	// slots bounds the tasks running at once; tuning holds the rate and
 	// time limits set at run time (control_cmds.go).
@@ -226,11 +227,23 @@ func (w *Worker) Run(ctx context.Context) error {
 	// Stopped when Run returns: worker-offline goes once the tasks are done.
 	defer w.runControl(ctx)()
 
+	w.mu.Lock() // admit reads w.arrivals under w.mu
 	w.jobs = make(chan *job, 1<<16)
+	w.arrivals = make(chan *job, 1<<16)
+	w.mu.Unlock()
 	w.quit = make(chan struct{})
 	workCtx, workCancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	defer workCancel(nil)
 	w.workCause = workCancel
+
+	var arrivals sync.WaitGroup
+	for range w.arrivers() {
+		arrivals.Add(1)
+		go func() {
+			defer arrivals.Done()
+			w.arriveLoop(workCtx)
+		}()
+	}
 
 	var pool sync.WaitGroup
 	w.slots.start(w.cfg.Concurrency, func() {
@@ -292,7 +305,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.mu.Unlock()
 	w.log.Info("worker stopping: waiting for running tasks", zap.Duration("grace", w.cfg.Grace))
 	poolDone := make(chan struct{})
-	go func() { pool.Wait(); close(poolDone) }()
+	go func() { pool.Wait(); arrivals.Wait(); close(poolDone) }()
 	grace := time.NewTimer(w.cfg.Grace)
 	select {
 	case <-poolDone:
@@ -305,6 +318,11 @@ func (w *Worker) Run(ctx context.Context) error {
 	for {
 		select {
 		case j := <-w.jobs:
+			w.mu.Lock()
+			w.requeue(j)
+			w.mu.Unlock()
+			continue
+		case j := <-w.arrivals:
 			w.mu.Lock()
 			w.requeue(j)
 			w.mu.Unlock()

@@ -11,10 +11,16 @@ demo tasks, as an operator would with app.control, printing one JSON line.
     ops.py NODE fields             active (safe or not), reserved, stats'
                                    broker, conf with and without defaults
     ops.py NODE add                demo.add as Python adds
+    ops.py NODE arrival            every slot busy, then 5 demo.add and a
+                                   countdown one: task-received times (an
+                                   event receiver), reserved, scheduled,
+                                   query_task
 """
 import json
 import os
+import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -68,6 +74,58 @@ def pool_run(node, n, seconds):
 def slots(node):
     stats = (app.control.inspect([node], timeout=5).stats() or {}).get(node) or {}
     return stats.get('pool', {}).get('max-concurrency')
+
+
+def listen(node, received, ready, stop):
+    """Records this node's task-received events: {uuid: [time, name, args]}."""
+    def on(event):
+        if event.get('hostname') == node:
+            received[event['uuid']] = [time.time(), event.get('name'), event.get('args')]
+    with app.connection_for_read() as conn:
+        recv = app.events.Receiver(conn, handlers={'task-received': on})
+        recv.queue.bind(conn.default_channel).declare()
+        ready.set()
+        while not stop.is_set():
+            try:
+                for _ in recv.itercapture(limit=None, timeout=0.5, wakeup=False):
+                    if stop.is_set():
+                        break
+            except socket.timeout:
+                pass
+
+
+def arrival(node, out):
+    received, ready, stop = {}, threading.Event(), threading.Event()
+    th = threading.Thread(target=listen, args=(node, received, ready, stop), daemon=True)
+    th.start()
+    ready.wait(10)
+    i = app.control.inspect([node], timeout=1)
+    busy = sleeps(2, 3)
+    deadline = time.time() + 20
+    while time.time() < deadline and len((i.active() or {}).get(node) or []) < 2:
+        time.sleep(0.05)
+    out['active_before'] = len((i.active() or {}).get(node) or [])
+    sent, res = {}, []
+    for k in range(5):
+        t = time.time()
+        r = add.apply_async((k, 1000 + k))
+        sent[r.id] = t
+        res.append(r)
+    later = add.apply_async((7, 8), countdown=60)
+    time.sleep(0.5)
+    out['reserved'] = (i.reserved() or {}).get(node)
+    out['scheduled'] = (i.scheduled() or {}).get(node)
+    out['query'] = (i.query_task(*[r.id for r in res]) or {}).get(node)
+    out['values'] = [r.get(timeout=30) for r in res]
+    out['busy_states'] = [r.state for r in busy]
+    for r in busy:
+        r.get(timeout=30)
+    stop.set()
+    th.join(5)
+    out['sent'] = sent
+    out['received'] = received
+    out['later'] = later.id
+    app.control.revoke(later.id)
 
 
 def main():
@@ -145,6 +203,8 @@ def main():
         out['memsample2'] = (i.memsample() or {}).get(node)
         out['memdump'] = (i.memdump() or {}).get(node)
         out['objgraph'] = (i.objgraph() or {}).get(node)
+    elif mode == 'arrival':
+        arrival(node, out)
     elif mode == 'add':
         for name, (x, y) in {'big': (10**17, 1), 'float': (1, 2.0), 'int': (2, 3), 'half': (0.5, 1)}.items():
             v = add.delay(x, y).get(timeout=20)

@@ -72,7 +72,8 @@ def main():
             except Exception as e:  # report the class the client built
                 out.append({"id": r.id, "exc_type": type(e).__name__,
                             "exc_module": type(e).__module__,
-                            "message": str(e.args[0]) if e.args else str(e)})
+                            "message": str(e.args[0]) if e.args else str(e),
+                            "traceback": r.traceback})
 
     def options(c):
         opts = {"queue": spec["queue"]}
