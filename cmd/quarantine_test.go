@@ -33,7 +33,7 @@ func TestQuarantineListRequeueDrop(t *testing.T) {
 	}
 
 	w := startWorker(t, s.env)
-	sender := s.sendTasks(t, 60*time.Second, call{"demo.nope", []any{1}}, call{"demo.add", []any{"x", 1}})
+	sender := s.sendTasks(t, 60*time.Second, call{"demo.nope", []any{1}}, call{"demo.add", []any{1}}) // y missing: bad arguments
 	ids, replies := sender.replies(90 * time.Second)
 	if len(replies) != 2 || replies[0].Error != "NotRegistered" || replies[1].Error == "" {
 		t.Fatalf("replies %+v, want NotRegistered and a failure", replies)
