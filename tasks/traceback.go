@@ -130,7 +130,14 @@ func funcFrame(pc uintptr) []traceFrame {
 }
 
 // stackOf returns the program counters an error in err's chain carries.
-func stackOf(err error) []uintptr {
+// A method of the user's error that panics (a nil receiver, say) costs the
+// traceback its frames, never the worker.
+func stackOf(err error) (pcs []uintptr) {
+	defer func() {
+		if recover() != nil {
+			pcs = nil
+		}
+	}()
 	for e := err; e != nil; e = errors.Unwrap(e) {
 		if c, ok := e.(interface{ Callers() []uintptr }); ok {
 			return c.Callers()
@@ -140,6 +147,17 @@ func stackOf(err error) []uintptr {
 		}
 	}
 	return nil
+}
+
+// errorText is e.Error(), or ok false when that panics (a nil receiver
+// stored in an error value, say).
+func errorText(e error) (s string, ok bool) {
+	defer func() {
+		if recover() != nil {
+			s, ok = "", false
+		}
+	}()
+	return e.Error(), true
 }
 
 // reflectStackTrace reads a StackTrace method returning a slice of program
@@ -165,7 +183,8 @@ func reflectStackTrace(e error) []uintptr {
 // for a panic, the frames from the task function to the panic; for a
 // returned error, those its chain carries (WithStack), else the task
 // function's frame; then the errors the returned one wraps, innermost
-// first, each the direct cause of the next, as Python prints a chain.
+// first, each the direct cause of the next, as Python prints a chain (a
+// cause's message only where the returned error's own text shows it).
 func (j *job) taskTraceback(exc *celeryproto.Exception, err error) string {
 	var frames []traceFrame
 	var pe *PanicError
@@ -188,12 +207,21 @@ func (j *job) taskTraceback(exc *celeryproto.Exception, err error) string {
 			}
 			causes = append(causes, e)
 		}
+		// A cause's message is shown only where the returned error showed
+		// it: an error that keeps a cause for errors.Is but hides its text
+		// (a card number, a gateway's answer) keeps it hidden here too.
+		shown, _ := errorText(err)
+		shown += "\n" + exc.Message
 		for i := len(causes) - 1; i >= 0; i-- {
-			msg := causes[i].Error()
-			if pe, ok := causes[i].(*PythonError); ok {
-				msg = pe.Message
+			msg, ok := errorText(causes[i])
+			if pe, isPy := causes[i].(*PythonError); isPy {
+				msg, ok = pe.Message, true
 			}
-			b.WriteString(goErrorType(causes[i]) + ": " + clip.String(msg, maxLogField) + "\n")
+			line := goErrorType(causes[i])
+			if ok && msg != "" && strings.Contains(shown, msg) {
+				line += ": " + clip.String(msg, maxLogField)
+			}
+			b.WriteString(line + "\n")
 			b.WriteString("\nThe above exception was the direct cause of the following exception:\n\n")
 		}
 	}
