@@ -293,7 +293,15 @@ func protect(ctx context.Context, c *Call, fn func(context.Context, *Call) (any,
 			v, err = nil, &PanicError{Value: r, Stack: debug.Stack(), pcs: panicPCs()}
 		}
 	}()
-	return fn(ctx, c)
+	v, err = fn(ctx, c)
+	if err != nil {
+		if _, ok := errorText(err); !ok {
+			// An error whose Error method panics (a nil pointer in an
+			// error value) would panic wherever it is answered or logged.
+			err = fmt.Errorf("the task returned a %T whose Error method panicked", err)
+		}
+	}
+	return v, err
 }
 
 func (j *job) softLimit() time.Duration {

@@ -175,3 +175,18 @@ func tbEdgeWorkerChild(t *testing.T) {
 		t.Fatalf("result %v", rs)
 	}
 }
+
+// A task that returns an error whose Error method panics gets an error the
+// worker can answer and log, naming the type.
+func TestProtectReturnedErrorThatPanics(t *testing.T) {
+	_, err := protect(context.Background(), &Call{}, func(context.Context, *Call) (any, error) {
+		var gw *gatewayError
+		return nil, gw
+	})
+	if err == nil || !strings.Contains(err.Error(), "*tasks.gatewayError") {
+		t.Fatalf("protect: %v", err)
+	}
+	if exc := exceptionFor(err); exc.Type != "Exception" || !strings.Contains(exc.Message, "Error method panicked") {
+		t.Errorf("exception %+v", exc)
+	}
+}
