@@ -33,19 +33,7 @@ func TestAddQueueBadExchangeTypeKeepsConsuming(t *testing.T) {
 	if err == nil {
 		t.Error("AddQueue with exchange type bogus succeeded")
 	}
-	if err := held.Ack(); err != nil {
-		t.Errorf("the delivery held while add_consumer was refused can no longer be acknowledged: %v", err)
-	}
-	if n := c.reconnects.Load(); n != 0 {
-		t.Errorf("a refused add_consumer dropped the consuming connection (%d reconnects)", n)
-	}
-	// the held message must not come back
-	select {
-	case d := <-got:
-		t.Errorf("the message held while add_consumer was refused was redelivered: %q (redelivered=%v)", d.Body, d.Redelivered)
-		_ = d.Ack()
-	case <-time.After(2 * time.Second):
-	}
+	heldSurvives(t, c, held, got, "a refused add_consumer")
 }
 
 // TestAddQueueWhileReconnectingRefusedQueue: add_consumer of a queue the
@@ -134,18 +122,7 @@ func TestAddQueueQuorumUnderGlobalQos(t *testing.T) {
 
 	addErr := c.AddQueue(CeleryQueue(qq))
 	t.Logf("AddQueue(quorum queue) under global QoS = %v", addErr)
-	if err := held.Ack(); err != nil {
-		t.Errorf("the delivery held while add_consumer ran can no longer be acknowledged: %v", err)
-	}
-	if n := c.reconnects.Load(); n != 0 {
-		t.Errorf("add_consumer of a quorum queue dropped the consuming connection (%d reconnects)", n)
-	}
-	select {
-	case d := <-got:
-		t.Errorf("the message held while add_consumer ran was redelivered: %q (redelivered=%v)", d.Body, d.Redelivered)
-		_ = d.Ack()
-	case <-time.After(2 * time.Second):
-	}
+	heldSurvives(t, c, held, got, "add_consumer of a quorum queue")
 	if addErr == nil {
 		must(t, p.Publish(ctx, "", qq, textMessage("qq"), PublishOptions{Mandatory: true}), "publish qq")
 		if d := recv(t, got, 10*time.Second); d.Queue != qq {
@@ -153,5 +130,24 @@ func TestAddQueueQuorumUnderGlobalQos(t *testing.T) {
 		} else {
 			must(t, d.Ack(), "ack")
 		}
+	}
+}
+
+// heldSurvives checks that the delivery held while what ran is still
+// acknowledged on its channel: the consuming connection was not dropped,
+// and the message does not come back.
+func heldSurvives(t *testing.T, c *Consumer, held *Delivery, got <-chan *Delivery, what string) {
+	t.Helper()
+	if err := held.Ack(); err != nil {
+		t.Errorf("the delivery held while %s ran can no longer be acknowledged: %v", what, err)
+	}
+	if n := c.reconnects.Load(); n != 0 {
+		t.Errorf("%s dropped the consuming connection (%d reconnects)", what, n)
+	}
+	select {
+	case d := <-got:
+		t.Errorf("the message held while %s ran was redelivered: %q (redelivered=%v)", what, d.Body, d.Redelivered)
+		_ = d.Ack()
+	case <-time.After(2 * time.Second):
 	}
 }
