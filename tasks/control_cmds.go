@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -26,7 +27,10 @@ const maxSlots = 10000
 // taskTuning holds the limits set at run time, by task name, and the rate
 // limiters.
 type taskTuning struct {
-	mu sync.Mutex
+	// set: a rate or time limit has been set at run time. Until then a
+	// delivery whose task has no RateLimit reads neither map nor lock.
+	set atomic.Bool
+	mu  sync.Mutex
 	// rates: a rate limit set by rate_limit (0: none), overriding the
 	// task's RateLimit.
 	rates map[string]float64
@@ -95,9 +99,12 @@ func (t *taskTuning) rate(h *handler) float64 {
 // it (0: it may start now).
 func (w *Worker) rateDelay(j *job) time.Duration {
 	t := &w.tuning
+	h := j.h
+	if h.rateLimit <= 0 && !t.set.Load() {
+		return 0
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	h := j.h
 	r := t.rate(h)
 	if r <= 0 {
 		return 0
@@ -234,6 +241,7 @@ func (w *Worker) SetRateLimit(task, rate string) error {
 		t.rates = make(map[string]float64)
 	}
 	t.rates[task] = r
+	t.set.Store(true)
 	delete(t.buckets, task)
 	return nil
 }
@@ -251,12 +259,16 @@ func (w *Worker) SetTimeLimit(task string, soft, hard time.Duration) error {
 		t.limits = make(map[string]timeLimits)
 	}
 	t.limits[task] = timeLimits{soft: soft, hard: hard}
+	t.set.Store(true)
 	return nil
 }
 
 // limitsOf is h's time limits: as set by time_limit, else as registered.
 func (w *Worker) limitsOf(h *handler) timeLimits {
 	t := &w.tuning
+	if !t.set.Load() {
+		return timeLimits{soft: h.softTimeLimit, hard: h.timeLimit}
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if l, ok := t.limits[h.name]; ok {
