@@ -101,6 +101,7 @@ type txGroup struct {
 	est      atomic.Int64 // adaptive: recent functions' duration, ns (see observe)
 	last     atomic.Int64 // adaptive: the last function's duration, ns
 	measured atomic.Int64 // adaptive: when est was last renewed, unix ns
+	samples  atomic.Int64 // adaptive: how many durations est is the median of
 	estMu    sync.Mutex
 	recent   [estimateWindow]time.Duration // guarded by estMu
 	next     int                           // guarded by estMu
@@ -132,6 +133,7 @@ func (g *txGroup) observe(d time.Duration) {
 	slices.Sort(sorted[:n])
 	g.est.Store(int64(sorted[n/2]))
 	g.last.Store(int64(d))
+	g.samples.Store(int64(n))
 	g.measured.Store(time.Now().UnixNano())
 }
 
@@ -151,11 +153,13 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 }
 
 // slow reports whether recent functions were slow, the last one too: calls
-// run alone. An estimate not renewed for estimateStale is not trusted: the
+// run alone. One measurement is not enough (the first call on a connection
+// prepares its statements). An estimate not renewed for estimateStale is not trusted: the
 // calls go to groups again, which measure their functions (alone, they
 // would measure each other's lock waits too), and a fast one ends it.
 func (g *txGroup) slow() bool {
-	return time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow &&
+	return g.samples.Load() >= 2 &&
+		time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow &&
 		time.Since(time.Unix(0, g.measured.Load())) < estimateStale
 }
 
