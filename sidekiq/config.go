@@ -42,8 +42,9 @@ type Config struct {
 	// (default 2 s, Sidekiq's BasicFetch::TIMEOUT).
 	FetchTimeout time.Duration
 	// FetchPoll is, with several queues, how long Fetch blocks on the queue
-	// first in order before it looks at all of them again (default 500 ms):
-	// a job arriving on another queue waits at most this long.
+	// first in order before it looks at all of them again (default 1 s): a
+	// job arriving on another queue waits at most this long. Both timeouts
+	// are counted in whole seconds, at least one.
 	FetchPoll time.Duration
 	// Heartbeat is the interval of the heartbeat (default 5 s, Sidekiq's
 	// BEAT_PAUSE); HeartbeatTTL is how long the heartbeat keys live
@@ -89,7 +90,9 @@ func (cfg *Config) defaults() error {
 		}
 	}
 	setDur(&cfg.FetchTimeout, 2*time.Second)
-	setDur(&cfg.FetchPoll, 500*time.Millisecond)
+	setDur(&cfg.FetchPoll, time.Second)
+	cfg.FetchTimeout = max(cfg.FetchTimeout.Truncate(time.Second), time.Second)
+	cfg.FetchPoll = max(cfg.FetchPoll.Truncate(time.Second), time.Second)
 	setDur(&cfg.Heartbeat, 5*time.Second)
 	setDur(&cfg.HeartbeatTTL, 60*time.Second)
 	setDur(&cfg.RecoverInterval, 30*time.Second)
