@@ -86,7 +86,12 @@ when "stats"
    "processes_size" => s.processes_size, "workers_size" => s.workers_size}
 when "signal"
   # arg: {"identity": id, "signal": "TSTP" | "TERM"}
-  Sidekiq::Process.new("identity" => arg["identity"]).signal(arg["signal"])
+  process = Sidekiq::Process.new("identity" => arg["identity"])
+  case arg["signal"]
+  when "TSTP" then process.quiet!
+  when "TERM" then process.stop!
+  else abort "unknown signal #{arg["signal"]}"
+  end
   true
 when "queue"
   # arg: {"queue": q}: the queue's jobs, next to be fetched first
