@@ -114,7 +114,7 @@ func New(cfg Config) (*Client, error) {
 	c.queuesJS = mustJSON(c.uniq)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := c.beat(ctx, nil); err != nil {
+	if err := c.beat(ctx, false, nil); err != nil {
 		_ = c.rdb.Close()
 		return nil, fmt.Errorf("sidekiq: first heartbeat to %s: %w", RedactURL(cfg.URL), err)
 	}

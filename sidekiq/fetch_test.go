@@ -1,9 +1,15 @@
 package sidekiq
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"reflect"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -214,5 +220,78 @@ func TestRecoverDeadProcess(t *testing.T) {
 	}
 	if err := dying.Close(); err != nil {
 		t.Logf("second Close: %v", err)
+	}
+}
+
+func TestRecoverKilledProcess(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	jids := pushMany(e, "killed", 3, "W")
+	bin := filepath.Join(t.TempDir(), "fetcher")
+	if out, err := exec.Command("go", "build", "-o", bin, "./testdata/fetcher").CombinedOutput(); err != nil {
+		t.Fatalf("build fetcher: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin, e.url, "killed", "3")
+	cmd.Stderr = os.Stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	sc := bufio.NewScanner(stdout)
+	var identity string
+	var fetched []string
+	for len(fetched) < 3 && sc.Scan() {
+		k, v, _ := strings.Cut(sc.Text(), " ")
+		switch k {
+		case "identity":
+			identity = v
+		case "fetched":
+			fetched = append(fetched, v)
+		}
+	}
+	if !reflect.DeepEqual(fetched, jids) || identity == "" {
+		t.Fatalf("child fetched %v (identity %q), want %v", fetched, identity, jids)
+	}
+	if n := e.llen(WorkingKey(identity, "killed")); n != 3 || e.llen("queue:killed") != 0 {
+		t.Fatalf("child's working list holds %d", n)
+	}
+	var procs []map[string]any
+	eventually(t, 5*time.Second, "the child busy in Sidekiq::ProcessSet", func() bool {
+		e.ruby("processes", nil, &procs)
+		return len(procs) == 1 && procs[0]["identity"] == identity && procs[0]["busy"] == jsonNum(3)
+	})
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+
+	c := e.client(Config{Queues: []string{"killed"}, RecoverInterval: 200 * time.Millisecond})
+	e.run(c, nil)
+	eventually(t, 10*time.Second, "the killed process's jobs back in their queue", func() bool {
+		return e.llen("queue:killed") == 3
+	})
+	if n := e.llen(WorkingKey(identity, "killed")); n != 0 {
+		t.Fatalf("killed process's working list holds %d", n)
+	}
+	for _, want := range jids {
+		j := fetch(t, c, 5*time.Second)
+		if j.JID != want {
+			t.Fatalf("fetched %s, want %s", j.JID, want)
+		}
+		if err := c.Done(ctx, j); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Sidekiq's ProcessSet prunes the dead process once its hash is gone.
+	e.ruby("processes", nil, &procs)
+	for _, p := range procs {
+		if p["identity"] == identity {
+			t.Fatalf("killed process still listed: %v", p)
+		}
 	}
 }

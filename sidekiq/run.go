@@ -64,7 +64,7 @@ func (c *Client) Run(ctx context.Context, onSignal func(sig string)) error {
 	t := time.NewTicker(c.cfg.Heartbeat)
 	defer t.Stop()
 	for {
-		if err := c.beat(ctx, onSignal); err != nil && ctx.Err() == nil {
+		if err := c.beat(ctx, true, onSignal); err != nil && ctx.Err() == nil {
 			c.log.Error("sidekiq heartbeat failed", zap.Error(err))
 		}
 		select {
@@ -138,7 +138,8 @@ func (c *Client) flushStats(ctx context.Context) error {
 // beat is Sidekiq's heartbeat (launcher.rb ❤): the counters and the
 // workers hash in one transaction; then the process entry, its hash
 // (info, busy, beat, rtt_us, quiet, rss) and the next signal in another.
-func (c *Client) beat(ctx context.Context, onSignal func(string)) error {
+// New's first beat leaves signals for Run (signals false).
+func (c *Client) beat(ctx context.Context, signals bool, onSignal func(string)) error {
 	key := c.cfg.Identity
 	workersKey := key + ":workers"
 	ttl := c.cfg.HeartbeatTTL
@@ -175,11 +176,16 @@ func (c *Client) beat(ctx context.Context, onSignal func(string)) error {
 		p.HSet(ctx, key, "info", c.infoJSON, "busy", busy, "beat", fmtFloat(nowFloat()),
 			"rtt_us", rtt, "quiet", strconv.FormatBool(c.quiet.Load()), "rss", rssKB())
 		p.Expire(ctx, key, ttl)
-		sig = p.RPop(ctx, key+"-signals")
+		if signals {
+			sig = p.RPop(ctx, key+"-signals")
+		}
 		return nil
 	})
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("heartbeat: %w", err)
+	}
+	if sig == nil {
+		return nil
 	}
 	if s, err := sig.Result(); err == nil && s != "" {
 		c.signal(s, onSignal)
