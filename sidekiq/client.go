@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -89,6 +90,11 @@ func New(cfg Config) (*Client, error) {
 		return nil, fmt.Errorf("sidekiq: Redis URL %s: %w", RedactURL(cfg.URL), err)
 	}
 	opt.DisableIdentity = true
+	if opt.PoolSize == 0 {
+		// Fetch holds a connection while it blocks: room for one Fetch per
+		// job run at once, and the heartbeat, scheduler and settling.
+		opt.PoolSize = max(10*runtime.GOMAXPROCS(0), cfg.Concurrency+5)
+	}
 	opt.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 	c := &Client{
 		cfg:    cfg,

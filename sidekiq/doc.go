@@ -42,6 +42,12 @@
 // elsewhere. Delivery is at least once; exactly-once effects are the
 // caller's (an idempotency record keyed by Job.IdempotencyKey or JID).
 //
+// Only the expiry of the heartbeat hash counts as death: a process that
+// stopped cleanly leaves "processes" at once but may still be settling the
+// jobs it holds. A worker that stops without finishing its jobs calls
+// RequeueAll (Sidekiq's bulk_requeue), or they come back after
+// HeartbeatTTL.
+//
 // A Fetch whose context ends while a blocking BLMOVE is in flight returns
 // after that BLMOVE's timeout (FetchTimeout, 2 s); a job it took meanwhile
 // is put back at the head of its queue.

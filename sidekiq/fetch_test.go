@@ -295,3 +295,39 @@ func TestRecoverKilledProcess(t *testing.T) {
 		}
 	}
 }
+
+func TestRequeueAll(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	a := pushMany(e, "ra", 2, "W")
+	b := pushMany(e, "rb", 1, "W")
+	c := e.client(Config{Queues: []string{"ra", "rb"}})
+	var held []*Job
+	for range 3 {
+		held = append(held, fetch(t, c, 5*time.Second))
+	}
+	if n, err := c.RequeueAll(ctx); err != nil || n != 3 {
+		t.Fatalf("RequeueAll: %d %v", n, err)
+	}
+	if e.llen("queue:ra") != 2 || e.llen("queue:rb") != 1 {
+		t.Fatal("jobs not back in their queues")
+	}
+	if err := c.Done(ctx, held[0]); !errors.Is(err, ErrNotHeld) {
+		t.Fatalf("Done of a requeued job: %v", err)
+	}
+	var got []string
+	for range 3 {
+		j := fetch(t, c, 5*time.Second)
+		got = append(got, j.JID)
+		if err := c.Done(ctx, j); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if want := append(append([]string{}, a...), b...); !reflect.DeepEqual(got, want) {
+		t.Fatalf("fetched %v after RequeueAll, want %v", got, want)
+	}
+	if !e.rdb.HExists(ctx, "onceler:working", c.Identity()).Val() {
+		t.Fatal("RequeueAll unregistered the live process")
+	}
+}

@@ -316,16 +316,42 @@ func (c *Client) duePush(set, member string) (keys []string, args []any) {
 // recoverScript moves a dead process's working lists back to their
 // queues, oldest job fetched first, unless its heartbeat key came back.
 // KEYS: heartbeat key, registry, then working list and queue pairs;
-// ARGV[1] identity.
+// ARGV[1] identity, ARGV[2] "own" for this process's own lists (no
+// heartbeat check, stays registered).
 var recoverScript = redis.NewScript(`
-if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local own = ARGV[2] == 'own'
+if not own and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 local moved = 0
 for i = 3, #KEYS, 2 do
   while redis.call('LMOVE', KEYS[i], KEYS[i+1], 'LEFT', 'RIGHT') do moved = moved + 1 end
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
+if not own then redis.call('HDEL', KEYS[2], ARGV[1]) end
 return moved
 `)
+
+func recoverKeys(identity string, queues []string) []string {
+	keys := []string{identity, keyWorkingReg}
+	for _, q := range queues {
+		keys = append(keys, WorkingKey(identity, q), queueKey(q))
+	}
+	return keys
+}
+
+// RequeueAll moves every job of this process's working lists back to the
+// head of its queue (oldest fetched first), as Sidekiq's bulk_requeue does
+// at shutdown, and returns how many it moved: for a worker that stops
+// without finishing the jobs it holds. Settling one of them afterwards
+// returns ErrNotHeld.
+func (c *Client) RequeueAll(ctx context.Context) (int, error) {
+	n, err := recoverScript.Run(ctx, c.rdb, recoverKeys(c.cfg.Identity, c.uniq), c.cfg.Identity, "own").Int()
+	if err != nil {
+		return 0, fmt.Errorf("sidekiq: requeue the working lists: %w", err)
+	}
+	if n > 0 {
+		c.log.Info("sidekiq: unfinished jobs requeued", zap.Int("jobs", n))
+	}
+	return n, nil
+}
 
 func (c *Client) recoverLoop(ctx context.Context) {
 	t := time.NewTicker(c.cfg.RecoverInterval)
@@ -360,11 +386,7 @@ func (c *Client) RecoverDead(ctx context.Context) (int, error) {
 			c.log.Error("sidekiq: unreadable working list registration", zap.String("owner", identity), zap.Error(err))
 			continue
 		}
-		keys := []string{identity, keyWorkingReg}
-		for _, q := range queues {
-			keys = append(keys, WorkingKey(identity, q), queueKey(q))
-		}
-		n, err := recoverScript.Run(ctx, c.rdb, keys, identity).Int()
+		n, err := recoverScript.Run(ctx, c.rdb, recoverKeys(identity, queues), identity, "dead").Int()
 		if err != nil {
 			return total, fmt.Errorf("sidekiq: recover the jobs of %s: %w", identity, err)
 		}
