@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"runtime"
 	"strconv"
 	"strings"
@@ -87,6 +88,10 @@ func New(cfg Config) (*Client, error) {
 	}
 	opt, err := redis.ParseURL(cfg.URL)
 	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // its message would repeat the URL, password included
+		}
 		return nil, fmt.Errorf("sidekiq: Redis URL %s: %w", RedactURL(cfg.URL), err)
 	}
 	opt.DisableIdentity = true

@@ -97,6 +97,9 @@ func (cfg *Config) defaults() error {
 	setDur(&cfg.HeartbeatTTL, 60*time.Second)
 	setDur(&cfg.RecoverInterval, 30*time.Second)
 	setDur(&cfg.DeadTimeout, 180*24*time.Hour)
+	if cfg.HeartbeatTTL < time.Second || cfg.HeartbeatTTL < 2*cfg.Heartbeat {
+		return fmt.Errorf("sidekiq: HeartbeatTTL %v must be at least 1 s and twice Heartbeat (%v), or a live process is taken for dead", cfg.HeartbeatTTL, cfg.Heartbeat)
+	}
 	if cfg.MaxRetries <= 0 {
 		cfg.MaxRetries = 25
 	}
@@ -176,5 +179,15 @@ func RedactURL(raw string) string {
 			u.User = url.UserPassword(u.User.Username(), "****")
 		}
 	}
-	return u.String()
+	q := u.Query()
+	for k := range q {
+		if strings.Contains(strings.ToLower(k), "password") {
+			q.Set(k, "****")
+		}
+	}
+	if len(q) > 0 {
+		u.RawQuery = q.Encode()
+	}
+	// url.URL escapes the stars.
+	return strings.ReplaceAll(u.String(), "%2A%2A%2A%2A", "****")
 }

@@ -177,7 +177,7 @@ func TestRecoverDeadProcess(t *testing.T) {
 	jb := pushMany(e, "qb", 1, "W")
 	// A process that dies without cleaning up: its heartbeat key lives
 	// one second.
-	dying := e.client(Config{Queues: []string{"qa", "qb"}, HeartbeatTTL: time.Second})
+	dying := e.client(Config{Queues: []string{"qa", "qb"}, Heartbeat: 200 * time.Millisecond, HeartbeatTTL: time.Second})
 	for range 3 {
 		fetch(t, dying, 5*time.Second)
 	}

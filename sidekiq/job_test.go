@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 )
@@ -152,4 +153,26 @@ func splitLines(s string) []string {
 		s = s[i:]
 	}
 	return out
+}
+
+func TestConfigChecks(t *testing.T) {
+	t.Parallel()
+	for _, cfg := range []Config{
+		{Queues: []string{"q"}},
+		{URL: "redis://127.0.0.1:1/0"},
+		{URL: "redis://127.0.0.1:1/0", Queues: []string{"q"}, HeartbeatTTL: 5 * time.Second},
+		{URL: "redis://127.0.0.1:1/0", Queues: []string{"q"}, HeartbeatTTL: 500 * time.Millisecond, Heartbeat: 100 * time.Millisecond},
+		{URL: "mysql://127.0.0.1/0", Queues: []string{"q"}},
+	} {
+		if c, err := New(cfg); err == nil {
+			_ = c.Close()
+			t.Errorf("%+v accepted", cfg)
+		}
+	}
+	if _, err := New(Config{URL: "redis://:s3cret@host:port:x/0", Queues: []string{"q"}}); err == nil || strings.Contains(err.Error(), "s3cret") {
+		t.Errorf("bad URL: %v", err)
+	}
+	if got := RedactURL("redis://:s3cret@cache:6379/2"); got != "redis://:****@cache:6379/2" {
+		t.Errorf("redacted %q", got)
+	}
 }
