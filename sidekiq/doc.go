@@ -100,7 +100,7 @@
 // Sidekiq::Client.push would: "retry" true and "queue" "default" when
 // absent, a jid and created_at when absent, a fresh enqueued_at. The
 // interval is random around PollInterval (default 5 s times the number of
-// processes, as Sidekiq scales it).
+// processes, as Sidekiq scales it); the first poll is at Run's start.
 //
 // # Retries
 //

@@ -206,7 +206,7 @@ func TestScheduledJobsArrive(t *testing.T) {
 	t.Logf("scheduled job arrived after %v", time.Since(start))
 
 	// Schedule sends a fetched job back for later, out of the working list.
-	at := time.Now().Add(2 * time.Second)
+	at := time.Now().Add(4 * time.Second) // later than the Ruby read below
 	if err := c.Schedule(ctx, j, at); err != nil {
 		t.Fatal(err)
 	}
