@@ -1,0 +1,514 @@
+package sidekiq
+
+import (
+	"bytes"
+	"compress/zlib"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/url"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+	"go.uber.org/zap"
+)
+
+// Key names: Sidekiq's, and this package's own under "onceler:".
+const (
+	keyQueues     = "queues"
+	keySchedule   = "schedule"
+	keyRetry      = "retry"
+	keyDead       = "dead"
+	keyProcesses  = "processes"
+	keyWorkingReg = "onceler:working"
+)
+
+func queueKey(q string) string { return "queue:" + q }
+
+// WorkingKey returns the name of the working list of the process identity
+// for the queue q: the jobs it fetched from q and has not settled yet.
+func WorkingKey(identity, q string) string { return keyWorkingReg + ":" + identity + ":" + q }
+
+// ErrNotHeld is returned (wrapped) by Done, Requeue, Retry, Kill and
+// Schedule when the job is not in this process's working list any more:
+// it was recovered to its queue by another process, which took this one
+// for dead, and will run again. Nothing was written.
+var ErrNotHeld = errors.New("sidekiq: job is not in the working list")
+
+// A Client fetches Sidekiq jobs reliably and reports to Sidekiq as a
+// process. Its methods are safe for concurrent use.
+type Client struct {
+	cfg      Config
+	rdb      *redis.Client
+	log      *zap.Logger
+	queues   []string // expanded by weight
+	uniq     []string
+	strict   bool
+	infoJSON string
+	queuesJS string
+
+	quiet  atomic.Bool
+	closed chan struct{}
+	once   sync.Once
+
+	mu        sync.Mutex
+	work      map[*Job]workEntry
+	seq       uint64
+	processed int64
+	failed    int64
+}
+
+type workEntry struct {
+	tid     string
+	queue   string
+	payload string
+	runAt   int64
+}
+
+// New returns a Client for cfg. It writes the first heartbeat, so the
+// process is known (and its working lists are not taken for a dead
+// process's) before it fetches; Run must then run for as long as the
+// client fetches and settles jobs.
+func New(cfg Config) (*Client, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	queues, strict, err := parseQueues(cfg.Queues)
+	if err != nil {
+		return nil, err
+	}
+	opt, err := redis.ParseURL(cfg.URL)
+	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // its message would repeat the URL, password included
+		}
+		return nil, fmt.Errorf("sidekiq: Redis URL %s: %w", RedactURL(cfg.URL), err)
+	}
+	opt.DisableIdentity = true
+	if opt.PoolSize == 0 {
+		// Fetch holds a connection while it blocks: room for one Fetch per
+		// job run at once, and the heartbeat, scheduler and settling.
+		opt.PoolSize = max(10*runtime.GOMAXPROCS(0), cfg.Concurrency+5)
+	}
+	opt.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+	c := &Client{
+		cfg:    cfg,
+		rdb:    redis.NewClient(opt),
+		log:    cfg.Logger.With(zap.String("identity", cfg.Identity)),
+		queues: queues,
+		uniq:   uniq(queues),
+		strict: strict,
+		closed: make(chan struct{}),
+		work:   map[*Job]workEntry{},
+	}
+	info := map[string]any{
+		"hostname":    hostname(),
+		"started_at":  nowFloat(),
+		"pid":         pid(),
+		"tag":         cfg.Tag,
+		"concurrency": cfg.Concurrency,
+		"queues":      c.uniq,
+		"labels":      cfg.Labels,
+		"identity":    cfg.Identity,
+	}
+	c.infoJSON = mustJSON(info)
+	c.queuesJS = mustJSON(c.uniq)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.beat(ctx, false, nil); err != nil {
+		_ = c.rdb.Close()
+		return nil, fmt.Errorf("sidekiq: first heartbeat to %s: %w", RedactURL(cfg.URL), err)
+	}
+	return c, nil
+}
+
+// Identity returns the process identity.
+func (c *Client) Identity() string { return c.cfg.Identity }
+
+// Close closes the connections; a Fetch waiting while quiet returns.
+func (c *Client) Close() error {
+	var err error
+	c.once.Do(func() {
+		close(c.closed)
+		err = c.rdb.Close()
+	})
+	return err
+}
+
+// Quiet reports whether the process was told to stop taking jobs (a TSTP
+// or TERM signal through Sidekiq's API): Fetch then hands out none.
+func (c *Client) Quiet() bool { return c.quiet.Load() }
+
+// order returns the queues in the order of this fetch (BasicFetch's
+// queues_cmd).
+func (c *Client) order() []string {
+	if c.strict {
+		return c.uniq
+	}
+	p := append([]string(nil), c.queues...)
+	rand.Shuffle(len(p), func(i, j int) { p[i], p[j] = p[j], p[i] })
+	return uniq(p)
+}
+
+// fetchScript moves the oldest job of the first non-empty queue to its
+// working list. KEYS: queue1, working1, queue2, working2, ...
+var fetchScript = redis.NewScript(`
+for i = 1, #KEYS, 2 do
+  local v = redis.call('LMOVE', KEYS[i], KEYS[i+1], 'RIGHT', 'LEFT')
+  if v then return {tostring((i + 1) / 2), v} end
+end
+return false
+`)
+
+// Fetch waits for a job and moves it from its queue to this process's
+// working list (reliable fetch), where it stays until Done, Requeue,
+// Retry, Kill or Schedule settles it, or until another process recovers
+// it after this one died. Queues are taken in Sidekiq's order (strict or
+// weighted). A job that cannot be decoded is returned with a *DecodeError
+// (and its Raw and Queue), to be sent to the dead set with Kill. While
+// the process is quiet, Fetch hands out nothing and waits for ctx.
+func (c *Client) Fetch(ctx context.Context) (*Job, error) {
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		if c.quiet.Load() {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-c.closed:
+				return nil, errors.New("sidekiq: client closed")
+			}
+		}
+		order := c.order()
+		keys := make([]string, 0, 2*len(order))
+		for _, q := range order {
+			keys = append(keys, queueKey(q), WorkingKey(c.cfg.Identity, q))
+		}
+		res, err := fetchScript.Run(ctx, c.rdb, keys).StringSlice()
+		var raw, q string
+		switch {
+		case err == nil && len(res) == 2:
+			i, _ := strconv.Atoi(res[0])
+			q, raw = order[i-1], res[1]
+		case err != nil && !errors.Is(err, redis.Nil):
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return nil, fmt.Errorf("sidekiq: fetch: %w", err)
+		default:
+			wait := c.cfg.FetchTimeout
+			if len(order) > 1 {
+				wait = c.cfg.FetchPoll
+			}
+			q = order[0]
+			raw, err = c.rdb.BLMove(ctx, queueKey(q), WorkingKey(c.cfg.Identity, q), "RIGHT", "LEFT", wait).Result()
+			if errors.Is(err, redis.Nil) {
+				continue
+			}
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
+				return nil, fmt.Errorf("sidekiq: fetch from %s: %w", q, err)
+			}
+		}
+		if ctx.Err() != nil || c.quiet.Load() {
+			// Taken while stopping: back to the head of its queue.
+			j := &Job{Raw: raw, Queue: q}
+			if err := c.Requeue(context.WithoutCancel(ctx), j); err != nil {
+				return nil, fmt.Errorf("sidekiq: hand back a job fetched while stopping (it stays in the working list): %w", err)
+			}
+			continue
+		}
+		return Decode(raw, q)
+	}
+}
+
+// settleScript takes a job out of the working list and, in the same
+// script, puts it where it goes. KEYS[1] working list, KEYS[2] target;
+// ARGV: raw, mode, payload, score, dead cutoff, -dead max.
+var settleScript = redis.NewScript(`
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+local mode = ARGV[2]
+if mode == 'requeue' then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+elseif mode == 'zadd' then
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+elseif mode == 'dead' then
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[5])
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, ARGV[6])
+end
+return 1
+`)
+
+func (c *Client) settle(ctx context.Context, j *Job, mode, target, payload string, score float64) error {
+	if j == nil {
+		return errors.New("sidekiq: nil job")
+	}
+	cutoff := nowFloat() - c.cfg.DeadTimeout.Seconds()
+	n, err := settleScript.Run(ctx, c.rdb, []string{WorkingKey(c.cfg.Identity, j.Queue), target},
+		j.Raw, mode, payload, fmtFloat(score), fmtFloat(cutoff), -c.cfg.DeadMaxJobs).Int()
+	if err != nil {
+		return fmt.Errorf("sidekiq: %s job %s from %s: %w", mode, j.JID, j.Queue, err)
+	}
+	if n == 0 {
+		return fmt.Errorf("sidekiq: %s job %s from %s: %w", mode, j.JID, j.Queue, ErrNotHeld)
+	}
+	return nil
+}
+
+// Done removes a finished job from the working list.
+func (c *Client) Done(ctx context.Context, j *Job) error {
+	return c.settle(ctx, j, "done", keyRetry, "", 0)
+}
+
+// Requeue puts the job back at the head of its queue (fetched next, as
+// Sidekiq's bulk_requeue does on shutdown) and out of the working list,
+// atomically.
+func (c *Client) Requeue(ctx context.Context, j *Job) error {
+	if j == nil {
+		return errors.New("sidekiq: nil job")
+	}
+	return c.settle(ctx, j, "requeue", queueKey(j.Queue), "", 0)
+}
+
+// Schedule moves the job to the "schedule" set, to be enqueued again at
+// at, and out of the working list, atomically. The job is stored as
+// fetched.
+func (c *Client) Schedule(ctx context.Context, j *Job, at time.Time) error {
+	if j == nil {
+		return errors.New("sidekiq: nil job")
+	}
+	if j.Fields == nil {
+		return fmt.Errorf("sidekiq: schedule job from %s: it is not a JSON object, kill it instead", j.Queue)
+	}
+	return c.settle(ctx, j, "zadd", keySchedule, j.Raw, timeFloat(at))
+}
+
+// Kill moves the job to the dead set, out of the working list, at once:
+// for jobs that cannot run (undecodable, bad input). A job that is a JSON
+// object gets error_class, error_message and (when it has none) failed_at
+// as Sidekiq's retry records them; any other element is stored as it is.
+// The dead set is trimmed as Sidekiq's DeadSet#kill does.
+func (c *Client) Kill(ctx context.Context, j *Job, errClass, errMsg string) error {
+	if j == nil {
+		return errors.New("sidekiq: nil job")
+	}
+	payload := j.Raw
+	if j.Fields != nil {
+		msg := cloneMap(j.Fields)
+		msg["error_class"] = errClass
+		msg["error_message"] = errorMessage(errMsg)
+		if _, ok := msg["failed_at"]; !ok {
+			msg["failed_at"] = nowFloat()
+		}
+		payload = mustJSON(msg)
+	}
+	if err := c.settle(ctx, j, "dead", keyDead, payload, nowFloat()); err != nil {
+		return err
+	}
+	c.log.Warn("sidekiq job killed", zap.String("queue", j.Queue), zap.String("class", j.Class),
+		zap.String("jid", j.JID), zap.String("error_class", errClass))
+	return nil
+}
+
+// Retry records a failure of the job as Sidekiq's JobRetry does and takes
+// the job out of the working list in the same script:
+//
+//   - "retry" false: the job is neither retried nor kept (Sidekiq only
+//     calls its death handlers); Retry logs it and returns dead false.
+//   - otherwise (true, absent, or an integer maximum; default
+//     Config.MaxRetries): "queue" becomes "retry_queue" when set;
+//     error_message (at most 10000 characters), error_class; the first
+//     failure sets failed_at and retry_count 0, later ones retried_at and
+//     retry_count+1; error_backtrace when "backtrace" is true (all lines)
+//     or a number of lines (zlib-deflated JSON in Base64, as Sidekiq).
+//     While retry_count is below the maximum the job goes to the "retry"
+//     set, due in retry_count**4 + 15 + rand(10)*(retry_count+1) seconds;
+//     then to the dead set (dead true), unless its "dead" is false.
+//
+// An undecodable job (no Fields) goes to the dead set as Kill sends it.
+func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, backtrace []string) (dead bool, err error) {
+	if j == nil {
+		return false, errors.New("sidekiq: nil job")
+	}
+	if j.Fields == nil {
+		return true, c.Kill(ctx, j, errClass, errMsg)
+	}
+	msg := cloneMap(j.Fields)
+	maxRetries := c.cfg.MaxRetries
+	switch v := msg["retry"].(type) {
+	case nil:
+		// Absent or null: the worker's option, Sidekiq's default true.
+	case bool:
+		if !v {
+			if err := c.settle(ctx, j, "done", keyRetry, "", 0); err != nil {
+				return false, err
+			}
+			c.log.Warn("sidekiq job failed and is not retried (retry: false)", zap.String("queue", j.Queue),
+				zap.String("class", j.Class), zap.String("jid", j.JID), zap.String("error_class", errClass),
+				zap.String("error", errMsg))
+			return false, nil
+		}
+	case json.Number:
+		if n, err := v.Int64(); err == nil {
+			maxRetries = int(n)
+		}
+	}
+	queue := j.Queue
+	if rq, ok := msg["retry_queue"].(string); ok && rq != "" {
+		queue = rq
+	}
+	msg["queue"] = queue
+	msg["error_message"] = errorMessage(errMsg)
+	msg["error_class"] = errClass
+	now := nowFloat()
+	count := 0
+	if rc, ok := msg["retry_count"]; ok && rc != nil && rc != false {
+		msg["retried_at"] = now
+		n, _ := intOf(rc)
+		count = int(n) + 1
+	} else {
+		msg["failed_at"] = now
+	}
+	msg["retry_count"] = count
+	if lines, ok := backtraceLines(msg["backtrace"], backtrace); ok {
+		msg["error_backtrace"] = compressBacktrace(lines)
+	}
+	payload := mustJSON(msg)
+	log := c.log.With(zap.String("queue", j.Queue), zap.String("class", j.Class), zap.String("jid", j.JID),
+		zap.Int("retry_count", count), zap.String("error_class", errClass))
+	if count < maxRetries {
+		delay := count*count*count*count + 15 + rand.IntN(10)*(count+1)
+		if err := c.settle(ctx, j, "zadd", keyRetry, payload, now+float64(delay)); err != nil {
+			return false, err
+		}
+		log.Info("sidekiq job failed, retry scheduled", zap.Int("delay_s", delay))
+		return false, nil
+	}
+	if d, ok := msg["dead"].(bool); ok && !d {
+		if err := c.settle(ctx, j, "done", keyRetry, "", 0); err != nil {
+			return false, err
+		}
+		log.Warn("sidekiq job retries exhausted, not kept (dead: false)")
+		return false, nil
+	}
+	if err := c.settle(ctx, j, "dead", keyDead, payload, now); err != nil {
+		return false, err
+	}
+	log.Warn("sidekiq job retries exhausted, moved to the dead set")
+	return true, nil
+}
+
+// backtraceLines applies the job's "backtrace" option (job_retry.rb).
+func backtraceLines(opt any, lines []string) ([]string, bool) {
+	switch v := opt.(type) {
+	case nil:
+		return nil, false
+	case bool:
+		if !v {
+			return nil, false
+		}
+		return lines, true
+	}
+	n := rubyToI(opt)
+	if n < 0 { // Ruby's lines[0...-k]: all but the last k
+		n = max(len(lines)+n, 0)
+	}
+	return lines[:min(n, len(lines))], true
+}
+
+// rubyToI is Ruby's to_i of a JSON value: numbers truncated, strings read
+// up to the first non-digit.
+func rubyToI(v any) int {
+	switch v := v.(type) {
+	case json.Number:
+		f, _ := v.Float64()
+		return int(f)
+	case string:
+		s := strings.TrimSpace(v)
+		end := 0
+		for end < len(s) && (s[end] >= '0' && s[end] <= '9' || end == 0 && (s[0] == '-' || s[0] == '+')) {
+			end++
+		}
+		n, _ := strconv.Atoi(s[:end])
+		return n
+	}
+	return 0
+}
+
+// compressBacktrace is Sidekiq's compress_backtrace: JSON, zlib deflate,
+// Base64.encode64 (lines of 60 characters, each ending in a newline).
+func compressBacktrace(lines []string) string {
+	if lines == nil {
+		lines = []string{}
+	}
+	var z bytes.Buffer
+	w := zlib.NewWriter(&z)
+	_, _ = w.Write([]byte(mustJSON(lines)))
+	_ = w.Close()
+	enc := base64.StdEncoding.EncodeToString(z.Bytes())
+	var b strings.Builder
+	for len(enc) > 60 {
+		b.WriteString(enc[:60])
+		b.WriteByte('\n')
+		enc = enc[60:]
+	}
+	if enc != "" {
+		b.WriteString(enc)
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+// errorMessage is Sidekiq's exception_message: valid UTF-8, at most 10000
+// characters.
+func errorMessage(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	n := 0
+	for i := range s {
+		if n == 10000 {
+			return s[:i]
+		}
+		n++
+	}
+	return s
+}
+
+func cloneMap(m map[string]any) map[string]any {
+	out := make(map[string]any, len(m)+4)
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+// mustJSON encodes v as Sidekiq.dump_json would (no HTML escaping).
+func mustJSON(v any) string {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		// Only values decoded from JSON or built here are encoded.
+		panic(fmt.Sprintf("sidekiq: encode %T: %v", v, err))
+	}
+	return strings.TrimSuffix(b.String(), "\n")
+}
+
+func nowFloat() float64 { return timeFloat(time.Now()) }
+
+func timeFloat(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+func fmtFloat(f float64) string { return strconv.FormatFloat(f, 'f', -1, 64) }
