@@ -47,7 +47,7 @@ import (
 // or no answer at all (the delivery returns to the queue when its channel
 // closes).
 func (w *Worker) process(ctx context.Context, j *job) {
-	if j.d.Stale() {
+	if j.d.stale() {
 		// Its channel is gone: the broker has it back and redelivers it.
 		w.rateGiveBack(j)
 		w.forget(j)
