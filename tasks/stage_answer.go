@@ -112,7 +112,7 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	next := *j.msg
 	next.Retries++
 	next.ETA = time.Now().Add(rr.Countdown)
-	if err := j.d.retry(ctx, &next); err != nil {
+	if err := j.d.retry(ctx, &next, rr); err != nil {
 		var ee *encodeError
 		switch {
 		case errors.As(err, &ee):

@@ -97,9 +97,9 @@ type delivery interface {
 	// (the message's ETA).
 	republish(ctx context.Context, eta time.Time) error
 	// retry sends next, the message's next try (its retries one more, its
-	// ETA when to run it). An error wrapping *encodeError: next cannot be
-	// sent at all.
-	retry(ctx context.Context, next *celeryproto.Message) error
+	// ETA when to run it), which the task asked for with rr. An error
+	// wrapping *encodeError: next cannot be sent at all.
+	retry(ctx context.Context, next *celeryproto.Message, rr *RetryRequest) error
 	// quarantine puts a copy aside, never to run, with ours (the
 	// Header* values) beside the message's own headers.
 	quarantine(ctx context.Context, ours map[string]any) error

@@ -147,7 +147,7 @@ func (a *amqpDelivery) republish(ctx context.Context, _ time.Time) error {
 // retry publishes next as a new Celery message (protocol 2, the
 // delivery's serializer) by the exchange and routing key the delivery came
 // with, confirmed.
-func (a *amqpDelivery) retry(ctx context.Context, next *celeryproto.Message) error {
+func (a *amqpDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *RetryRequest) error {
 	m := *next
 	m.Headers = withoutBrokerHeaders(m.Headers)
 	pub, err := celeryproto.EncodeTask(&m, celeryproto.EncodeOptions{Protocol: 2, Serializer: m.Serializer()})
