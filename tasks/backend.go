@@ -231,7 +231,7 @@ func (w *Worker) metaRequest(j *job, taskID string) *celeryproto.MetaRequest {
 	if w.cfg.ResultExtended {
 		req.Extended = true
 		req.Name, req.Args, req.Kwargs = m.Task, m.Args, m.Kwargs
-		req.Worker, req.Retries, req.Queue = w.cfg.Hostname, m.Retries, j.d.RoutingKey
+		req.Worker, req.Retries, req.Queue = w.cfg.Hostname, m.Retries, j.d.origin().RoutingKey
 	}
 	return req
 }

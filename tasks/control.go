@@ -17,27 +17,34 @@ func (w *Worker) Registered() []string { return w.reg.Names() }
 // Queues returns the queues the worker consumes, as found on the broker
 // at the last connect (amqp.Consumer.Queues): with the arguments the broker
 // holds for them.
-func (w *Worker) Queues() []amqp.QueueSpec { return w.consumer.Queues() }
+func (w *Worker) Queues() []amqp.QueueSpec {
+	if t, ok := w.tr.(*amqpTransport); ok {
+		return t.consumer.Queues()
+	}
+	return nil
+}
 
 // Hostname returns the worker's node name.
 func (w *Worker) Hostname() string { return w.cfg.Hostname }
 
 func (w *Worker) info(j *job, started time.Time) control.TaskInfo {
-	ti := control.TaskInfo{Started: started, Queue: j.d.Queue, Exchange: j.d.Exchange, RoutingKey: j.d.RoutingKey,
-		Priority: j.d.Priority, Redelivered: j.d.Redelivered, Hostname: w.cfg.Hostname}
+	o := j.d.origin()
+	ti := control.TaskInfo{Started: started, Queue: o.Queue, Exchange: o.Exchange, RoutingKey: o.RoutingKey,
+		Priority: o.Priority, Redelivered: j.d.redelivered(), Hostname: w.cfg.Hostname}
 	if j.msg != nil {
 		ti.ID, ti.Name, ti.ArgsRepr, ti.KwargsRepr, ti.ETA = j.msg.ID, j.msg.Task, j.msg.ArgsRepr, j.msg.KwargsRepr, j.msg.ETA
 		ti.Args, ti.Kwargs = j.msg.Args, j.msg.Kwargs
 	} else {
 		// Not decoded yet (waiting for room in the memory budget): what
 		// the protocol 2 headers say.
-		ti.ID, _ = j.d.Headers["id"].(string)
+		d := j.d.wire()
+		ti.ID, _ = d.Headers["id"].(string)
 		if ti.ID == "" {
-			ti.ID = j.d.CorrelationID
+			ti.ID = d.CorrelationID
 		}
-		ti.Name, _ = j.d.Headers["task"].(string)
-		ti.ArgsRepr, _ = j.d.Headers["argsrepr"].(string)
-		ti.KwargsRepr, _ = j.d.Headers["kwargsrepr"].(string)
+		ti.Name, _ = d.Headers["task"].(string)
+		ti.ArgsRepr, _ = d.Headers["argsrepr"].(string)
+		ti.KwargsRepr, _ = d.Headers["kwargsrepr"].(string)
 	}
 	return ti
 }

@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -204,7 +205,7 @@ func (w *Worker) dropStaleRated() {
 	var gone []*job
 	w.mu.Lock()
 	for j, tm := range w.timers {
-		if j.rateBucket == nil || !j.d.Stale() {
+		if j.rateBucket == nil || !j.d.stale() {
 			continue
 		}
 		tm.Stop()
@@ -280,23 +281,30 @@ func (w *Worker) limitsOf(h *handler) timeLimits {
 // AddQueue starts consuming q, declared as a configured queue is (with its
 // quarantine queue).
 func (w *Worker) AddQueue(q amqp.QueueSpec) error {
+	t, ok := w.tr.(*amqpTransport)
+	if !ok {
+		return errNoQueues
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
-	if err := w.pub.Declare(ctx, spec); err != nil {
-		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
-	}
-	if err := w.consumer.AddQueue(q); err != nil {
-		return fmt.Errorf("tasks: %w", err)
+	if err := t.addQueue(ctx, q); err != nil {
+		return err
 	}
 	w.log.Info("consuming a queue added at run time", zap.String("queue", q.Name))
 	return nil
 }
 
+// errNoQueues: the worker's transport has no AMQP queues to add or cancel.
+var errNoQueues = errors.New("tasks: the worker does not consume AMQP queues")
+
 // CancelQueue stops consuming the queue named; the deliveries taken from it
 // already run.
 func (w *Worker) CancelQueue(name string) error {
-	was, err := w.consumer.CancelQueue(name)
+	t, ok := w.tr.(*amqpTransport)
+	if !ok {
+		return errNoQueues
+	}
+	was, err := t.consumer.CancelQueue(name)
 	if err != nil {
 		return fmt.Errorf("tasks: %w", err)
 	}

@@ -175,7 +175,7 @@ func TestRateLimitWaitBoundedByMaxHold(t *testing.T) {
 	for time.Now().Before(deadline) {
 		r.w.mu.Lock()
 		for j := range r.w.timers {
-			if j.d.Stale() {
+			if j.d.stale() {
 				continue
 			}
 			oldest = max(oldest, time.Since(j.received))

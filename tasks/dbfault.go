@@ -45,12 +45,12 @@ func dbFault(err error, connClosed bool) bool {
 // its operation in a committed statement of its own (the operation's claim
 // lives in its transaction, which a crash rolls back, so the record cannot
 // count it) and quarantines the message as poison past Config.MaxAttempts.
-// Only redeliveries from classic queues are counted (quorum queues count
-// deliveries themselves: x-delivery-count), each delivery once: a first
+// Only redeliveries its transport does not count are counted (a quorum
+// queue counts them itself: x-delivery-count), each delivery once: a first
 // delivery costs nothing. It returns false when it dealt with the delivery
 // (quarantined, or kept for a later look when the database did not answer).
 func (w *Worker) countRedelivery(ctx context.Context, j *job) bool {
-	if !j.d.Redelivered || j.d.DeliveryCount > 0 {
+	if !j.d.redelivered() || j.d.deliveryCount() > 0 {
 		return true
 	}
 	if j.redeliveries == 0 {

@@ -39,7 +39,7 @@ func TestETADoesNotStarve(t *testing.T) {
 				e.publish(m)
 			}
 			testkit.WaitFor(t, "ETA deliveries held", 10*time.Second, func() bool { return len(r.w.Scheduled()) == held })
-			testkit.WaitFor(t, "prefetch grown by the held set", 5*time.Second, func() bool { return r.w.consumer.Prefetch() == cfg.Prefetch+held })
+			testkit.WaitFor(t, "prefetch grown by the held set", 5*time.Second, func() bool { return consumerOf(r.w).Prefetch() == cfg.Prefetch+held })
 			sent := time.Now()
 			for i := range quick {
 				e.publish(payMessage("t.pay", held+i, fmt.Sprintf("now-%d", i), replyTo))
@@ -54,7 +54,7 @@ func TestETADoesNotStarve(t *testing.T) {
 			if !time.Now().Before(due) {
 				t.Errorf("immediate tasks answered only after the ETAs were due (%s)", took)
 			}
-			t.Logf("%d immediate tasks answered in %s behind %d held ETA deliveries (prefetch %d)", quick, took, held, r.w.consumer.Prefetch())
+			t.Logf("%d immediate tasks answered in %s behind %d held ETA deliveries (prefetch %d)", quick, took, held, consumerOf(r.w).Prefetch())
 			got = results(t, replies, held, 20*time.Second)
 			t.Logf("held tasks answered %s after due", time.Since(due))
 			if len(got) != held || time.Now().Before(due) {
@@ -104,7 +104,7 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 				return false
 			}
 		}
-		return len(s) == held && r.w.consumer.Prefetch() == cfg.Prefetch+held
+		return len(s) == held && consumerOf(r.w).Prefetch() == cfg.Prefetch+held
 	})
 	if time.Now().After(due) {
 		t.Fatal("the held copies were replaced only after they were due: the test did not close the connection in time")
@@ -120,7 +120,7 @@ func TestETAHeldThroughChannelClose(t *testing.T) {
 	}
 	checkExactlyOnce(t, fx, held, func(i int) string { return fmt.Sprintf("eta-%d", i) })
 	testkit.WaitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
-		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == cfg.Prefetch
+		return e.queueDepth(e.queue) == 0 && consumerOf(r.w).Prefetch() == cfg.Prefetch
 	})
 }
 
@@ -158,6 +158,6 @@ func TestLongETARepublished(t *testing.T) {
 	}
 	checkExactlyOnce(t, fx, 1, func(int) string { return "long-eta" })
 	testkit.WaitFor(t, "queue empty and prefetch back", 10*time.Second, func() bool {
-		return e.queueDepth(e.queue) == 0 && r.w.consumer.Prefetch() == r.w.cfg.Prefetch
+		return e.queueDepth(e.queue) == 0 && consumerOf(r.w).Prefetch() == r.w.cfg.Prefetch
 	})
 }

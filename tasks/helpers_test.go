@@ -483,3 +483,6 @@ func (e *env) quorumQueue() string {
 	})
 	return q
 }
+
+// consumerOf is the consumer of w's AMQP transport.
+func consumerOf(w *Worker) *amqp.Consumer { return w.tr.(*amqpTransport).consumer }

@@ -8,7 +8,6 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
@@ -17,7 +16,7 @@ import (
 // job is one delivery on its way through the pipeline: each stage reads
 // what the stages before it set and adds its own.
 type job struct {
-	d        *amqp.Delivery
+	d        delivery // from the worker's transport (transport.go)
 	received time.Time
 	// need is what decoding the delivery may take (its estimate); charge
 	// is what it is charged against the memory budget now. Guarded by w.mu.

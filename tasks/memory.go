@@ -129,12 +129,13 @@ func (w *Worker) makeRoom(need int64) {
 // the whole budget is charged its body only and handed over at once: it is
 // refused before decoding. w.mu is held.
 func (w *Worker) admit(j *job) {
-	if n := int64(len(j.d.Body)); n > w.largest {
+	d := j.d.wire()
+	if n := int64(len(d.Body)); n > w.largest {
 		w.largest = n
 	}
-	j.need = w.dec.dec.Estimate(&j.d.Delivery) + deliveryOverhead
+	j.need = w.dec.dec.Estimate(d) + deliveryOverhead
 	if j.need > w.cfg.MemoryBudget {
-		w.charge(j, int64(len(j.d.Body))+deliveryOverhead)
+		w.charge(j, int64(len(d.Body))+deliveryOverhead)
 		w.admitted(j)
 		return
 	}
@@ -198,7 +199,7 @@ func (w *Worker) fits(n int64) bool {
 func (w *Worker) charge(j *job, n int64) {
 	w.memUsed += n - j.charge
 	j.charge = n
-	w.charged[&j.d.Delivery] = j
+	w.charged[j.d.wire()] = j
 	w.m.memCharged.Set(float64(w.memUsed))
 	w.flowChanged()
 }
@@ -210,10 +211,10 @@ func (w *Worker) release(j *job) {
 		w.waiting = append(w.waiting[:i], w.waiting[i+1:]...)
 		w.m.memWaiting.Set(float64(len(w.waiting)))
 	}
-	if _, ok := w.charged[&j.d.Delivery]; !ok {
+	if _, ok := w.charged[j.d.wire()]; !ok {
 		return
 	}
-	delete(w.charged, &j.d.Delivery)
+	delete(w.charged, j.d.wire())
 	w.memUsed -= j.charge
 	j.charge = 0
 	w.m.memCharged.Set(float64(w.memUsed))
@@ -238,13 +239,13 @@ func indexOf(js []*job, j *job) int {
 func (w *Worker) admitWaiting() {
 	for len(w.waiting) > 0 {
 		j := w.waiting[0]
-		if !j.d.Stale() && !w.fits(j.need) {
+		if !j.d.stale() && !w.fits(j.need) {
 			w.evictHeld(j.need)
 			break
 		}
 		w.waiting = w.waiting[1:]
 		w.m.memWaiting.Set(float64(len(w.waiting)))
-		if j.d.Stale() {
+		if j.d.stale() {
 			delete(w.reserved, j) // the broker redelivers it
 			continue
 		}
@@ -264,10 +265,10 @@ func (w *Worker) admitWaiting() {
 func (w *Worker) decoded(j *job, msg *celeryproto.Message, cost int64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if _, ok := w.charged[&j.d.Delivery]; !ok {
+	if _, ok := w.charged[j.d.wire()]; !ok {
 		return
 	}
-	if actual := int64(len(j.d.Body)) + deliveryOverhead + cost; actual < j.charge {
+	if actual := int64(len(j.d.wire().Body)) + deliveryOverhead + cost; actual < j.charge {
 		w.charge(j, actual)
 		w.admitWaiting()
 	}
@@ -294,7 +295,7 @@ func (w *Worker) decoded(j *job, msg *celeryproto.Message, cost int64) {
 func (w *Worker) sweepCharges() {
 	w.largest -= w.largest / 8
 	for _, j := range w.charged {
-		if _, ok := w.reserved[j]; ok || w.active[j] != nil || !j.d.Stale() {
+		if _, ok := w.reserved[j]; ok || w.active[j] != nil || !j.d.stale() {
 			continue
 		}
 		w.release(j)
@@ -333,22 +334,11 @@ func (w *Worker) windowLimit() int {
 	}
 }
 
-// consumesQuorum reports whether a queue consumed is a quorum queue, as
-// found on the broker.
-func (w *Worker) consumesQuorum() bool {
-	for _, q := range w.consumer.Queues() {
-		if q.IsQuorum() {
-			return true
-		}
-	}
-	return false
-}
-
-// flow applies windowLimit to the consumer when it changes, at most every
-// 50 ms, until ctx is done. On a quorum queue it applies none: a quorum
-// queue counts its window per consumer, and a change of it restarts the
-// consumers, whose new window comes on top of the deliveries still held: a
-// cap would let more in, not fewer. The window stays Config.Prefetch; the
+// flow applies windowLimit to the transport when it changes, at most every
+// 50 ms, until ctx is done. Where the window is fixed (transport.fixedWindow)
+// it applies none: a quorum queue counts its window per consumer, and a
+// change of it restarts the consumers, whose new window comes on top of the
+// deliveries still held: a cap would let more in, not fewer. The window stays Config.Prefetch; the
 // deliveries past the budget wait undecoded.
 func (w *Worker) flow(ctx context.Context) {
 	applied := 0
@@ -359,11 +349,11 @@ func (w *Worker) flow(ctx context.Context) {
 		case <-w.flowKick:
 		}
 		n := 0
-		if !w.consumesQuorum() {
+		if !w.tr.fixedWindow() {
 			n = w.windowLimit()
 		}
 		if n != applied {
-			if err := w.consumer.SetWindowLimit(n); err != nil {
+			if err := w.tr.setWindowLimit(n); err != nil {
 				w.log.Warn("limit the prefetch window for the memory budget", zap.Int("limit", n), zap.Error(err))
 			} else {
 				applied = n

@@ -80,7 +80,7 @@ func TestMemoryBudgetHoldsDeliveriesBeforeDecoding(t *testing.T) {
 	if running+waiting > n || running == n || running == 0 {
 		t.Errorf("%d running, %d waiting for memory, of %d", running, waiting, n)
 	}
-	if p := w.consumer.Prefetch(); p > n {
+	if p := consumerOf(w).Prefetch(); p > n {
 		t.Errorf("prefetch in force %d while deliveries wait for memory", p)
 	}
 	close(release)

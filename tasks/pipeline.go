@@ -4,11 +4,19 @@ package tasks
 // takes it (stage_arrive.go) and the task goroutine that runs it
 // (Worker.loop, worker.go) to its ack. Its stages, in order, each in a file
 // of its own; each receives the job from the one before and hands it on.
+//
+// The job's delivery comes from the worker's transport and is read, moved
+// and settled only through the delivery interface (transport.go), whatever
+// the transport; the worker's transport is RabbitMQ's (transport_amqp.go). The
+// answer to the caller and the workflow's next steps go where the message
+// says (its reply_to, the result backend, its links), not by its delivery.
+//
 // Stages 1 to 3 run on arrival, before a task slot is free; a job coming
 // back (deferred, or due after its ETA) runs process again from stage 3:
 //
-//  1. decode (stage_decode.go): the Celery message out of the delivery,
-//     charged against the memory budget; the broker's delivery count.
+//  1. decode (stage_decode.go): the Celery message out of the delivery's
+//     wire form, charged against the memory budget; the transport's
+//     delivery count.
 //  2. bind (stage_bind.go): the registered task, its arguments (bound by
 //     bind.go), the operation key and the argument fingerprint.
 //  3. due (stage_due.go): a revoked or expired message is answered; one
@@ -22,13 +30,16 @@ package tasks
 //     held, with the claim's token.
 //  7. answer (stage_answer.go): the task events, the workflow's next steps
 //     and the result to the caller (rpc:// or the result backend).
-//  8. ack (stage_ack.go): the delivery acknowledged, or given back to the
-//     broker.
+//  8. ack (stage_ack.go): the delivery acknowledged, or given back to its
+//     transport.
 //
 // A pure task has no claim and no record; a same-database task claims, runs
 // and completes in one transaction (runSameDB, stage_run.go). A stage that
 // cannot hand the job on answers the delivery itself: a quarantine
 // (quarantine.go), a deferral, or the record trouble and refusal paths below.
+// A deferral or a hold keeps the delivery unsettled; a delivery its
+// transport took back meanwhile (stale: its AMQP channel is gone) is
+// dropped, as the transport delivers it again.
 
 import (
 	"context"
@@ -44,11 +55,12 @@ import (
 // process takes one delivery through the pipeline's stages. Every path ends
 // in exactly one of: ack (after the outcome is recorded and answered), a
 // deferral (the delivery stays unacknowledged and is looked at again later),
-// or no answer at all (the delivery returns to the queue when its channel
-// closes).
+// or no answer at all (the delivery is stale or given back: its transport
+// delivers it again).
 func (w *Worker) process(ctx context.Context, j *job) {
-	if j.d.Stale() {
-		// Its channel is gone: the broker has it back and redelivers it.
+	if j.d.stale() {
+		// Its transport has it back (its channel is gone) and delivers it
+		// again.
 		w.rateGiveBack(j)
 		w.forget(j)
 		return

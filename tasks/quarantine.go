@@ -2,14 +2,10 @@ package tasks
 
 import (
 	"context"
-	"fmt"
-	"slices"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
-	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
 )
@@ -71,17 +67,17 @@ const (
 	maxLogField = 512
 )
 
-// quarantine moves the delivery to its queue's quarantine queue (published
-// with a confirm and the reason in HeaderReason) and then acknowledges it.
-// If the move fails the delivery stays unacknowledged and is tried again,
-// at growing intervals up to 30 s; a copy the broker refuses for what it is
-// goes again without the original headers.
+// quarantine puts the delivery aside through its transport, with the
+// reason in HeaderReason (the AMQP transport: a confirmed copy to its
+// queue's quarantine queue, amqpDelivery.quarantine), and then
+// acknowledges it. If the move fails the delivery stays unacknowledged and
+// is tried again, at growing intervals up to 30 s.
 func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause error) {
-	d := j.d
+	queue := j.d.origin().Queue
 	if j.verdict == nil {
 		w.m.quarantined.WithLabelValues(reason).Inc()
 	}
-	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", d.Queue), zap.String("error", clip.String(cause.Error(), maxLogField))}
+	fields := []zap.Field{zap.String("reason", reason), zap.String("queue", queue), zap.String("error", clip.String(cause.Error(), maxLogField))}
 	if j.msg != nil {
 		fields = append(fields, zap.String("task", clip.String(j.msg.Task, maxLogField)), zap.String("task_id", clip.String(j.msg.ID, maxLogField)))
 	}
@@ -93,24 +89,13 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		// Bounded: the cause may repeat a name from the message (a task or
 		// an argument) of any length.
 		HeaderDetail: clip.String(cause.Error(), maxDetail),
-		HeaderQueue:  d.Queue,
+		HeaderQueue:  queue,
 		HeaderTime:   time.Now().UTC().Format(time.RFC3339Nano),
 	}
 	if celeryproto.IsDecodeError(cause) {
 		ours[HeaderDecodeReason] = celeryproto.Reason(cause)
 	}
-	p := &celeryproto.Publishing{
-		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: fitHeaders(d.Headers, ours), Body: d.Body,
-		CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
-	}
-	err := w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
-	if amqp.IsPermanent(err) {
-		// Only the copy's own headers: the original ones could not go.
-		ours[HeaderTruncated] = clip.String("all original headers left out: "+err.Error(), maxDetail)
-		p.Headers = ours
-		err = w.publish(ctx, "", quarantineName(d.Queue), p, amqp.PublishOptions{Mandatory: true})
-	}
-	if err != nil {
+	if err := j.d.quarantine(ctx, ours); err != nil {
 		if ctx.Err() != nil {
 			w.giveBack(j)
 			return
@@ -129,73 +114,6 @@ func (w *Worker) quarantine(ctx context.Context, j *job, reason string, cause er
 		return
 	}
 	w.ack(j)
-}
-
-// fitHeaders returns the headers of a quarantine copy: the delivery's
-// headers h with ours added, cut to maxQuarantineHeaders when they do not
-// fit (HeaderTruncated then says what was cut). h is not changed.
-func fitHeaders(h, ours map[string]any) map[string]any {
-	out := make(map[string]any, len(h)+len(ours)+1)
-	for k, v := range h {
-		out[k] = v
-	}
-	for k, v := range ours {
-		out[k] = v
-	}
-	if n, err := amqp.HeadersSize(out); err == nil && n <= maxQuarantineHeaders {
-		return out
-	}
-	out = make(map[string]any, len(ours)+1)
-	for k, v := range ours {
-		out[k] = v
-	}
-	used, _ := amqp.HeadersSize(out)
-	used += maxDetail + 64 // HeaderTruncated
-	keys := make([]string, 0, len(h))
-	for k := range h {
-		if _, mine := ours[k]; !mine {
-			keys = append(keys, k)
-		}
-	}
-	slices.Sort(keys)
-	var cut, left []string
-	for _, k := range keys {
-		v := h[k]
-		n, err := amqp.HeadersSize(map[string]any{k: v})
-		if err != nil || n > maxQuarantineValue+len(k)+16 {
-			v = cutValue(v)
-			cut = append(cut, fmt.Sprintf("%s (%d bytes)", k, n))
-			n, _ = amqp.HeadersSize(map[string]any{k: v})
-		}
-		if used+n > maxQuarantineHeaders {
-			left = append(left, k)
-			continue
-		}
-		out[k] = v
-		used += n
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "headers cut to fit a frame (each to %d bytes, %d in all)", maxQuarantineValue, maxQuarantineHeaders)
-	if len(cut) > 0 {
-		b.WriteString("; cut: " + strings.Join(cut, ", "))
-	}
-	if len(left) > 0 {
-		b.WriteString("; left out: " + strings.Join(left, ", "))
-	}
-	out[HeaderTruncated] = clip.String(b.String(), maxDetail)
-	return out
-}
-
-// cutValue is a header value cut to maxQuarantineValue bytes: text and
-// bytes keep their first bytes, other values become their text form, cut.
-func cutValue(v any) any {
-	switch x := v.(type) {
-	case string:
-		return clip.String(x, maxQuarantineValue)
-	case []byte:
-		return clip.String(string(x), maxQuarantineValue)
-	}
-	return clip.String(fmt.Sprint(v), maxQuarantineValue)
 }
 
 // quarantinePoison answers a delivery that came too often (its task kept

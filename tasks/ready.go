@@ -53,7 +53,7 @@ func (w *Worker) checkStall(full *time.Time) {
 }
 
 func (w *Worker) ready(ctx context.Context) bool {
-	if !w.running.Load() || w.draining.Load() || !w.consumer.Ready() || w.Stalled() {
+	if !w.running.Load() || w.draining.Load() || !w.tr.ready() || w.Stalled() {
 		return false
 	}
 	if w.cfg.Pool != nil && w.store != nil {

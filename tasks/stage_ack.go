@@ -1,8 +1,8 @@
 package tasks
 
 // Stage 8, ack. Receives a job whose caller has been answered, or one to
-// give back unanswered. Acknowledges its delivery (coalesced per channel by
-// the amqp package), or gives it back to the broker (a nack with requeue),
+// give back unanswered. Acknowledges its delivery, or gives it back to its
+// transport (transport.go; the AMQP transport: a nack with requeue),
 // and releases what the worker kept for it: its place among the reserved
 // deliveries and its memory charge. The delivery leaves the pipeline here.
 
@@ -16,7 +16,7 @@ import (
 // comes back from the broker and is answered from the record then.
 func (w *Worker) ack(j *job) {
 	w.forget(j)
-	if err := j.d.Ack(); err != nil {
+	if err := j.d.ack(); err != nil {
 		w.log.Info("ack failed; the broker redelivers the message", w.fields(j, zap.Error(err))...)
 	}
 }
@@ -26,7 +26,7 @@ func (w *Worker) requeue(j *job) {
 	delete(w.reserved, j)
 	w.release(j)
 	w.settled.Store(time.Now().UnixNano())
-	if err := j.d.Nack(true); err != nil {
+	if err := j.d.giveBack(); err != nil {
 		w.log.Debug("requeue failed; the broker redelivers the message when the channel closes", zap.Error(err))
 	}
 }

@@ -103,27 +103,26 @@ func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
 	w.ack(j)
 }
 
-// retry republishes a task that asked for a Celery retry (same id,
-// retries+1, eta = now + countdown, everything else copied) with a confirm,
-// tells the caller RETRY and acks. settle has already turned a retry past
+// retry sends the next try of a task that asked for a Celery retry (same
+// id, retries+1, eta = now + countdown, everything else copied) through
+// its delivery (the AMQP transport: a new message, confirmed), tells the
+// caller RETRY and acks. settle has already turned a retry past
 // the task's MaxRetries into a failure.
 func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 	next := *j.msg
 	next.Retries++
 	next.ETA = time.Now().Add(rr.Countdown)
-	next.Headers = withoutBrokerHeaders(next.Headers)
-	pub, err := celeryproto.EncodeTask(&next, celeryproto.EncodeOptions{Protocol: 2, Serializer: j.msg.Serializer()})
-	if err != nil {
-		w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
-		w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err))
-		return
-	}
-	if err := w.publish(ctx, j.d.Exchange, j.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true}); err != nil {
-		if amqp.IsPermanent(err) {
+	if err := j.d.retry(ctx, &next, rr); err != nil {
+		var ee *encodeError
+		switch {
+		case errors.As(err, &ee):
+			w.log.Error("encode retry", w.fields(j, zap.Error(err))...)
+			w.finish(ctx, j, nil, fmt.Errorf("cannot retry: %w", err))
+		case amqp.IsPermanent(err):
 			w.publishRefused(ctx, j, fmt.Errorf("publish retry: %w", err))
-			return
+		default:
+			w.recordTrouble(ctx, j, "publish retry", err)
 		}
-		w.recordTrouble(ctx, j, "publish retry", err)
 		return
 	}
 	w.m.retried.WithLabelValues(j.h.name).Inc()

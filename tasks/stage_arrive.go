@@ -37,7 +37,7 @@ func (w *Worker) arriveLoop(ctx context.Context) {
 // to the task goroutines when it is to run now. Every other outcome answers,
 // holds or gives back the delivery in the stage that decided it.
 func (w *Worker) arrive(ctx context.Context, j *job) {
-	if j.d.Stale() {
+	if j.d.stale() {
 		w.forget(j)
 		return
 	}

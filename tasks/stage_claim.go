@@ -81,7 +81,7 @@ func (o *outsideRun) claim(ctx context.Context) bool {
 		w.answerClaim(ctx, j, claim)
 		return false
 	}
-	if crashes := claim.Attempt - j.msg.Retries; j.d.Redelivered && crashes > w.cfg.MaxAttempts {
+	if crashes := claim.Attempt - j.msg.Retries; j.d.redelivered() && crashes > w.cfg.MaxAttempts {
 		// A redelivered message whose operation was claimed this often keeps
 		// killing its workers: stop the loop. Each Celery retry claims the
 		// operation once more: those claims are not counted.

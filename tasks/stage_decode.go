@@ -1,8 +1,9 @@
 package tasks
 
 // Stage 1, decode. Receives a job from the arrival goroutines' queue, its
-// delivery charged what decoding it may take (memory.go). Hands on the job
-// with its Celery message (j.msg), charged what the message really costs. A
+// delivery charged what decoding it may take (memory.go). Decodes the
+// delivery's Celery wire form (delivery.wire, transport.go), whatever its
+// transport. Hands on the job with its Celery message (j.msg), charged what the message really costs. A
 // delivery that cannot be decoded, or that came more often than
 // Config.MaxAttempts, is answered and quarantined here.
 
@@ -15,12 +16,11 @@ import (
 )
 
 // decode decodes j's delivery through the memory budget (w.dec) and checks
-// the broker's delivery count against Config.MaxAttempts. It answers the
+// its transport's delivery count against Config.MaxAttempts. It answers the
 // delivery (a FAILURE when its caller can be named, then quarantine) and
 // returns false when the delivery goes no further.
 func (w *Worker) decode(ctx context.Context, j *job) bool {
-	d := j.d
-	msg, err := w.dec.Decode(&d.Delivery)
+	msg, err := w.dec.Decode(j.d.wire())
 	if err != nil {
 		w.quarantineUndecodable(ctx, j, err)
 		return false
@@ -28,8 +28,8 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 	w.mu.Lock() // Reserved reads it
 	j.msg = msg
 	w.mu.Unlock()
-	if d.DeliveryCount > w.cfg.MaxAttempts {
-		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", d.DeliveryCount, w.cfg.MaxAttempts))
+	if n := j.d.deliveryCount(); n > w.cfg.MaxAttempts {
+		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", n, w.cfg.MaxAttempts))
 		return false
 	}
 	return true
@@ -71,7 +71,7 @@ func (m *memDecoder) Decode(d *celeryproto.Delivery) (*celeryproto.Message, erro
 // FAILURE ContentDisallowed for pickle, DecodeError otherwise: what kombu
 // raises for such a body.
 func (w *Worker) quarantineUndecodable(ctx context.Context, j *job, cause error) {
-	d := j.d
+	d := j.d.wire()
 	id, _ := d.Headers["id"].(string)
 	if id == "" {
 		id = d.CorrelationID

@@ -11,7 +11,6 @@ package tasks
 import (
 	"context"
 	"fmt"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -75,24 +74,19 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 }
 
 // rehold ends a hold of Config.MaxHold before the delivery's ETA: a copy of
-// the message goes to the queue it came from (default exchange, confirmed),
-// then the delivery is acknowledged; the copy arrives as a fresh delivery
+// the message goes back to the queue it came from (republishHeld), then the
+// delivery is acknowledged; the copy arrives as a fresh delivery
 // and is held in its place. A crash in between leaves two copies with the
 // same task id: the record answers the second.
 func (w *Worker) rehold(ctx context.Context, j *job) {
 	w.republishHeld(ctx, j, "held delivery republished (max hold reached before its ETA)")
 }
 
-// republishHeld publishes a copy of j's message to the queue it came from
-// (default exchange, confirmed), then acknowledges the delivery; msg is the
-// debug log line.
+// republishHeld puts a copy of j's message back on the queue it came from
+// (delivery.republish; the AMQP transport: default exchange, confirmed),
+// then acknowledges the delivery; msg is the debug log line.
 func (w *Worker) republishHeld(ctx context.Context, j *job, msg string) {
-	d := j.d
-	p := &celeryproto.Publishing{
-		ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: withoutBrokerHeaders(d.Headers),
-		Body: d.Body, CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
-	}
-	if err := w.publish(ctx, "", d.Queue, p, amqp.PublishOptions{Mandatory: true}); err != nil {
+	if err := j.d.republish(ctx, j.msg.ETA); err != nil {
 		if amqp.IsPermanent(err) {
 			w.publishRefused(ctx, j, fmt.Errorf("republish held delivery: %w", err))
 			return
@@ -119,7 +113,7 @@ func (w *Worker) unhold(j *job) bool {
 	return true
 }
 
-// applyPrefetch sets the consumer's prefetch to Config.Prefetch plus the
+// applyPrefetch sets the transport's prefetch window to Config.Prefetch plus the
 // deliveries held for their ETA. Calls are serialized and each applies the
 // count of its time, so the last one wins with the latest count.
 func (w *Worker) applyPrefetch() {
@@ -131,7 +125,7 @@ func (w *Worker) applyPrefetch() {
 	if n > 65535 {
 		n = 65535
 	}
-	if err := w.consumer.SetPrefetch(n); err != nil {
+	if err := w.tr.setPrefetch(n); err != nil {
 		w.log.Warn("set prefetch for ETA deliveries", zap.Int("prefetch", n), zap.Error(err))
 	}
 }
@@ -144,7 +138,7 @@ func (w *Worker) dropStaleHeld() {
 	dropped := 0
 	w.mu.Lock()
 	for j := range w.held {
-		if !j.d.Stale() {
+		if !j.d.stale() {
 			continue
 		}
 		if t, ok := w.timers[j]; ok {
@@ -162,31 +156,4 @@ func (w *Worker) dropStaleHeld() {
 		w.log.Info("held ETA deliveries lost with their channel; the broker redelivers them", zap.Int("count", dropped))
 		w.applyPrefetch()
 	}
-}
-
-// withoutBrokerHeaders returns h without the headers the broker sets on a
-// delivery (x-delivery-count, dead-lettering history): a new message that
-// copies them would look redelivered (a quorum queue's delivery count is
-// what the poison check reads). h itself is not changed.
-func withoutBrokerHeaders(h map[string]any) map[string]any {
-	drop := func(k string) bool {
-		return k == "x-delivery-count" || k == "x-death" || strings.HasPrefix(k, "x-first-death-") ||
-			strings.HasPrefix(k, "x-last-death-")
-	}
-	n := 0
-	for k := range h {
-		if drop(k) {
-			n++
-		}
-	}
-	if n == 0 {
-		return h
-	}
-	out := make(map[string]any, len(h)-n)
-	for k, v := range h {
-		if !drop(k) {
-			out[k] = v
-		}
-	}
-	return out
 }

@@ -17,7 +17,6 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/pause"
@@ -189,7 +188,7 @@ func (o *outsideRun) settleAbandoned(ctx context.Context) bool {
 }
 
 // heldMessage is the form of a delivery kept in a held record, so that it
-// can be republished as it came (DecodeHeld).
+// can be republished as it came (DecodeHeld); amqpDelivery.keep writes it.
 type heldMessage struct {
 	Exchange    string                  `json:"exchange"`
 	RoutingKey  string                  `json:"routing_key"`
@@ -204,25 +203,12 @@ type heldMessage struct {
 // hold): the operation is held all the same, without a message for
 // 'onceler resolve --retry' to replay.
 func (w *Worker) heldCopy(j *job) []byte {
-	b, err := encodeHeld(j.d)
+	b, err := j.d.keep()
 	if err != nil {
 		w.log.Error("the held operation keeps no copy of its message: it cannot be encoded", w.fields(j, zap.Error(err))...)
 		return nil
 	}
 	return b
-}
-
-func encodeHeld(d *amqp.Delivery) ([]byte, error) {
-	h := heldMessage{Exchange: d.Exchange, RoutingKey: d.RoutingKey, Queue: d.Queue, CapturedAt: time.Now().UTC(),
-		Redelivered: d.Redelivered, Publishing: &celeryproto.Publishing{
-			ContentType: d.ContentType, ContentEncoding: d.ContentEncoding, Headers: d.Headers, Body: d.Body,
-			CorrelationID: d.CorrelationID, ReplyTo: d.ReplyTo, DeliveryMode: 2, Priority: d.Priority,
-		}}
-	b, err := json.Marshal(h)
-	if err != nil {
-		return nil, fmt.Errorf("encode held message: %w", err)
-	}
-	return b, nil
 }
 
 // DecodeHeld reads the message kept in a held record (idempotency

@@ -27,12 +27,14 @@ type Worker struct {
 	log      *zap.Logger
 	store    *idempotency.Store
 	ownStore bool
-	consumer *amqp.Consumer
-	pub      *amqp.Publisher
-	dec      *memDecoder
-	backend  resultBackend // nil: rpc://
-	m        *metrics
-	started  time.Time // guarded by mu: Stats reads it
+	// tr brings the deliveries (transport.go); pub publishes to the
+	// Celery broker: results (rpc://) and workflow steps.
+	tr      transport
+	pub     *amqp.Publisher
+	dec     *memDecoder
+	backend resultBackend // nil: rpc://
+	m       *metrics
+	started time.Time // guarded by mu: Stats reads it
 
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).
 	kill    func()
@@ -174,10 +176,8 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		w.closeStore()
 		return nil, err
 	}
-	tag := cfg.Hostname
-	w.consumer = amqp.NewConsumer(cfg.Broker, amqp.ConsumerConfig{Queues: cfg.Queues, Prefetch: cfg.Prefetch, Tag: tag,
-		DrainTimeout: cfg.Grace + 10*time.Second})
 	w.pub = amqp.NewPublisher(cfg.Broker)
+	w.tr = newAMQPTransport(&w.cfg, w.pub)
 	return w, nil
 }
 
@@ -207,7 +207,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.running.Store(true)
 	defer w.running.Store(false)
 	defer w.closeStore()
-	defer func() { _ = w.pub.Close() }()
+	defer func() { _ = w.tr.close() }()
 	defer w.closeBackend()
 	if err := w.checkSchema(ctx); err != nil {
 		return err
@@ -218,11 +218,8 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.mu.Unlock()
 	w.settled.Store(time.Now().UnixNano())
 
-	for _, q := range w.cfg.Queues {
-		spec := amqp.QueueSpec{Name: quarantineName(q.Name), Durable: true}
-		if err := w.pub.Declare(ctx, spec); err != nil {
-			return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
-		}
+	if err := w.tr.prepare(ctx); err != nil {
+		return err
 	}
 	// Stopped when Run returns: worker-offline goes once the tasks are done.
 	defer w.runControl(ctx)()
@@ -257,7 +254,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	consCtx, consCancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer consCancel()
 	consDone := make(chan error, 1)
-	go func() { consDone <- w.consumer.Run(consCtx, w.receive) }()
+	go func() { consDone <- w.tr.consume(consCtx, w.receive) }()
 	var watch sync.WaitGroup
 	watch.Add(2)
 	go func() {
@@ -377,7 +374,7 @@ func (w *Worker) watchReconnects(ctx context.Context) {
 			w.sweepCharges()
 			w.mu.Unlock()
 		}
-		now := w.consumer.Ready()
+		now := w.tr.ready()
 		switch {
 		case was && !now:
 			lost = true
@@ -389,13 +386,10 @@ func (w *Worker) watchReconnects(ctx context.Context) {
 	}
 }
 
-// quarantineName is the quarantine queue of queue q.
-func quarantineName(q string) string { return q + ".quarantine" }
-
-// receive is the consumer's handler: it must not block.
-func (w *Worker) receive(d *amqp.Delivery) {
+// receive is the transport's handler: it must not block.
+func (w *Worker) receive(d delivery) {
 	if w.draining.Load() {
-		_ = d.Nack(true)
+		_ = d.giveBack()
 		return
 	}
 	j := &job{d: d, received: time.Now()}
@@ -430,7 +424,7 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 		w.requeue(j)
 		return
 	}
-	if j.d.Stale() {
+	if j.d.stale() {
 		// Its channel is gone: the broker redelivers it.
 		delete(w.reserved, j)
 		w.release(j)

@@ -282,8 +282,10 @@ func (w *Worker) route(j *job, task string, o map[string]any) (exchange, routing
 	if q := w.cfg.Routes[task]; q != "" {
 		return "", q, q
 	}
-	if _, ok := w.reg.get(task); ok && j.d.Queue != "" {
-		return "", j.d.Queue, j.d.Queue
+	if q := j.d.origin().Queue; q != "" {
+		if _, ok := w.reg.get(task); ok {
+			return "", q, q
+		}
 	}
 	return "", "celery", "celery"
 }

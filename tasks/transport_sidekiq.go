@@ -1,0 +1,317 @@
+package tasks
+
+// The Sidekiq transport (transport.go): Sidekiq jobs from Redis, through a
+// client with a reliable fetch (sidekiqClient: package sidekiq's Client
+// satisfies it with J = *sidekiq.Job). A fetched job sits in the process's
+// working list until the client settles it: Done when answered (ack),
+// Requeue (giveBack), Schedule (republish), Retry (retry: Sidekiq's retry
+// set and backoff, its dead set once retries are used up) or Kill
+// (quarantine: the dead set). Each move settles the job at once, so the ack
+// that follows it sends nothing. A delivery is held by leaving it in the
+// working list; it is stale once the client says the job is no longer its
+// own (another process recovered it, taking this one for dead). The worker
+// reads the job in Celery's wire form: task name its class, task id its jid,
+// its args, retries its retry_count + 1, and its idempotency_key header.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
+)
+
+// sidekiqClient is what the Sidekiq transport needs of a client whose jobs
+// are of type J. Fetch moves a job into the process's working list; on a
+// job that cannot be decoded it returns the job (enough of it to Kill) and
+// the error. Done, Requeue, Schedule, Retry and Kill take the job out of
+// the working list, each atomically with its move.
+type sidekiqClient[J comparable] interface {
+	Fetch(ctx context.Context) (J, error)
+	Done(ctx context.Context, j J) error
+	Requeue(ctx context.Context, j J) error
+	Schedule(ctx context.Context, j J, at time.Time) error
+	Retry(ctx context.Context, j J, errClass, errMsg string, backtrace []string) (dead bool, err error)
+	Kill(ctx context.Context, j J, errClass, errMsg string) error
+	Close() error
+}
+
+// sidekiqJob is what the transport reads of a job (sidekiqTransport.view).
+type sidekiqJob struct {
+	Queue, Class, JID, IdempotencyKey string
+	// Args are the positional arguments, numbers as json.Number.
+	Args []any
+	// RetryCount is the job's retry_count: -1 when it never failed.
+	RetryCount int
+	// Recovered: the job came back from the working list of a process
+	// taken for dead, and a run of it may have begun.
+	Recovered bool
+}
+
+// sidekiqTransport consumes through client, at most the prefetch window's
+// jobs unsettled at once.
+type sidekiqTransport[J comparable] struct {
+	client sidekiqClient[J]
+	view   func(J) sidekiqJob
+	// notHeld is the client's error (wrapped) for a job no longer in its
+	// working list (sidekiq.ErrNotHeld).
+	notHeld error
+
+	mu       sync.Mutex
+	out      int // jobs fetched and not settled
+	prefetch int
+	limit    int // the window's cap for the memory budget (0: none)
+	kick     chan struct{}
+	failing  atomic.Bool // the last fetch failed
+}
+
+func newSidekiqTransport[J comparable](client sidekiqClient[J], view func(J) sidekiqJob, notHeld error, prefetch int) *sidekiqTransport[J] {
+	return &sidekiqTransport[J]{client: client, view: view, notHeld: notHeld, prefetch: prefetch, kick: make(chan struct{}, 1)}
+}
+
+func (t *sidekiqTransport[J]) prepare(context.Context) error { return nil }
+
+// consume fetches while the window has room, until ctx is done. A fetch
+// that fails (Redis away) is tried again, at growing intervals up to 5 s.
+func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery)) error {
+	var zero J
+	for failures := 0; ; {
+		if !t.reserve(ctx) {
+			return nil
+		}
+		j, err := t.client.Fetch(ctx)
+		if j == zero {
+			t.unreserve()
+			if ctx.Err() != nil {
+				return nil
+			}
+			t.failing.Store(true)
+			if !pause.For(ctx, min(100*time.Millisecond<<min(failures, 6), 5*time.Second)) {
+				return nil
+			}
+			failures++
+			continue
+		}
+		failures = 0
+		t.failing.Store(false)
+		receive(t.newDelivery(j, err))
+	}
+}
+
+// reserve waits for room in the window and takes a place in it.
+func (t *sidekiqTransport[J]) reserve(ctx context.Context) bool {
+	for {
+		t.mu.Lock()
+		n := t.prefetch
+		if t.limit > 0 {
+			n = min(n, t.limit)
+		}
+		ok := t.out < max(n, 1)
+		if ok {
+			t.out++
+		}
+		t.mu.Unlock()
+		if ok {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.kick:
+		}
+	}
+}
+
+// unreserve gives a place in the window back.
+func (t *sidekiqTransport[J]) unreserve() {
+	t.mu.Lock()
+	t.out--
+	t.mu.Unlock()
+	t.wake()
+}
+
+func (t *sidekiqTransport[J]) wake() {
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (t *sidekiqTransport[J]) ready() bool { return !t.failing.Load() }
+
+func (t *sidekiqTransport[J]) setPrefetch(n int) error {
+	t.mu.Lock()
+	t.prefetch = n
+	t.mu.Unlock()
+	t.wake()
+	return nil
+}
+
+func (t *sidekiqTransport[J]) setWindowLimit(n int) error {
+	t.mu.Lock()
+	t.limit = n
+	t.mu.Unlock()
+	t.wake()
+	return nil
+}
+
+func (t *sidekiqTransport[J]) fixedWindow() bool { return false }
+func (t *sidekiqTransport[J]) close() error      { return t.client.Close() }
+
+// newDelivery is the delivery of a fetched job; decodeErr is why the
+// client could not decode it (nil: it could).
+func (t *sidekiqTransport[J]) newDelivery(j J, decodeErr error) *sidekiqDelivery[J] {
+	v := t.view(j)
+	return &sidekiqDelivery[J]{t: t, job: j, v: v, w: sidekiqWire(v, decodeErr)}
+}
+
+// sidekiqWire is a job in Celery's wire form: a protocol 2 JSON message. A
+// job that cannot be read (decodeErr) or written in that form has its
+// HeadersError set, so that the decode stage refuses it and it goes to the
+// dead set.
+func sidekiqWire(v sidekiqJob, decodeErr error) *celeryproto.Delivery {
+	err := decodeErr
+	if err == nil {
+		m := &celeryproto.Message{Task: v.Class, ID: v.JID, Args: rawNumbers(v.Args).([]any), Retries: max(v.RetryCount+1, 0)}
+		if v.IdempotencyKey != "" {
+			m.Headers = map[string]any{"idempotency_key": v.IdempotencyKey}
+		}
+		var p *celeryproto.Publishing
+		if p, err = celeryproto.EncodeTask(m, celeryproto.EncodeOptions{Protocol: 2}); err == nil {
+			return &celeryproto.Delivery{ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: p.Headers,
+				Body: p.Body, CorrelationID: p.CorrelationID, DeliveryMode: 2, Redelivered: v.Recovered}
+		}
+	}
+	return &celeryproto.Delivery{ContentType: "application/json", ContentEncoding: "utf-8",
+		HeadersError: fmt.Errorf("sidekiq job: %w", err), Redelivered: v.Recovered}
+}
+
+// rawNumbers is v with each json.Number turned into the JSON it came as,
+// which the encoder writes unchanged (it would write a json.Number as a
+// string).
+func rawNumbers(v any) any {
+	switch x := v.(type) {
+	case json.Number:
+		return json.RawMessage(x)
+	case []any:
+		out := make([]any, len(x))
+		for i, e := range x {
+			out[i] = rawNumbers(e)
+		}
+		return out
+	case map[string]any:
+		out := make(map[string]any, len(x))
+		for k, e := range x {
+			out[k] = rawNumbers(e)
+		}
+		return out
+	}
+	return v
+}
+
+// sidekiqDelivery is a delivery of the Sidekiq transport.
+type sidekiqDelivery[J comparable] struct {
+	t   *sidekiqTransport[J]
+	job J
+	v   sidekiqJob
+	w   *celeryproto.Delivery
+	// settled: the job left the working list (or is no longer this
+	// process's); gone: it left it to another process (stale).
+	settled, gone atomic.Bool
+}
+
+func (d *sidekiqDelivery[J]) wire() *celeryproto.Delivery { return d.w }
+func (d *sidekiqDelivery[J]) origin() origin              { return origin{Queue: d.v.Queue} }
+func (d *sidekiqDelivery[J]) redelivered() bool           { return d.v.Recovered }
+func (d *sidekiqDelivery[J]) deliveryCount() int          { return 0 }
+func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load() }
+
+// settle runs op, a client call that takes the job out of the working
+// list, unless a move (republish, retry, quarantine) took it out already:
+// the ack that follows a move sends nothing. The job's place in the window
+// is given back once it is out, or when last is set (ack, giveBack: the
+// worker is done with it; a job left in the working list by a failed call
+// comes back when this process is taken for dead).
+func (d *sidekiqDelivery[J]) settle(op func() error, last bool) error {
+	if d.settled.Load() {
+		return nil
+	}
+	err := op()
+	if err != nil && errors.Is(err, d.t.notHeld) {
+		d.gone.Store(true)
+	}
+	if (err == nil || d.gone.Load() || last) && !d.settled.Swap(true) {
+		d.t.unreserve()
+	}
+	return err
+}
+
+func (d *sidekiqDelivery[J]) ack() error {
+	return d.settle(func() error {
+		ctx, cancel := final(context.Background())
+		defer cancel()
+		return d.t.client.Done(ctx, d.job)
+	}, true)
+}
+
+func (d *sidekiqDelivery[J]) giveBack() error {
+	return d.settle(func() error {
+		ctx, cancel := final(context.Background())
+		defer cancel()
+		return d.t.client.Requeue(ctx, d.job)
+	}, true)
+}
+
+// republish moves the job to the schedule set, due at eta (now when it has
+// none or it passed).
+func (d *sidekiqDelivery[J]) republish(ctx context.Context, eta time.Time) error {
+	return d.settle(func() error {
+		if now := time.Now(); eta.Before(now) {
+			eta = now
+		}
+		return d.t.client.Schedule(ctx, d.job, eta)
+	}, false)
+}
+
+// retry hands the job to Sidekiq's retry (its own backoff: next's ETA is
+// not used), with the retry's cause as the job's error.
+func (d *sidekiqDelivery[J]) retry(ctx context.Context, _ *celeryproto.Message, rr *RetryRequest) error {
+	class, msg := "Retry", rr.Error()
+	if rr.Cause != nil {
+		exc := exceptionFor(rr.Cause)
+		class, msg = exc.Type, exc.Message
+	}
+	return d.settle(func() error {
+		_, err := d.t.client.Retry(ctx, d.job, class, msg, nil)
+		return err
+	}, false)
+}
+
+// quarantine moves the job to the dead set, its error class the reason
+// (onceler.<reason>) and its message the detail.
+func (d *sidekiqDelivery[J]) quarantine(ctx context.Context, ours map[string]any) error {
+	reason, _ := ours[HeaderReason].(string)
+	detail, _ := ours[HeaderDetail].(string)
+	return d.settle(func() error { return d.t.client.Kill(ctx, d.job, "onceler."+reason, clip.String(detail, maxDetail)) }, false)
+}
+
+// keep: a held record keeps no Sidekiq job (DecodeHeld reads Celery
+// messages only).
+func (d *sidekiqDelivery[J]) keep() ([]byte, error) {
+	return nil, errors.New("a Sidekiq job is not kept for replay")
+}
+
+// The Sidekiq transport is a transport, and its deliveries are deliveries,
+// whatever its client's job type.
+var (
+	_ transport = (*sidekiqTransport[*sidekiqJob])(nil)
+	_ delivery  = (*sidekiqDelivery[*sidekiqJob])(nil)
+	_ transport = (*amqpTransport)(nil)
+	_ delivery  = (*amqpDelivery)(nil)
+)

@@ -1,0 +1,262 @@
+package tasks
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// fakeSidekiq is a client of the Sidekiq transport in memory: its queue, its
+// working list and the calls that settled its jobs, in order.
+type fakeSidekiq struct {
+	mu      sync.Mutex
+	queue   []*sidekiqJob
+	working map[*sidekiqJob]bool
+	calls   []string
+	added   chan struct{}
+}
+
+var errFakeNotHeld = errors.New("fake: job is not in the working list")
+
+func newFakeSidekiq(jobs ...*sidekiqJob) *fakeSidekiq {
+	return &fakeSidekiq{queue: jobs, working: map[*sidekiqJob]bool{}, added: make(chan struct{}, 1)}
+}
+
+func (f *fakeSidekiq) Fetch(ctx context.Context) (*sidekiqJob, error) {
+	for {
+		f.mu.Lock()
+		if len(f.queue) > 0 {
+			j := f.queue[0]
+			f.queue = f.queue[1:]
+			f.working[j] = true
+			f.mu.Unlock()
+			if j.Class == "" {
+				return j, errors.New("job has no class")
+			}
+			return j, nil
+		}
+		f.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-f.added:
+		}
+	}
+}
+
+// take records op on j and takes j out of the working list.
+func (f *fakeSidekiq) take(op string, j *sidekiqJob) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.working[j] {
+		return fmt.Errorf("%s %s: %w", op, j.JID, errFakeNotHeld)
+	}
+	delete(f.working, j)
+	f.calls = append(f.calls, op+" "+j.JID)
+	return nil
+}
+
+func (f *fakeSidekiq) Done(_ context.Context, j *sidekiqJob) error    { return f.take("done", j) }
+func (f *fakeSidekiq) Requeue(_ context.Context, j *sidekiqJob) error { return f.take("requeue", j) }
+func (f *fakeSidekiq) Schedule(_ context.Context, j *sidekiqJob, at time.Time) error {
+	if time.Until(at) < -time.Second {
+		return fmt.Errorf("scheduled in the past: %s", at)
+	}
+	return f.take("schedule", j)
+}
+func (f *fakeSidekiq) Retry(_ context.Context, j *sidekiqJob, class, msg string, _ []string) (bool, error) {
+	return false, f.take("retry "+class+": "+msg, j)
+}
+func (f *fakeSidekiq) Kill(_ context.Context, j *sidekiqJob, class, msg string) error {
+	return f.take("kill "+class+": "+msg, j)
+}
+func (f *fakeSidekiq) Close() error { return nil }
+
+func (f *fakeSidekiq) callLog() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.calls...)
+}
+
+// lose takes j out of the working list, as another process recovering it
+// does.
+func (f *fakeSidekiq) lose(j *sidekiqJob) {
+	f.mu.Lock()
+	delete(f.working, j)
+	f.mu.Unlock()
+}
+
+func newFakeTransport(f *fakeSidekiq, prefetch int) *sidekiqTransport[*sidekiqJob] {
+	return newSidekiqTransport[*sidekiqJob](f, func(j *sidekiqJob) sidekiqJob { return *j }, errFakeNotHeld, prefetch)
+}
+
+// consumeFake runs t.consume until the test ends, handing the deliveries
+// to the channel returned.
+func consumeFake(t *testing.T, tr *sidekiqTransport[*sidekiqJob]) <-chan delivery {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan delivery, 100)
+	done := make(chan error, 1)
+	go func() { done <- tr.consume(ctx, func(d delivery) { out <- d }) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("consume returned %v after its context ended, want nil", err)
+		}
+	})
+	return out
+}
+
+func nextDelivery(t *testing.T, ds <-chan delivery) delivery {
+	t.Helper()
+	select {
+	case d := <-ds:
+		return d
+	case <-time.After(5 * time.Second):
+		t.Fatal("no delivery within 5 s")
+		return nil
+	}
+}
+
+func noDelivery(t *testing.T, ds <-chan delivery, why string) {
+	t.Helper()
+	select {
+	case d := <-ds:
+		t.Fatalf("%s: got a delivery of %s", why, d.origin().Queue)
+	case <-time.After(150 * time.Millisecond):
+	}
+}
+
+// TestSidekiqWireForm: a Sidekiq job reaches the decode stage as a Celery
+// message: task name its class, id its jid, its arguments with integers
+// and floats as they were sent, retries its retry_count + 1, and its
+// idempotency key where the bind stage reads it. A job the client could
+// not decode is refused by the Celery decoder, naming why.
+func TestSidekiqWireForm(t *testing.T) {
+	t.Parallel()
+	dec := celeryproto.NewDecoder(celeryproto.Limits{})
+	j := sidekiqJob{Queue: "default", Class: "Billing::Charge", JID: "b1c2d3", IdempotencyKey: "order-42",
+		Args:       []any{json.Number("42"), "x", nil, map[string]any{"amount": json.Number("9.5"), "ids": []any{json.Number("7")}}},
+		RetryCount: 2}
+	m, err := dec.Decode(sidekiqWire(j, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Task != j.Class || m.ID != j.JID || m.Retries != 3 || m.Headers["idempotency_key"] != "order-42" {
+		t.Errorf("decoded task %q id %q retries %d idempotency_key %v, want %q %q 3 order-42",
+			m.Task, m.ID, m.Retries, m.Headers["idempotency_key"], j.Class, j.JID)
+	}
+	if len(m.Args) != 4 || m.Args[0] != int64(42) || m.Args[1] != "x" || m.Args[2] != nil {
+		t.Fatalf("args %#v, want [42 x nil {...}]", m.Args)
+	}
+	kw, _ := m.Args[3].(map[string]any)
+	if ids, _ := kw["ids"].([]any); kw["amount"] != 9.5 || len(ids) != 1 || ids[0] != int64(7) {
+		t.Errorf("args[3] = %#v, want amount 9.5 and ids [7]", m.Args[3])
+	}
+	if fresh, err := dec.Decode(sidekiqWire(sidekiqJob{Class: "C", JID: "j", RetryCount: -1}, nil)); err != nil || fresh.Retries != 0 || len(fresh.Args) != 0 {
+		t.Errorf("a job never retried, without arguments: %+v, %v; want retries 0, no args", fresh, err)
+	}
+
+	_, err = dec.Decode(sidekiqWire(sidekiqJob{Queue: "default"}, errors.New("job has no class")))
+	if !errors.Is(err, celeryproto.ErrBadHeader) || !strings.Contains(err.Error(), "job has no class") {
+		t.Errorf("an undecodable job decoded with %v, want ErrBadHeader naming the cause", err)
+	}
+}
+
+// TestSidekiqWindow: the transport holds at most the prefetch window's
+// jobs unsettled, and the memory budget's cap lowers it.
+func TestSidekiqWindow(t *testing.T) {
+	t.Parallel()
+	var jobs []*sidekiqJob
+	for i := range 6 {
+		jobs = append(jobs, &sidekiqJob{Queue: "q", Class: "C", JID: fmt.Sprint("j", i), RetryCount: -1})
+	}
+	f := newFakeSidekiq(jobs...)
+	tr := newFakeTransport(f, 2)
+	ds := consumeFake(t, tr)
+	a, b := nextDelivery(t, ds), nextDelivery(t, ds)
+	noDelivery(t, ds, "two unsettled under a window of 2")
+	if err := a.ack(); err != nil {
+		t.Fatal(err)
+	}
+	c := nextDelivery(t, ds)
+	if err := tr.setWindowLimit(1); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.ack(); err != nil {
+		t.Fatal(err)
+	}
+	noDelivery(t, ds, "one unsettled under a cap of 1")
+	if err := c.giveBack(); err != nil {
+		t.Fatal(err)
+	}
+	d := nextDelivery(t, ds)
+	if err := tr.setWindowLimit(0); err != nil {
+		t.Fatal(err)
+	}
+	e := nextDelivery(t, ds)
+	noDelivery(t, ds, "two unsettled, the cap removed")
+	for _, x := range []delivery{d, e} {
+		if err := x.ack(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []string{"done j0", "done j1", "requeue j2", "done j3", "done j4"}
+	if got := f.callLog(); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("calls %v, want %v", got, want)
+	}
+}
+
+// TestSidekiqSettle: each move settles the job once at the client (the ack
+// after it sends nothing), and a job another process took back is stale.
+func TestSidekiqSettle(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	jobs := []*sidekiqJob{
+		{Queue: "q", Class: "C", JID: "quarantined"}, {Queue: "q", Class: "C", JID: "retried"},
+		{Queue: "q", Class: "C", JID: "scheduled"}, {Queue: "q", Class: "C", JID: "lost"},
+	}
+	f := newFakeSidekiq(jobs...)
+	tr := newFakeTransport(f, 10)
+	ds := consumeFake(t, tr)
+	q, r, s, l := nextDelivery(t, ds), nextDelivery(t, ds), nextDelivery(t, ds), nextDelivery(t, ds)
+
+	if err := q.quarantine(ctx, map[string]any{HeaderReason: ReasonPoison, HeaderDetail: "delivered 6 times"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.retry(ctx, nil, &RetryRequest{Countdown: time.Second, Cause: &PythonError{Type: "IOError", Module: "builtins", Message: "gateway away"}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.republish(ctx, time.Time{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []delivery{q, r, s} {
+		if err := d.ack(); err != nil {
+			t.Errorf("ack after a move: %v", err)
+		}
+	}
+	f.lose(jobs[3])
+	if l.stale() {
+		t.Error("stale before the transport knew")
+	}
+	if err := l.ack(); !errors.Is(err, errFakeNotHeld) || !l.stale() {
+		t.Errorf("ack of a job recovered by another process: %v, stale %v; want not held, stale", err, l.stale())
+	}
+	want := []string{"kill onceler.poison: delivered 6 times quarantined", "retry IOError: gateway away retried", "schedule scheduled"}
+	if got := f.callLog(); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("calls %q, want %q", got, want)
+	}
+	tr.mu.Lock()
+	out := tr.out
+	tr.mu.Unlock()
+	if out != 1 {
+		t.Errorf("%d places in the window taken, want 1 (the fetch waiting for a fifth job)", out)
+	}
+}
