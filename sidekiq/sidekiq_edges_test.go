@@ -3,10 +3,15 @@ package sidekiq
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
+	"net/url"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap/zaptest"
 )
 
 // stall makes c look like a process that stopped beating (a long GC
@@ -252,5 +257,144 @@ func TestEdgeScheduleTwoIdenticalJobsKeepsBoth(t *testing.T) {
 	n := e.rdb.ZCard(ctx, keySchedule).Val()
 	if err1 == nil && err2 == nil && n != 2 {
 		t.Fatalf("two jobs scheduled without error, the schedule set holds %d; the working list %d", n, e.llen(WorkingKey(c.Identity(), "dup")))
+	}
+}
+
+// dropProxy forwards TCP to Redis; when armed, it drops the next reply
+// from Redis by closing that connection (a connection reset after Redis
+// ran the command: a network blip, a proxy or load balancer restart).
+type dropProxy struct {
+	ln      net.Listener
+	target  string
+	armed   atomic.Bool
+	dropped atomic.Int32
+}
+
+func newDropProxy(t *testing.T, target string) *dropProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &dropProxy{ln: ln, target: target}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go p.handle(c)
+		}
+	}()
+	return p
+}
+
+func (p *dropProxy) handle(client net.Conn) {
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		_ = client.Close()
+		return
+	}
+	go func() {
+		_, _ = io.Copy(server, client)
+		_ = server.Close()
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := server.Read(buf)
+		if n > 0 {
+			if p.armed.CompareAndSwap(true, false) {
+				p.dropped.Add(1)
+				_ = client.Close()
+				_ = server.Close()
+				return
+			}
+			if _, err := client.Write(buf[:n]); err != nil {
+				_ = server.Close()
+				return
+			}
+		}
+		if err != nil {
+			_ = client.Close()
+			return
+		}
+	}
+}
+
+// When the reply to Fetch's move is lost (the connection drops after Redis
+// ran it), the job moved is in this live process's working list but no
+// caller has it: go-redis retries the script, which moves the next job,
+// and the first one stays there, unsettled and unrecovered, for as long as
+// the process lives.
+func TestEdgeFetchReplyLostDoesNotStrandJob(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	u, err := url.Parse(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newDropProxy(t, u.Host)
+	u.Host = proxy.ln.Addr().String()
+	jids := pushMany(e, "blip", 2, "W")
+	c, err := New(Config{URL: u.String(), Queues: []string{"blip"}, Logger: zaptest.NewLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if err := fetchScript.Load(ctx, e.rdb).Err(); err != nil { // the reply dropped is the move's
+		t.Fatal(err)
+	}
+	proxy.armed.Store(true)
+	j, err := c.Fetch(ctx)
+	if proxy.dropped.Load() != 1 {
+		t.Fatalf("no reply dropped (Fetch: %v)", err)
+	}
+	held := 0
+	if err == nil {
+		held = 1
+		if err := c.Done(ctx, j); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stranded := e.lrange(WorkingKey(c.Identity(), "blip"))
+	if len(stranded) != 0 {
+		t.Fatalf("Fetch handed out %d job(s) (err %v), and %d job(s) stay in the working list of the live process with no holder (queue holds %d; pushed %v)",
+			held, err, len(stranded), e.llen("queue:blip"), jids)
+	}
+}
+
+// When the reply to Done is lost after Redis ran it, go-redis runs the
+// script again, which finds nothing and reports ErrNotHeld: the caller is
+// told that the job was recovered and will run again, and that nothing was
+// written, while the job was in fact finished and is gone.
+func TestEdgeDoneReplyLostIsNotErrNotHeld(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	u, err := url.Parse(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newDropProxy(t, u.Host)
+	u.Host = proxy.ln.Addr().String()
+	pushMany(e, "blip2", 1, "W")
+	c, err := New(Config{URL: u.String(), Queues: []string{"blip2"}, Logger: zaptest.NewLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	j := fetch(t, c, 5*time.Second)
+	if err := settleScript.Load(ctx, e.rdb).Err(); err != nil {
+		t.Fatal(err)
+	}
+	proxy.armed.Store(true)
+	err = c.Done(ctx, j)
+	if proxy.dropped.Load() != 1 {
+		t.Fatalf("no reply dropped (Done: %v)", err)
+	}
+	if errors.Is(err, ErrNotHeld) && e.llen("queue:blip2") == 0 && e.llen(WorkingKey(c.Identity(), "blip2")) == 0 {
+		t.Fatalf("Done: %v, but the job was not recovered: it was finished and is nowhere, it will not run again", err)
 	}
 }
