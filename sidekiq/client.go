@@ -67,7 +67,7 @@ func WorkingKey(identity, q string) string { return keyWorkingReg + ":" + identi
 // ErrNotHeld is returned (wrapped) by Done, Requeue, Retry, Kill and
 // Schedule when the job is not in this process's working list any more:
 // it was recovered to its queue by another process, which took this one
-// for dead, and will run again. Nothing was written.
+// for dead, or by RequeueAll, and will run again. Nothing was written.
 var ErrNotHeld = errors.New("sidekiq: job is not in the working list")
 
 // A Client fetches Sidekiq jobs reliably and reports to Sidekiq as a
@@ -380,11 +380,11 @@ func (c *Client) settle(ctx context.Context, j *Job, mode, target, payload strin
 			return nil
 		}
 		// The set holds this very string: store a distinct copy.
-		if msg == nil {
-			if j.Fields == nil || copies > 1000 {
-				return fmt.Errorf("sidekiq: %s job %s from %s: %s holds the same job already", mode, j.JID, j.Queue, target)
-			}
+		if msg == nil && j.Fields != nil {
 			msg = cloneMap(j.Fields)
+		}
+		if msg == nil || copies > 1000 {
+			return fmt.Errorf("sidekiq: %s job %s from %s: %s holds the same job already", mode, j.JID, j.Queue, target)
 		}
 		msg[copyField] = copies
 		payload = mustJSON(msg)
@@ -392,6 +392,15 @@ func (c *Client) settle(ctx context.Context, j *Job, mode, target, payload strin
 }
 
 // Done removes a finished job from the working list.
+//
+// Done, Requeue, Retry, Kill and Schedule return an error wrapping
+// ErrNotHeld when the job is not held any more, and write nothing: it was
+// recovered to its queue after this process was taken for dead, or by
+// RequeueAll (also when the same job was fetched again since; a Job not
+// made by Fetch is matched by its Raw only). Each remembers its outcome
+// for a minute, so that a call go-redis repeats after a lost reply
+// returns the first outcome; any other error (Redis unreachable) leaves
+// the outcome unknown: the job is either settled or still held.
 func (c *Client) Done(ctx context.Context, j *Job) error {
 	return c.settle(ctx, j, "done", keyRetry, "", nil, 0)
 }
@@ -408,7 +417,8 @@ func (c *Client) Requeue(ctx context.Context, j *Job) error {
 
 // Schedule moves the job to the "schedule" set, to be enqueued again at
 // at, and out of the working list, atomically. The job is stored as
-// fetched.
+// fetched, or with a field "onceler_copy" added when the set holds the
+// same string already (two identical jobs stay two).
 func (c *Client) Schedule(ctx context.Context, j *Job, at time.Time) error {
 	if j == nil {
 		return errors.New("sidekiq: nil job")
@@ -427,8 +437,11 @@ func (c *Client) Schedule(ctx context.Context, j *Job, at time.Time) error {
 // wrapped in a job hash of class "Onceler::UnreadableJob" whose single
 // argument is the element as a string, with a new jid and the error
 // fields; an element that is not JSON is stored as it is (Sidekiq's API
-// shows it as the argument of a job without class). The dead set is
-// trimmed as Sidekiq's DeadSet#kill does.
+// shows it as the argument of a job without class), or wrapped too when
+// the dead set holds the same string already. A job stored in a sorted
+// set (Kill, Retry, Schedule) that already holds the same string gets a
+// field "onceler_copy" (1, 2, ...), so that two identical jobs stay two.
+// The dead set is trimmed as Sidekiq's DeadSet#kill does.
 func (c *Client) Kill(ctx context.Context, j *Job, errClass, errMsg string) error {
 	if j == nil {
 		return errors.New("sidekiq: nil job")
@@ -443,9 +456,11 @@ func (c *Client) Kill(ctx context.Context, j *Job, errClass, errMsg string) erro
 			msg["failed_at"] = nowFloat()
 		}
 		payload = mustJSON(msg)
-	} else if json.Valid([]byte(j.Raw)) {
+	} else {
 		msg = unreadable(j.Raw, j.Queue, errClass, errMsg)
-		payload = mustJSON(msg)
+		if json.Valid([]byte(j.Raw)) {
+			payload = mustJSON(msg)
+		} // else stored as it is, unless the dead set holds the same string
 	}
 	if err := c.settle(ctx, j, "dead", keyDead, payload, msg, nowFloat()); err != nil {
 		return err

@@ -395,8 +395,13 @@ local function want(key, ty)
     return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. t .. ', not a ' .. ty .. ': nothing recovered')
   end
 end
-local bad = want(KEYS[4], 'set')
-for i = 5, #KEYS do bad = bad or want(KEYS[i], 'list') end
+local bad
+for i = 5, #KEYS, 2 do
+  bad = bad or want(KEYS[i], 'list')
+  if not bad and redis.call('EXISTS', KEYS[i]) == 1 then
+    bad = want(KEYS[i+1], 'list') or want(KEYS[4], 'set')
+  end
+end
 if bad then return bad end
 redis.call('HDEL', KEYS[3], ARGV[1])
 local moved = 0
