@@ -53,7 +53,8 @@ func (c *Client) End(j *Job, failed bool) {
 // one signal at a time in the order they came, so that it may take as
 // long as it needs (stop the workers, cancel ctx, wait for Run to return)
 // while the heartbeat goes on; Run does not wait for it, and a call may
-// still be made after Run returned.
+// still be made after Run returned. A callback that never returns holds
+// back the signals after it.
 func (c *Client) Run(ctx context.Context, onSignal func(sig string)) error {
 	var wg sync.WaitGroup
 	wg.Add(2)
