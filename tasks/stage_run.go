@@ -203,7 +203,7 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		w.mu.Unlock()
 		w.m.inFlight.Dec()
 		j.runtime = time.Since(rs.started)
-		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(j.runtime.Seconds())
+		w.taskMetricsOf(j.h).secondsOf(w.m, j.h.name).Observe(j.runtime.Seconds())
 	}()
 	var v any
 	if hard > 0 || j.h.mode != ModeSameDB {

@@ -489,7 +489,10 @@ func readTableDepth(r io.Reader, depth int) (table Table, err error) {
 func parseTableDepth(str string, depth int) (table Table, err error) {
 	nested := strReader{s: str}
 
-	table = make(Table)
+	// onceler: sized for about one entry per 24 bytes (a key of a few
+	// letters and a short value, as in a Celery message's headers), so
+	// that it does not grow entry by entry; at most 64 ahead of its bytes.
+	table = make(Table, min(len(str)/24, 64))
 
 	for len(nested.s) > 0 {
 		var key string
