@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/onceler/onceler/celeryproto"
 )
 
 // gathered returns the value of each series of reg, by metric name and
@@ -76,6 +78,20 @@ func TestTaskMetricsCached(t *testing.T) {
 	for _, k := range []string{"onceler_tasks_succeeded_total/b", "onceler_task_duration_seconds/a", "onceler_tasks_failed_total/a"} {
 		if _, ok := got[k]; ok {
 			t.Errorf("series %s exists before it counted anything", k)
+		}
+	}
+}
+
+// resultRepr's shortcuts give what decoding the result gives.
+func TestResultReprShortcuts(t *testing.T) {
+	t.Parallel()
+	for _, res := range []string{"", "null", "true", "false"} {
+		v, err := jsonValue([]byte(res))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, want := resultRepr([]byte(res)), celeryproto.Repr(v); got != want {
+			t.Errorf("resultRepr(%q) = %q, want %q", res, got, want)
 		}
 	}
 }
