@@ -60,7 +60,7 @@ func TestTaskMetricsCached(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if w.taskMetricsOf(a) != w.taskMetricsOf(a) || w.taskMetricsOf(a) == w.taskMetricsOf(b) {
+	if ta := w.taskMetricsOf(a); ta != w.taskMetricsOf(a) || ta == w.taskMetricsOf(b) {
 		t.Error("taskMetricsOf: not one value per task")
 	}
 	got := gathered(t, reg)
