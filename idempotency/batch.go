@@ -22,14 +22,11 @@ import (
 // is no fixed wait: when no flush is running, the caller itself leads at
 // once (flushing its own call and whatever else queued), so an idle store
 // answers a lone call in one round trip; while flushes run, new calls
-// queue for the next one. With Flushers above 1, a further flush (each on
-// its own connection) starts only once as many calls are queued as the
-// flush last taken carried: two flushes then overlap one's commit with the
-// other's statements, and batches stay as large as the load allows. With
-// Flushers 0 (the default) that second flush may start only while the
-// flush last taken was small (smallFlush): under a light load it spares
-// the calls queued behind a flush the wait for its commit, under a heavy
-// one a single flush at a time makes the fewest commits. A leader whose own call is answered hands the
+// queue for the next one. With Flushers above 1 (the default is 1), a
+// further flush (each on its own connection) starts only once as many
+// calls are queued as the flush last taken carried: two flushes then
+// overlap one's commit with the other's statements, and batches stay as
+// large as the load allows. A leader whose own call is answered hands the
 // rest of the queue to a background flusher.
 
 type opState int
@@ -98,13 +95,6 @@ type completeResult struct {
 
 type opKey struct{ task, key string }
 
-// smallFlush is the size of a flush (claims and completions) below which,
-// with BatchConfig.Flushers 0, a second flush may start while it runs: the
-// load is low, and the calls queued behind it would wait for its commit
-// and then their own; at or above it (a busy store), one flush at a time
-// makes the largest batches and the fewest commits.
-const smallFlush = 32
-
 type batcher struct {
 	s   *Store
 	cfg BatchConfig
@@ -112,26 +102,21 @@ type batcher struct {
 	mu        sync.Mutex
 	claims    []*claimOp
 	completes []*completeOp
-	most      int // cfg.Flushers, 2 when adaptive (0)
-	active    int // flushes running or handed off, at most most
+	active    int // flushes running or handed off, at most cfg.Flushers
 	lastTaken int // calls in the flush last taken
 	closed    bool
 
 	flushes, rows atomic.Int64
 
 	arrive  chan struct{} // capacity 1: a call was queued
-	handoff chan struct{} // capacity most >= handoffs outstanding
+	handoff chan struct{} // capacity cfg.Flushers >= handoffs outstanding
 	quit    chan struct{}
 	wg      sync.WaitGroup
 }
 
 func newBatcher(s *Store, cfg BatchConfig) *batcher {
-	most := cfg.Flushers
-	if most <= 0 {
-		most = 2 // adaptive: a second flush only behind a small one
-	}
-	b := &batcher{s: s, cfg: cfg, most: most, arrive: make(chan struct{}, 1), handoff: make(chan struct{}, most), quit: make(chan struct{})}
-	for range most {
+	b := &batcher{s: s, cfg: cfg, arrive: make(chan struct{}, 1), handoff: make(chan struct{}, cfg.Flushers), quit: make(chan struct{})}
+	for range cfg.Flushers {
 		b.wg.Go(b.run)
 	}
 	return b
@@ -180,11 +165,7 @@ func (b *batcher) enqueue(add func()) (lead bool, err error) {
 	case b.arrive <- struct{}{}:
 	default:
 	}
-	limit := b.most
-	if b.cfg.Flushers <= 0 && b.lastTaken >= smallFlush {
-		limit = 1
-	}
-	if b.active == 0 || (b.active < limit && len(b.claims)+len(b.completes) >= b.lastTaken) {
+	if b.active == 0 || (b.active < b.cfg.Flushers && len(b.claims)+len(b.completes) >= b.lastTaken) {
 		b.active++
 		return true, nil
 	}

@@ -65,14 +65,11 @@ type BatchConfig struct {
 	MaxSize int
 	// Flushers is the most flushes running at once, each on one pool
 	// connection; a flush beyond the first starts only when as many calls
-	// are queued as the last flush carried. 1: one flush at a time makes
-	// the largest batches and one WAL flush per batch, which measured
+	// are queued as the last flush carried. Default 1: one flush at a time
+	// makes the largest batches and one WAL flush per batch, which measured
 	// fastest from 1 to 256 callers with PostgreSQL on two cores (a second
-	// flush's commit waits for the first's fsync). Default (0): one flush
-	// at a time while flushes carry 32 calls or more, two while they carry
-	// fewer (a light load: the calls queued behind a small flush do not
-	// wait for its commit before their own). A database server with cores
-	// and disks to spare may gain from 2.
+	// flush's commit waits for the first's fsync). A database server with
+	// cores and disks to spare may gain from 2.
 	Flushers int
 	// Linger is the most a flush waits for more calls when the queue holds
 	// fewer than the last flush carried (the callers it answered are
@@ -138,8 +135,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if cfg.Batch.MaxSize <= 0 {
 		cfg.Batch.MaxSize = 256
 	}
-	if cfg.Batch.Flushers < 0 {
-		cfg.Batch.Flushers = 0
+	if cfg.Batch.Flushers <= 0 {
+		cfg.Batch.Flushers = 1
 	}
 	if cfg.Batch.Linger == 0 {
 		cfg.Batch.Linger = DefaultLinger

@@ -92,7 +92,7 @@ func run() error {
 	fs.IntVar(&o.prefetch, "prefetch", 0, "prefetch of the onceler worker (0: its default, tasks.DefaultPrefetch) and of the raw consumer (0: the worker's default prefetch)")
 	fs.IntVar(&o.concurrency, "concurrency", 0, "task goroutines of the onceler worker (0: its default, tasks.DefaultConcurrency)")
 	fs.IntVar(&o.poolConns, "pool", 0, "PostgreSQL pool size of the onceler worker (0: the onceler command's, tasks.DefaultPoolConns)")
-	fs.IntVar(&o.flushers, "flushers", 0, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, adaptive)")
+	fs.IntVar(&o.flushers, "flushers", 0, "record flushes of the onceler worker running at once (onceler worker --flushers; 0: the store's default, 1)")
 	fs.DurationVar(&o.linger, "linger", 0, "how long a flush of the worker's record waits for calls on their way (BatchConfig.Linger; 0: the store's default, negative: none)")
 	fs.IntVar(&o.workerProcs, "worker-procs", 0, "GOMAXPROCS of the consumer processes (0: the runtime's default, the number of CPUs)")
 	fs.IntVar(&o.procs, "procs", 1, "GOMAXPROCS of the bench's own process, the load generator (publisher, events monitor, reply reader): one keeps its idle scheduler from spinning on the cores the measured processes share; 0: the runtime's default")
