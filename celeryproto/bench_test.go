@@ -108,3 +108,19 @@ func TestDecodeAllocs(t *testing.T) {
 		t.Fatalf("decode of a typical message: %.0f allocations, want < 50", n)
 	}
 }
+
+// BenchmarkDecodeSmall decodes a Celery message with one argument and no
+// options, as send_task(name, args=[op]) sends it.
+func BenchmarkDecodeSmall(b *testing.B) {
+	d := typicalDelivery()
+	d.Body = []byte(`[["op-000123"], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]`)
+	if _, err := Decode(d); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Decode(d); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

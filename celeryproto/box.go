@@ -10,6 +10,9 @@ import "unsafe"
 // the interface sees an immutable value exactly as with an ordinary
 // conversion; the slab stays alive as long as any interface points into it.
 type boxer struct {
+	// first scales the first slab of each kind (slabSize: full size; 0 is
+	// slabSize): a small message's values fit in small slabs.
+	first  int
 	strs   []string
 	ints   []int64
 	floats []float64
@@ -34,7 +37,7 @@ func (b *boxer) str(s string) any {
 		return ""
 	}
 	if len(b.strs) == cap(b.strs) {
-		b.strs = make([]string, 0, slabSize)
+		b.strs = make([]string, 0, b.size(cap(b.strs), slabSize))
 	}
 	b.strs = append(b.strs, s)
 	return withData("", unsafe.Pointer(&b.strs[len(b.strs)-1]))
@@ -45,7 +48,7 @@ func (b *boxer) int(n int64) any {
 		return n // the runtime boxes small values without allocating
 	}
 	if len(b.ints) == cap(b.ints) {
-		b.ints = make([]int64, 0, slabSize)
+		b.ints = make([]int64, 0, b.size(cap(b.ints), slabSize))
 	}
 	b.ints = append(b.ints, n)
 	return withData(int64(0), unsafe.Pointer(&b.ints[len(b.ints)-1]))
@@ -53,7 +56,7 @@ func (b *boxer) int(n int64) any {
 
 func (b *boxer) float(f float64) any {
 	if len(b.floats) == cap(b.floats) {
-		b.floats = make([]float64, 0, slabSize/2)
+		b.floats = make([]float64, 0, b.size(cap(b.floats), slabSize/2))
 	}
 	b.floats = append(b.floats, f)
 	return withData(float64(0), unsafe.Pointer(&b.floats[len(b.floats)-1]))
@@ -69,7 +72,7 @@ func (b *boxer) slice(vals []any) any {
 		return b.sliceHeader(s)
 	}
 	if b.chunk == nil || cap(b.chunk)-len(b.chunk) < n {
-		b.chunk = make([]any, 0, 2*slabSize)
+		b.chunk = make([]any, 0, max(n, b.size(cap(b.chunk), 2*slabSize)))
 	}
 	start := len(b.chunk)
 	b.chunk = append(b.chunk, vals...)
@@ -78,8 +81,20 @@ func (b *boxer) slice(vals []any) any {
 
 func (b *boxer) sliceHeader(s []any) any {
 	if len(b.slices) == cap(b.slices) {
-		b.slices = make([][]any, 0, slabSize/2)
+		b.slices = make([][]any, 0, b.size(cap(b.slices), slabSize/2))
 	}
 	b.slices = append(b.slices, s)
 	return withData([]any(nil), unsafe.Pointer(&b.slices[len(b.slices)-1]))
+}
+
+// size is the size of a slab after one of size last (0: none yet): the
+// first scaled by first, then doubling up to most.
+func (b *boxer) size(last, most int) int {
+	if last > 0 {
+		return min(most, 2*last)
+	}
+	if b.first <= 0 || b.first >= slabSize {
+		return most
+	}
+	return max(4, most*b.first/slabSize)
 }

@@ -60,6 +60,9 @@ func decodeJSON(pool *sync.Pool, data []byte, mt *meter) (any, error) {
 		sc = newScratch().(*scratch)
 	}
 	d := jsonDecoder{data: data, src: string(data), vals: sc.vals[:0], kvs: sc.kvs[:0], mt: mt}
+	// A value takes a few bytes at least: a body of a few hundred bytes
+	// (Celery's usual) needs small slabs, one of about 1 KiB full ones.
+	d.box.first = len(data) / 32
 	v, err := d.value(0)
 	if err == nil {
 		d.skipSpace()

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"go.uber.org/zap"
 )
 
@@ -454,7 +455,7 @@ func (b *batcher) answer(claims []*claimOp, completes []*completeOp, rows map[op
 // completeBatchArgs are the arguments of the completeBatch statement for n
 // completions; at(i) gives the i-th claim and its result.
 func completeBatchArgs(n int, at func(int) (Ref, *string)) []any {
-	tasks, keys, tokens, results := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+	tasks, keys, tokens, results := make(textArray, n), make(textArray, n), make(textArray, n), make([]*string, n)
 	for i := range n {
 		ref, res := at(i)
 		tasks[i], keys[i], tokens[i], results[i] = ref.Task, ref.Key, string(ref.Token), res
@@ -480,8 +481,8 @@ func scanCompletedKeys(rs pgx.Rows, n int) (map[opKey]bool, error) {
 // claimBatchArgs are the arguments of the claimBatch statement for n claims;
 // at(i) gives the i-th claim, with its token.
 func claimBatchArgs(n int, at func(int) ClaimParams) []any {
-	tasks, keys, tokens := make([]string, n), make([]string, n), make([]string, n)
-	owners, ids := make([]string, n), make([]string, n)
+	tasks, keys, tokens := make(textArray, n), make(textArray, n), make(textArray, n)
+	owners, ids := make(textArray, n), make(textArray, n)
 	fps, msgs := make([][]byte, n), make([][]byte, n)
 	leases := make([]int64, n)
 	for i := range n {
@@ -494,4 +495,27 @@ func claimBatchArgs(n int, at func(int) ClaimParams) []any {
 		}
 	}
 	return []any{tasks, keys, tokens, owners, ids, fps, leases, msgs}
+}
+
+// textArray is a text[] argument that pgx encodes without boxing each of
+// its strings in an interface value, as it does for a []string (one
+// allocation per element): its elements are textElems, a pointer each.
+type textArray []string
+
+func (a textArray) Dimensions() []pgtype.ArrayDimension {
+	if a == nil {
+		return nil
+	}
+	return []pgtype.ArrayDimension{{Length: int32(len(a)), LowerBound: 1}}
+}
+
+func (a textArray) Index(i int) any { return textElem{&a[i]} }
+
+func (a textArray) IndexType() any { return textElem{new(string)} }
+
+// textElem is one string of a textArray.
+type textElem struct{ p *string }
+
+func (e textElem) TextValue() (pgtype.Text, error) {
+	return pgtype.Text{String: *e.p, Valid: true}, nil
 }

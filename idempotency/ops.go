@@ -252,25 +252,62 @@ func (s *Store) Keep(ctx context.Context, ref Ref, lease time.Duration) (context
 // the task starts renews first (Renew) and refuses to run if that fails.
 func (s *Store) KeepSince(ctx context.Context, ref Ref, lease time.Duration, since time.Time) (context.Context, func()) {
 	kctx, cancel := context.WithCancelCause(ctx)
+	stop := s.KeepOn(kctx, cancel, ref, lease, since)
+	return kctx, func() {
+		stop()
+		cancel(context.Canceled)
+	}
+}
+
+// KeepOn is KeepSince on a context the caller made for the task: cancel
+// cancels ctx, which the heartbeat does with cause ErrLeaseLost when the
+// lease is lost. The returned stop function ends the heartbeat and waits
+// for it, and leaves ctx as it is; call it before Complete or Fail, then
+// cancel ctx.
+func (s *Store) KeepOn(ctx context.Context, cancel context.CancelCauseFunc, ref Ref, lease time.Duration, since time.Time) (stop func()) {
 	if lease <= 0 {
 		lease = time.Minute
 	}
-	began := since
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	first := time.AfterFunc(max(time.Until(began.Add(lease/3)), 0), func() {
-		defer close(done)
-		s.keep(kctx, cancel, stop, ref, lease, began)
+	h := &heartbeat{}
+	h.started.Add(1)
+	h.first = time.AfterFunc(max(time.Until(since.Add(lease/3)), 0), func() {
+		defer h.started.Done()
+		h.mu.Lock()
+		if h.stopped {
+			h.mu.Unlock()
+			return
+		}
+		h.stop = make(chan struct{})
+		h.mu.Unlock()
+		s.keep(ctx, cancel, h.stop, ref, lease, since)
 	})
-	var once sync.Once
-	return kctx, func() {
-		once.Do(func() {
-			close(stop)
-			if !first.Stop() {
-				<-done // the heartbeat started: wait for it
-			}
-			cancel(context.Canceled)
-		})
+	return h.end
+}
+
+// heartbeat is one KeepOn's: a timer until the first renewal, then keep on
+// its timer's goroutine. Its stop channel is made only then: most tasks end
+// before.
+type heartbeat struct {
+	first   *time.Timer
+	started sync.WaitGroup // done when the timer's function returns
+	mu      sync.Mutex
+	stopped bool
+	stop    chan struct{} // nil until the heartbeat starts
+	once    sync.Once
+}
+
+// end stops the heartbeat and waits for it; it may be called more than once.
+func (h *heartbeat) end() { h.once.Do(h.stopAndWait) }
+
+func (h *heartbeat) stopAndWait() {
+	h.mu.Lock()
+	h.stopped = true
+	if h.stop != nil {
+		close(h.stop)
+	}
+	h.mu.Unlock()
+	if !h.first.Stop() {
+		h.started.Wait() // the timer fired: wait for the heartbeat
 	}
 }
 

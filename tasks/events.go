@@ -24,6 +24,15 @@ func failedEvent(typ, task string, exc *celeryproto.Exception) *celeryproto.Task
 // resultRepr is the Python repr of a JSON result, at most 1024 bytes (cut
 // as saferepr does, with "...").
 func resultRepr(res []byte) string {
+	// The results most tasks return, without decoding them.
+	switch string(res) {
+	case "", "null":
+		return "None"
+	case "true":
+		return "True"
+	case "false":
+		return "False"
+	}
 	v, err := jsonValue(res)
 	if err != nil {
 		return string(res)

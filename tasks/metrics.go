@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -112,4 +114,65 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 		}
 	}
 	return m, nil
+}
+
+// taskMetrics are one task's children of the per-task collectors the
+// path of every delivery touches, each looked up in its vector once (at
+// its first use, so that a task's series appears as before: once it
+// counted something).
+type taskMetrics struct {
+	received, succeeded, failed lazyChild[prometheus.Counter]
+	seconds                     lazyChild[prometheus.Observer]
+}
+
+type lazyChild[C any] struct {
+	once sync.Once
+	c    C
+}
+
+func (l *lazyChild[C]) get(with func(...string) C, task string) C {
+	l.once.Do(func() { l.c = with(task) })
+	return l.c
+}
+
+func (t *taskMetrics) receivedOf(m *metrics, task string) prometheus.Counter {
+	return t.received.get(m.received.WithLabelValues, task)
+}
+
+func (t *taskMetrics) succeededOf(m *metrics, task string) prometheus.Counter {
+	return t.succeeded.get(m.succeeded.WithLabelValues, task)
+}
+
+func (t *taskMetrics) failedOf(m *metrics, task string) prometheus.Counter {
+	return t.failed.get(m.failed.WithLabelValues, task)
+}
+
+func (t *taskMetrics) secondsOf(m *metrics, task string) prometheus.Observer {
+	return t.seconds.get(m.taskSeconds.WithLabelValues, task)
+}
+
+// taskMetricsOf returns h's taskMetrics: from a map read without a lock,
+// copied on the (rare) write of a task seen for the first time.
+func (w *Worker) taskMetricsOf(h *handler) *taskMetrics {
+	if m := w.tm.Load(); m != nil {
+		if t, ok := (*m)[h]; ok {
+			return t
+		}
+	}
+	w.tmMu.Lock()
+	defer w.tmMu.Unlock()
+	old := w.tm.Load()
+	if old != nil {
+		if t, ok := (*old)[h]; ok {
+			return t
+		}
+	}
+	m := make(map[*handler]*taskMetrics, 1)
+	if old != nil {
+		maps.Copy(m, *old)
+	}
+	t := &taskMetrics{}
+	m[h] = t
+	w.tm.Store(&m)
+	return t
 }

@@ -25,7 +25,7 @@ func (w *Worker) runOwnTx(ctx context.Context, j *job) {
 	ttx, guard := taskTxOf(j, tx)
 	res, taskErr := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.runTx(ctx, ttx, c, j.args)
-	})
+	}, nil)
 	if j.abandoned && guard != nil && guard.abandon(tx, time.Second) {
 		w.log.Warn("abandoned task kept its query running: connection closed to roll its transaction back", w.fields(j)...)
 	}

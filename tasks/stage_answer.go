@@ -28,7 +28,7 @@ import (
 func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
 	msg := j.msg
 	if taskErr == nil {
-		w.m.succeeded.WithLabelValues(j.h.name).Inc()
+		w.taskMetricsOf(j.h).succeededOf(w.m, j.h.name).Inc()
 		if ce := w.log.Check(zap.DebugLevel, "task succeeded"); ce != nil {
 			ce.Write(w.fields(j)...)
 		}
@@ -62,7 +62,7 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		}
 		return
 	}
-	w.m.failed.WithLabelValues(j.h.name).Inc()
+	w.taskMetricsOf(j.h).failedOf(w.m, j.h.name).Inc()
 	var pe *PanicError
 	if errors.As(taskErr, &pe) {
 		w.log.Error("task panicked", w.fields(j, zap.Any("panic", pe.Value), zap.ByteString("stack", pe.Stack))...)

@@ -41,7 +41,7 @@ func (w *Worker) bind(ctx context.Context, j *job) bool {
 		return false
 	}
 	j.h = h
-	w.m.received.WithLabelValues(h.name).Inc()
+	w.taskMetricsOf(h).receivedOf(w.m, h.name).Inc()
 	if w.wantEvents() && !w.isRevoked(msg.ID) && !expired(msg) {
 		// A revoked or expired message gets task-revoked alone, as from
 		// Celery, whose worker looks at both before announcing a task.

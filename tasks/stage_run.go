@@ -26,17 +26,22 @@ import (
 )
 
 // run runs the task under the claim's lease heartbeat
-// (idempotency.Store.KeepSince) and hands on its encoded result, its error
+// (idempotency.Store.KeepOn) and hands on its encoded result, its error
 // and whether the lease was lost while it ran.
 func (o *outsideRun) run(ctx context.Context) (res []byte, taskErr error, leaseLost bool) {
 	w, j := o.w, o.j
 	w.crash(workerhooks.AfterClaim, j)
-	kctx, stop := w.store.KeepSince(ctx, o.ref, o.p.Lease, o.since)
-	res, taskErr = w.execute(kctx, j, w.call(j, j.attempt), func(ctx context.Context, c *Call) (any, error) {
+	// The heartbeat cancels the task's own context (no context of its
+	// own between the task's and ctx) and is stopped before execute
+	// returns.
+	var tctx context.Context
+	res, taskErr = w.execute(ctx, j, w.call(j, j.attempt), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
+	}, func(kctx context.Context, cancel context.CancelCauseFunc) func() {
+		tctx = kctx
+		return w.store.KeepOn(kctx, cancel, o.ref, o.p.Lease, o.since)
 	})
-	leaseLost = errors.Is(context.Cause(kctx), idempotency.ErrLeaseLost)
-	stop()
+	leaseLost = errors.Is(context.Cause(tctx), idempotency.ErrLeaseLost)
 	w.crash(workerhooks.AfterEffect, j)
 	return res, taskErr, leaseLost
 }
@@ -47,7 +52,7 @@ func (w *Worker) runPure(ctx context.Context, j *job) {
 	w.crash(workerhooks.AfterClaim, j)
 	res, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 		return j.h.run(ctx, c, j.args)
-	})
+	}, nil)
 	w.crash(workerhooks.AfterEffect, j)
 	if errors.Is(err, errRevokedWaiting) {
 		w.revokeDelivery(ctx, j, false)
@@ -109,7 +114,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		ttx, guard := taskTxOf(j, tx)
 		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
 			return j.h.runTx(ctx, ttx, c, j.args)
-		})
+		}, nil)
 		if j.abandoned && guard != nil {
 			if guard.abandon(tx, time.Second) {
 				w.log.Warn("abandoned task kept its query running: connection closed to roll its transaction back", w.fields(j)...)
@@ -164,9 +169,12 @@ func (w *Worker) call(j *job, attempt int) *Call {
 // task that has not returned hardLimitSettle later is abandoned: execute
 // returns an ErrTimeLimit error and marks j.abandoned while the task's
 // goroutine runs on until it returns (Run waits for it).
-func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error)) (res []byte, err error) {
+func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.Context, *Call) (any, error), keep func(context.Context, context.CancelCauseFunc) func()) (res []byte, err error) {
 	tctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
+	if keep != nil {
+		defer keep(tctx, cancel)()
+	}
 	if soft := j.softLimit(); soft > 0 {
 		var stop context.CancelFunc
 		tctx, stop = context.WithTimeoutCause(tctx, soft, ErrSoftTimeLimit)
@@ -203,7 +211,7 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 		w.mu.Unlock()
 		w.m.inFlight.Dec()
 		j.runtime = time.Since(rs.started)
-		w.m.taskSeconds.WithLabelValues(j.h.name).Observe(j.runtime.Seconds())
+		w.taskMetricsOf(j.h).secondsOf(w.m, j.h.name).Observe(j.runtime.Seconds())
 	}()
 	var v any
 	if hard > 0 || j.h.mode != ModeSameDB {

@@ -34,6 +34,9 @@ type Worker struct {
 	dec     *memDecoder
 	backend resultBackend // nil: rpc://
 	m       *metrics
+	// tm: each task's children of the per-task metrics (taskMetricsOf).
+	tm      atomic.Pointer[map[*handler]*taskMetrics]
+	tmMu    sync.Mutex
 	started time.Time // guarded by mu: Stats reads it
 
 	// kill ends the process at a crash point (SIGKILL; replaced in tests).

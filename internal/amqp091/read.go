@@ -6,13 +6,13 @@
 package amqp091
 
 import (
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"time"
+	"unsafe"
 )
 
 /*
@@ -147,7 +147,16 @@ func readShortstr(r io.Reader) (v string, err error) {
 	if err != nil {
 		return
 	}
-	return string(bytes), nil
+	return bytesString(bytes), nil
+}
+
+// bytesString is b as a string without a copy (onceler): b must be a
+// buffer of its own that nothing writes to afterwards, as readBytes'.
+func bytesString(b []byte) string {
+	if len(b) == 0 {
+		return ""
+	}
+	return unsafe.String(&b[0], len(b))
 }
 
 func readLongstr(r io.Reader) (v string, err error) {
@@ -165,7 +174,7 @@ func readLongstr(r io.Reader) (v string, err error) {
 	if err != nil {
 		return
 	}
-	return string(bytes), nil
+	return bytesString(bytes), nil
 }
 
 func readDecimal(r io.Reader) (v Decimal, err error) {
@@ -222,120 +231,224 @@ func readField(r io.Reader) (v any, err error) {
 	return readFieldDepth(r, 0)
 }
 
+// readFieldDepth reads a field from r (onceler: as a table's field, from
+// the field's bytes on; used by upstream's tests).
 func readFieldDepth(r io.Reader, depth int) (v any, err error) {
-	var typ byte
-	if err = binary.Read(r, binary.BigEndian, &typ); err != nil {
-		return
+	b, err := io.ReadAll(r)
+	if err != nil {
+		return nil, err
+	}
+	return (&strReader{s: string(b)}).field(depth)
+}
+
+// strReader reads a table's fields from the string that holds them
+// (onceler: in place of a bytes.Buffer and binary.Read, which allocate for
+// every key, string and number). Keys and string values are substrings of
+// that string, not copies. take fails as io.ReadFull over readBytes'
+// chunks would: io.EOF when nothing (or a whole number of chunks) was
+// left, io.ErrUnexpectedEOF otherwise; what was left is consumed.
+type strReader struct{ s string }
+
+func (r *strReader) take(n int) (string, error) {
+	if n <= len(r.s) {
+		v := r.s[:n]
+		r.s = r.s[n:]
+		return v, nil
+	}
+	left := len(r.s)
+	r.s = ""
+	if left%readAllocChunk == 0 {
+		return "", io.EOF
+	}
+	return "", io.ErrUnexpectedEOF
+}
+
+func (r *strReader) u8() (uint8, error) {
+	v, err := r.take(1)
+	if err != nil {
+		return 0, err
+	}
+	return v[0], nil
+}
+
+func (r *strReader) u16() (uint16, error) {
+	v, err := r.take(2)
+	if err != nil {
+		return 0, err
+	}
+	return uint16(v[0])<<8 | uint16(v[1]), nil
+}
+
+func (r *strReader) u32() (uint32, error) {
+	v, err := r.take(4)
+	if err != nil {
+		return 0, err
+	}
+	return uint32(v[0])<<24 | uint32(v[1])<<16 | uint32(v[2])<<8 | uint32(v[3]), nil
+}
+
+func (r *strReader) u64() (uint64, error) {
+	v, err := r.take(8)
+	if err != nil {
+		return 0, err
+	}
+	return uint64(v[0])<<56 | uint64(v[1])<<48 | uint64(v[2])<<40 | uint64(v[3])<<32 |
+		uint64(v[4])<<24 | uint64(v[5])<<16 | uint64(v[6])<<8 | uint64(v[7]), nil
+}
+
+func (r *strReader) shortstr() (string, error) {
+	n, err := r.u8()
+	if err != nil {
+		return "", err
+	}
+	return r.take(int(n))
+}
+
+func (r *strReader) longstr() (string, error) {
+	n, err := r.u32()
+	if err != nil {
+		return "", err
+	}
+	// slices can't be longer than max int32 value
+	if n > (^uint32(0) >> 1) {
+		return "", ErrSyntax
+	}
+	return r.take(int(n))
+}
+
+func (r *strReader) timestamp() (time.Time, error) {
+	sec, err := r.u64()
+	if err != nil {
+		return time.Time{}, err
+	}
+	return time.Unix(int64(sec), 0), nil
+}
+
+// field reads a field: its type octet, then its value.
+func (r *strReader) field(depth int) (v any, err error) {
+	typ, err := r.u8()
+	if err != nil {
+		return nil, err
 	}
 
 	switch typ {
 	case 't':
-		var value uint8
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u8()
+		if err != nil {
+			return nil, err
 		}
 		return value != 0, nil
 
 	case 'B':
-		var value [1]byte
-		if _, err = io.ReadFull(r, value[0:1]); err != nil {
-			return
+		value, err := r.u8()
+		if err != nil {
+			return nil, err
 		}
-		return value[0], nil
+		return value, nil
 
 	case 'b':
-		var value int8
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u8()
+		if err != nil {
+			return nil, err
 		}
-		return value, nil
+		return int8(value), nil
 
 	case 's':
-		var value int16
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u16()
+		if err != nil {
+			return nil, err
 		}
-		return value, nil
+		return int16(value), nil
 
 	case 'I':
-		var value int32
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u32()
+		if err != nil {
+			return nil, err
 		}
-		return value, nil
-
-	case 'l':
-		var value int64
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
-		}
-		return value, nil
+		return int32(value), nil
 
 	// onceler: py-amqp, Celery's client, writes an integer beyond 32 bits
 	// as 'L' holding a signed 64-bit value, and reads 'L' back the same way.
-	case 'L':
-		var value int64
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+	case 'l', 'L':
+		value, err := r.u64()
+		if err != nil {
+			return nil, err
 		}
-		return value, nil
+		return int64(value), nil
 
 	case 'u':
-		var value uint16
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u16()
+		if err != nil {
+			return nil, err
 		}
 		return value, nil
 
 	case 'i':
-		var value uint32
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
+		value, err := r.u32()
+		if err != nil {
+			return nil, err
 		}
 		return value, nil
 
 	case 'f':
-		var value float32
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
-		}
-		return value, nil
-
-	case 'd':
-		var value float64
-		if err = binary.Read(r, binary.BigEndian, &value); err != nil {
-			return
-		}
-		return value, nil
-
-	case 'D':
-		return readDecimal(r)
-
-	case 'S':
-		return readLongstr(r)
-
-	case 'A':
-		return readArrayDepth(r, depth+1)
-
-	case 'T':
-		return readTimestamp(r)
-
-	case 'F':
-		return readTableDepth(r, depth+1)
-
-	case 'x':
-		var len int32
-		if err = binary.Read(r, binary.BigEndian, &len); err != nil {
-			return nil, err
-		}
-		if len < 0 {
-			return nil, ErrSyntax
-		}
-
-		value, err := readBytes(r, int64(len))
+		value, err := r.u32()
 		if err != nil {
 			return nil, err
 		}
+		return math.Float32frombits(value), nil
+
+	case 'd':
+		value, err := r.u64()
+		if err != nil {
+			return nil, err
+		}
+		return math.Float64frombits(value), nil
+
+	case 'D':
+		var d Decimal
+		if d.Scale, err = r.u8(); err != nil {
+			return d, err
+		}
+		value, err := r.u32()
+		if err != nil {
+			return d, err
+		}
+		d.Value = int32(value)
+		return d, nil
+
+	case 'S':
+		return r.longstr()
+
+	case 'A':
+		return r.array(depth + 1)
+
+	case 'T':
+		return r.timestamp()
+
+	case 'F':
+		if depth+1 > maxFieldDepth {
+			return nil, errTooDeep
+		}
+		str, err := r.longstr()
+		if err != nil {
+			return nil, err
+		}
+		return parseTableDepth(str, depth+1)
+
+	case 'x':
+		n, err := r.u32()
+		if err != nil {
+			return nil, err
+		}
+		if int32(n) < 0 {
+			return nil, ErrSyntax
+		}
+		s, err := r.take(int(n))
+		if err != nil {
+			return nil, err
+		}
+		value := make([]byte, len(s))
+		copy(value, s)
 		return value, nil
 
 	case 'V':
@@ -374,21 +487,22 @@ func readTableDepth(r io.Reader, depth int) (table Table, err error) {
 // parseTableDepth parses the bytes of a table, its length prefix already
 // read (onceler: split from readTableDepth for readContentHeaders).
 func parseTableDepth(str string, depth int) (table Table, err error) {
-	var nested bytes.Buffer
+	nested := strReader{s: str}
 
-	nested.WriteString(str)
+	// onceler: sized for about one entry per 24 bytes (a key of a few
+	// letters and a short value, as in a Celery message's headers), so
+	// that it does not grow entry by entry; at most 64 ahead of its bytes.
+	table = make(Table, min(len(str)/24, 64))
 
-	table = make(Table)
-
-	for nested.Len() > 0 {
+	for len(nested.s) > 0 {
 		var key string
 		var value any
 
-		if key, err = readShortstr(&nested); err != nil {
+		if key, err = nested.shortstr(); err != nil {
 			return
 		}
 
-		if value, err = readFieldDepth(&nested, depth); err != nil {
+		if value, err = nested.field(depth); err != nil {
 			return
 		}
 
@@ -406,14 +520,24 @@ func readArray(r io.Reader) (arr []any, err error) {
 	return readArrayDepth(r, 0)
 }
 
+// readArrayDepth reads an array from r (onceler: from its length on; used
+// by upstream's tests).
 func readArrayDepth(r io.Reader, depth int) (arr []any, err error) {
+	b, err := io.ReadAll(r)
+	if err != nil {
+		return nil, err
+	}
+	return (&strReader{s: string(b)}).array(depth)
+}
+
+// array reads an array: its length in bytes, then its fields.
+func (r *strReader) array(depth int) (arr []any, err error) {
 	if depth > maxFieldDepth {
 		return nil, errTooDeep
 	}
 
-	var size uint32
-
-	if err = binary.Read(r, binary.BigEndian, &size); err != nil {
+	size, err := r.u32()
+	if err != nil {
 		return nil, err
 	}
 
@@ -423,13 +547,13 @@ func readArrayDepth(r io.Reader, depth int) (arr []any, err error) {
 		return nil, ErrSyntax
 	}
 
-	var (
-		lim   = &io.LimitedReader{R: r, N: int64(size)}
-		field any
-	)
+	n := min(int(size), len(r.s))
+	lim := strReader{s: r.s[:n]}
+	r.s = r.s[n:]
 
 	for {
-		if field, err = readFieldDepth(lim, depth); err != nil {
+		field, err := lim.field(depth)
+		if err != nil {
 			if err == io.EOF {
 				break
 			}
@@ -461,9 +585,9 @@ var (
 // that its consumer can settle it. The table's length prefix keeps the
 // frame in step, so the properties after it are read as usual. err is
 // non-nil only when the frame itself is broken.
-func readContentHeaders(r io.Reader) (headers Table, unreadable error, err error) {
+func readContentHeaders(r *strReader) (headers Table, unreadable error, err error) {
 	var str string
-	if str, err = readLongstr(r); err != nil {
+	if str, err = r.longstr(); err != nil {
 		return nil, nil, err
 	}
 	if headers, err = parseTableDepth(str, 0); err != nil {
@@ -502,33 +626,40 @@ func (r *reader) parseHeaderFrame(channel uint16, size uint32) (frame frame, err
 		ChannelId: channel,
 	}
 
-	lim := &io.LimitedReader{R: r.r, N: int64(size)}
+	// onceler: the payload is read whole and its properties parsed from it
+	// in place: string properties, header keys and string header values are
+	// substrings of it, not copies.
+	payload, err := readBytes(r.r, int64(size))
+	if err != nil {
+		return nil, err
+	}
+	lim := &strReader{s: bytesString(payload)}
 
-	if err = binary.Read(lim, binary.BigEndian, &hf.ClassId); err != nil {
+	if hf.ClassId, err = lim.u16(); err != nil {
 		return
 	}
 
-	if err = binary.Read(lim, binary.BigEndian, &hf.weight); err != nil {
+	if hf.weight, err = lim.u16(); err != nil {
 		return
 	}
 
-	if err = binary.Read(lim, binary.BigEndian, &hf.Size); err != nil {
+	if hf.Size, err = lim.u64(); err != nil {
 		return
 	}
 
 	var flags uint16
 
-	if err = binary.Read(lim, binary.BigEndian, &flags); err != nil {
+	if flags, err = lim.u16(); err != nil {
 		return
 	}
 
 	if hasProperty(flags, flagContentType) {
-		if hf.Properties.ContentType, err = readShortstr(lim); err != nil {
+		if hf.Properties.ContentType, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagContentEncoding) {
-		if hf.Properties.ContentEncoding, err = readShortstr(lim); err != nil {
+		if hf.Properties.ContentEncoding, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
@@ -538,68 +669,64 @@ func (r *reader) parseHeaderFrame(channel uint16, size uint32) (frame frame, err
 		}
 	}
 	if hasProperty(flags, flagDeliveryMode) {
-		if err = binary.Read(lim, binary.BigEndian, &hf.Properties.DeliveryMode); err != nil {
+		if hf.Properties.DeliveryMode, err = lim.u8(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagPriority) {
-		if err = binary.Read(lim, binary.BigEndian, &hf.Properties.Priority); err != nil {
+		if hf.Properties.Priority, err = lim.u8(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagCorrelationId) {
-		if hf.Properties.CorrelationId, err = readShortstr(lim); err != nil {
+		if hf.Properties.CorrelationId, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagReplyTo) {
-		if hf.Properties.ReplyTo, err = readShortstr(lim); err != nil {
+		if hf.Properties.ReplyTo, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagExpiration) {
-		if hf.Properties.Expiration, err = readShortstr(lim); err != nil {
+		if hf.Properties.Expiration, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagMessageId) {
-		if hf.Properties.MessageId, err = readShortstr(lim); err != nil {
+		if hf.Properties.MessageId, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagTimestamp) {
-		if hf.Properties.Timestamp, err = readTimestamp(lim); err != nil {
+		if hf.Properties.Timestamp, err = lim.timestamp(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagType) {
-		if hf.Properties.Type, err = readShortstr(lim); err != nil {
+		if hf.Properties.Type, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagUserId) {
-		if hf.Properties.UserId, err = readShortstr(lim); err != nil {
+		if hf.Properties.UserId, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagAppId) {
-		if hf.Properties.AppId, err = readShortstr(lim); err != nil {
+		if hf.Properties.AppId, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 	if hasProperty(flags, flagReserved1) {
-		if hf.Properties.reserved1, err = readShortstr(lim); err != nil {
+		if hf.Properties.reserved1, err = lim.shortstr(); err != nil {
 			return
 		}
 	}
 
-	// Drain any bytes remaining in the frame payload that were not consumed
-	// by property parsing (e.g. padding added by other AMQP implementations).
-	if lim.N > 0 {
-		if _, err = io.CopyN(io.Discard, lim, lim.N); err != nil {
-			return
-		}
-	}
+	// Any bytes remaining in the frame payload that were not consumed by
+	// property parsing (e.g. padding added by other AMQP implementations)
+	// were read with it.
 
 	return hf, nil
 }
