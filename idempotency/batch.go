@@ -401,12 +401,12 @@ func (b *batcher) write(claims []*claimOp, completes []*completeOp) (map[opKey]c
 	}
 	batch := &pgx.Batch{}
 	if len(claims) > 0 {
-		batch.Queue(b.s.q.claimBatch, claimBatchArgs(len(claims), func(i int) ClaimParams { return claims[i].p })...)
+		batch.Queue(b.s.q.claimBatch, b.s.batchArgs(claimBatchArgs(len(claims), func(i int) ClaimParams { return claims[i].p }))...)
 	}
 	if len(completes) > 0 {
-		batch.Queue(b.s.q.completeBatch, completeBatchArgs(len(completes), func(i int) (Ref, *string) {
+		batch.Queue(b.s.q.completeBatch, b.s.batchArgs(completeBatchArgs(len(completes), func(i int) (Ref, *string) {
 			return completes[i].ref, completes[i].result
-		})...)
+		}))...)
 	}
 	res := b.s.pool.SendBatch(ctx, batch)
 	var rows map[opKey]claimRow
@@ -495,6 +495,21 @@ func claimBatchArgs(n int, at func(int) ClaimParams) []any {
 		}
 	}
 	return []any{tasks, keys, tokens, owners, ids, fps, leases, msgs}
+}
+
+// batchArgs are args as the pool's connections can send them: on those
+// that encode arguments by their Go type alone (plainArrays), a textArray
+// goes as the []string pgx knows.
+func (s *Store) batchArgs(args []any) []any {
+	if !s.plainArrays {
+		return args
+	}
+	for i, a := range args {
+		if t, ok := a.(textArray); ok {
+			args[i] = []string(t)
+		}
+	}
+	return args
 }
 
 // textArray is a text[] argument that pgx encodes without boxing each of

@@ -113,6 +113,10 @@ type Store struct {
 	q      queries
 	batch  *batcher // nil when batching is disabled
 	txg    *txGroup // nil when BatchConfig.GroupTx is 1
+	// plainArrays: the pool's connections send arguments without
+	// describing the statement first (exec, simple protocol), so pgx
+	// encodes them by their Go type: text[] arguments go as []string.
+	plainArrays bool
 }
 
 var schemaName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
@@ -151,6 +155,10 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		log:    cfg.Logger.With(zap.String("schema", cfg.Schema)),
 	}
 	s.q = newQueries(s.schema)
+	switch pool.Config().ConnConfig.DefaultQueryExecMode {
+	case pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol:
+		s.plainArrays = true
+	}
 	if !cfg.Batch.Disabled {
 		s.batch = newBatcher(s, cfg.Batch)
 	}

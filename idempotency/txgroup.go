@@ -419,7 +419,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 		return false, nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	rows, err := tx.Query(ctx, g.s.q.claimBatch, claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p })...)
+	rows, err := tx.Query(ctx, g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p }))...)
 	if err != nil {
 		return false, nil
 	}
@@ -621,9 +621,9 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 		// All completions in one statement, as a flush of the batcher
 		// writes them: the records are this transaction's own, locked by
 		// its claims.
-		rs, err := tx.Query(ctx, g.s.q.completeBatch, completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
+		rs, err := tx.Query(ctx, g.s.q.completeBatch, g.s.batchArgs(completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
 			return firsts[i].op.p.Ref(firsts[i].claim.Token), firsts[i].res
-		})...)
+		}))...)
 		if err != nil {
 			return lost("complete", err)
 		}

@@ -489,10 +489,17 @@ func readTableDepth(r io.Reader, depth int) (table Table, err error) {
 func parseTableDepth(str string, depth int) (table Table, err error) {
 	nested := strReader{s: str}
 
-	// onceler: sized for about one entry per 24 bytes (a key of a few
-	// letters and a short value, as in a Celery message's headers), so
-	// that it does not grow entry by entry; at most 64 ahead of its bytes.
-	table = make(Table, min(len(str)/24, 64))
+	// onceler: the top-level table is sized for about one entry per 24
+	// bytes (a key of a few letters and a short value, as in a Celery
+	// message's headers), so that it does not grow entry by entry; at most
+	// 64 ahead of its bytes. Nested tables grow as they fill: the bytes of
+	// one count for every table around it, and sizing each by them would
+	// let a small frame of deeply nested tables take megabytes.
+	if depth == 0 {
+		table = make(Table, min(len(str)/24, 64))
+	} else {
+		table = make(Table)
+	}
 
 	for len(nested.s) > 0 {
 		var key string
