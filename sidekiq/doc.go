@@ -23,6 +23,18 @@
 // working lists from being taken for a dead process's. Close the client
 // after Run has returned.
 //
+// # Requirements
+//
+// Redis 6.2 or later (LMOVE), with maxmemory-policy noeviction, as
+// Sidekiq requires: an evicted queue, working list or registry loses jobs.
+//
+// Config.Identity names the process; each live process needs its own. The
+// default is unique per run. A fixed identity (a StatefulSet pod's name)
+// is fine as long as two live processes never share it: New takes the
+// jobs left in the working lists of that identity (by a run that crashed)
+// back to their queues, jobs that a live process of the same identity
+// would be holding.
+//
 // # Reliable fetch
 //
 // Sidekiq's own BasicFetch pops a job (BRPOP) and loses it if the process
@@ -32,15 +44,29 @@
 // Done (finished), Requeue (back to the head of its queue, fetched next),
 // Retry (retry set or dead set), Kill (dead set), Schedule (schedule set).
 // A job is therefore always in exactly one place (or, by Sidekiq's rules,
-// dropped: see Retries). When a process's
+// dropped: see Retries). Each script checks the types of the keys it
+// writes before it removes anything, so a key of the wrong type makes it
+// fail with nothing written. When a process's
 // heartbeat key expires (HeartbeatTTL, 60 s by default, after the last
 // heartbeat), any other Client's Run moves the jobs of its working lists
 // back to their queues, oldest first, in one script that first checks that
-// the heartbeat is still gone. A process that stalls longer than
-// HeartbeatTTL and comes back finds its jobs gone: settling them returns an
-// error wrapping ErrNotHeld and writes nothing, and the jobs run again
-// elsewhere. Delivery is at least once; exactly-once effects are the
-// caller's (an idempotency record keyed by Job.IdempotencyKey or JID).
+// the heartbeat is still gone; it also ends the process's epoch. A process
+// that stalls longer than HeartbeatTTL and comes back finds its jobs gone:
+// settling them returns an error wrapping ErrNotHeld and writes nothing,
+// also when the same job was fetched again since (Fetch records the epoch
+// in the Job), and the jobs run again elsewhere. Every fetch registers the
+// process's working lists in the same script as the move, so a job
+// fetched after a recovery is recovered too if the process then dies.
+// Delivery is at least once; exactly-once effects are the caller's (an
+// idempotency record keyed by Job.IdempotencyKey or JID).
+//
+// go-redis sends a command again when the connection breaks before the
+// reply. Fetch and the settling methods remember their outcome in Redis
+// for a while under a key of their own (onceler:op:<id>), so that a
+// repeated call returns the first outcome: the same job, or success,
+// rather than a second job or ErrNotHeld. A Fetch that fails without
+// knowing whether it moved a job asks again in the next Fetch of the
+// client and hands that job out then.
 //
 // Only the expiry of the heartbeat hash counts as death: a process that
 // stopped cleanly leaves "processes" at once but may still be settling the
@@ -48,9 +74,13 @@
 // RequeueAll (Sidekiq's bulk_requeue), or they come back after
 // HeartbeatTTL.
 //
-// A Fetch whose context ends while a blocking BLMOVE is in flight returns
-// after that BLMOVE's timeout (FetchTimeout, 2 s); a job it took meanwhile
-// is put back at the head of its queue.
+// When no queue has a job, Fetch waits on the first queue of its order
+// with a BLMOVE of the queue onto itself (which takes nothing and leaves
+// the list as it is) and then moves the job in the script; every waiting
+// Fetch wakes for a new job and one of them gets it. A Fetch whose context
+// ends while that BLMOVE is in flight returns after its timeout
+// (FetchTimeout, 2 s); a job it moved while stopping is put back at the
+// head of its queue.
 //
 // # Queues
 //
@@ -78,8 +108,11 @@
 //
 // This package's own:
 //
-//	onceler:working                      hash: identity -> JSON list of its queues
+//	onceler:working                      hash: identity -> JSON list of its queues (set by every fetch and heartbeat)
 //	onceler:working:<identity>:<queue>   list: jobs fetched from <queue>, not settled yet (WorkingKey)
+//	onceler:epoch                        hash: identity -> its current epoch (deleted by recovery and RequeueAll)
+//	onceler:op:<id>                      outcome of one Fetch (hash, until the job is settled, at most 5 min)
+//	                                     or one settlement (string, 1 min)
 //
 // # Heartbeat, scheduler, signals
 //
@@ -90,6 +123,11 @@
 // TSTP makes the process quiet (Quiet reports it; Fetch hands out no more
 // jobs and waits for its context); TERM makes it quiet too; every signal
 // is then passed to Run's callback, which should stop the worker on TERM.
+// The callback runs on a goroutine of its own, one signal at a time, so
+// it may block (drain the workers, cancel Run's context and wait for Run
+// to return) without delaying the heartbeat; it may be called after Run
+// returned. A callback that never returns holds back the signals after
+// it.
 // When Run's context ends it writes the remaining counts and leaves
 // "processes" as Sidekiq does on shutdown.
 //
@@ -100,7 +138,8 @@
 // Sidekiq::Client.push would: "retry" true and "queue" "default" when
 // absent, a jid and created_at when absent, a fresh enqueued_at. The
 // interval is random around PollInterval (default 5 s times the number of
-// processes, as Sidekiq scales it); the first poll is at Run's start.
+// processes, as Sidekiq scales it); the first poll is at Run's start. An
+// entry that is not a JSON object goes to the dead set.
 //
 // # Retries
 //
@@ -110,7 +149,17 @@
 // handlers): Retry logs it at warning level and removes it. A job whose
 // retries are exhausted goes to the dead set unless its "dead" is false;
 // the dead set is trimmed as Sidekiq's DeadSet#kill trims it (entries
-// older than DeadTimeout, and all but the newest DeadMaxJobs-1).
+// older than DeadTimeout, and all but the newest DeadMaxJobs-1). A
+// retry_count that is a float counts truncated; one that is not a number
+// (a string, true), on which Sidekiq's own retry fails, sends the job to
+// the dead set with error_class "Onceler::InvalidRetryCount".
+//
+// The dead set holds only job hashes, as Sidekiq's DeadSet needs: a value
+// that is JSON but not an object (Kill of an undecodable job, or an entry
+// of "schedule" or "retry") is wrapped in a hash of class
+// "Onceler::UnreadableJob" whose argument is the value as a string. Two
+// identical strings stored in a sorted set would be one member: the
+// second gets a field "onceler_copy" instead.
 //
 // # Jobs and ActiveJob arguments
 //

@@ -123,9 +123,9 @@ func TestSignals(t *testing.T) {
 	}
 	e.ruby("signal", map[string]any{"identity": c.Identity(), "signal": "TSTP"}, nil)
 	eventually(t, 5*time.Second, "TSTP makes the process quiet", c.Quiet)
-	if s := signals(); !reflect.DeepEqual(s, []string{"TSTP"}) {
-		t.Fatalf("signals %v", s)
-	}
+	eventually(t, 5*time.Second, "TSTP reaches the callback", func() bool {
+		return reflect.DeepEqual(signals(), []string{"TSTP"})
+	})
 	var procs []map[string]any
 	eventually(t, 5*time.Second, "quiet in Sidekiq::ProcessSet", func() bool {
 		e.ruby("processes", nil, &procs)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -68,6 +70,10 @@ type Job struct {
 	Fields map[string]any
 	// Wrapped is true for ActiveJob jobs.
 	Wrapped bool
+
+	// epoch is the epoch of the process when Fetch took the job (see
+	// recoverScript); fetchID names the memo of that fetch.
+	epoch, fetchID string
 }
 
 // Decode reads one job, a list element of the queue named queue. On error
@@ -86,7 +92,7 @@ func Decode(raw string, queue string) (*Job, error) {
 	}
 	j.JID, _ = fields["jid"].(string)
 	j.IdempotencyKey, _ = fields["idempotency_key"].(string)
-	if n, ok := intOf(fields["retry_count"]); ok {
+	if n, ok := countOf(fields["retry_count"]); ok {
 		j.RetryCount = int(n)
 	}
 	class, _ := fields["class"].(string)
@@ -146,14 +152,21 @@ func decodeObject(raw string) (map[string]any, error) {
 	return m, nil
 }
 
-// intOf returns v as an integer when it is a JSON integer.
-func intOf(v any) (int64, bool) {
+// countOf returns v as an integer when it is a JSON number: a float
+// truncated, as Ruby's to_i; clamped to the range of int32.
+func countOf(v any) (int64, bool) {
 	n, ok := v.(json.Number)
 	if !ok {
 		return 0, false
 	}
-	i, err := n.Int64()
-	return i, err == nil
+	f, err := n.Float64()
+	if i, ierr := n.Int64(); ierr == nil {
+		f, err = float64(i), nil
+	}
+	if err != nil && !errors.Is(err, strconv.ErrRange) || math.IsNaN(f) {
+		return 0, false
+	}
+	return int64(max(min(f, math.MaxInt32), math.MinInt32)), true
 }
 
 // The types ActiveJob arguments become beyond JSON's own.
@@ -291,7 +304,11 @@ func activeJobObject(serializer string, h map[string]any) (any, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", serializer, err)
 		}
-		return time.Duration(f * float64(time.Second)), nil
+		ns := f * float64(time.Second)
+		if math.IsNaN(ns) || ns >= math.MaxInt64 || ns < math.MinInt64 {
+			return nil, fmt.Errorf("%s: %v s is beyond a time.Duration (about 292 years)", serializer, f)
+		}
+		return time.Duration(ns), nil
 	}
 	fields := make(map[string]any, len(h))
 	for k, v := range h {

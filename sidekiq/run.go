@@ -49,7 +49,12 @@ func (c *Client) End(j *Job, failed bool) {
 // onSignal (may be nil) is called with each signal sent to the process
 // through Sidekiq's API ("<identity>-signals"): TSTP makes the process
 // quiet (Fetch hands out nothing more); TERM makes it quiet too, and the
-// caller is expected to stop.
+// caller is expected to stop. onSignal runs on a goroutine of its own,
+// one signal at a time in the order they came, so that it may take as
+// long as it needs (stop the workers, cancel ctx, wait for Run to return)
+// while the heartbeat goes on; Run does not wait for it, and a call may
+// still be made after Run returned. A callback that never returns holds
+// back the signals after it.
 func (c *Client) Run(ctx context.Context, onSignal func(sig string)) error {
 	var wg sync.WaitGroup
 	wg.Add(2)
@@ -61,10 +66,14 @@ func (c *Client) Run(ctx context.Context, onSignal func(sig string)) error {
 		defer wg.Done()
 		c.recoverLoop(ctx)
 	}()
+	var deliver func(string)
+	if onSignal != nil {
+		deliver = newSignalQueue(onSignal).add
+	}
 	t := time.NewTicker(c.cfg.Heartbeat)
 	defer t.Stop()
 	for {
-		if err := c.beat(ctx, true, onSignal); err != nil && ctx.Err() == nil {
+		if err := c.beat(ctx, true, deliver); err != nil && ctx.Err() == nil {
 			c.log.Error("sidekiq heartbeat failed", zap.Error(err))
 		}
 		select {
@@ -74,6 +83,42 @@ func (c *Client) Run(ctx context.Context, onSignal func(sig string)) error {
 			return nil
 		case <-t.C:
 		}
+	}
+}
+
+// signalQueue calls a callback with each signal added, in order, on a
+// goroutine that runs while there are signals to deliver.
+type signalQueue struct {
+	mu      sync.Mutex
+	fn      func(string)
+	queue   []string
+	running bool
+}
+
+func newSignalQueue(fn func(string)) *signalQueue { return &signalQueue{fn: fn} }
+
+func (q *signalQueue) add(sig string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.queue = append(q.queue, sig)
+	if !q.running {
+		q.running = true
+		go q.drain()
+	}
+}
+
+func (q *signalQueue) drain() {
+	for {
+		q.mu.Lock()
+		if len(q.queue) == 0 {
+			q.running = false
+			q.mu.Unlock()
+			return
+		}
+		sig := q.queue[0]
+		q.queue = q.queue[1:]
+		q.mu.Unlock()
+		q.fn(sig)
 	}
 }
 
@@ -242,13 +287,28 @@ func (c *Client) pollWait(ctx context.Context) time.Duration {
 
 // pushDueScript moves one due job from a sorted set to its queue, only
 // when this caller removed it (ZREM returned 1), so that concurrent
-// pollers never enqueue a job twice. KEYS: set, queue list, "queues";
-// ARGV: member, new payload, queue name. A payload "" sends the member to
-// the dead set KEYS[2] as it is.
+// pollers never enqueue a job twice; the types of the keys it writes are
+// checked first, so that it writes everything or nothing. KEYS: set,
+// queue list (or the dead set), "queues"; ARGV: member, new payload,
+// queue name, score ("" to push to the queue, else the payload goes to the
+// dead set KEYS[2] with this score).
 var pushDueScript = redis.NewScript(`
+local function want(key, ty)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= ty then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. t .. ', not a ' .. ty .. ': the job stays in ' .. KEYS[1])
+  end
+end
+local bad
+if ARGV[4] == '' then
+  bad = want(KEYS[2], 'list') or want(KEYS[3], 'set')
+else
+  bad = want(KEYS[2], 'zset')
+end
+if bad then return bad end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-if ARGV[2] == '' then
-  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+if ARGV[4] ~= '' then
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[2])
   return 1
 end
 redis.call('SADD', KEYS[3], ARGV[3])
@@ -260,8 +320,9 @@ return 1
 // to their queues, one at a time as Sidekiq's Enq does, each as
 // Sidekiq::Client.push would enqueue it (defaults "retry" true and
 // "queue" "default" when absent, a jid and created_at when absent, a new
-// enqueued_at). An entry that is not a JSON object goes to the dead set.
-// It returns the number of jobs moved. Run calls it periodically.
+// enqueued_at). An entry that is not a JSON object goes to the dead set,
+// wrapped as Kill wraps it when it is JSON. It returns the number of jobs
+// moved. Run calls it periodically.
 func (c *Client) EnqueueDue(ctx context.Context) (int, error) {
 	moved := 0
 	for _, set := range []string{keyRetry, keySchedule} {
@@ -291,7 +352,11 @@ func (c *Client) duePush(set, member string) (keys []string, args []any) {
 	msg, err := decodeObject(member)
 	if err != nil {
 		c.log.Error("sidekiq: an entry of "+set+" is not a JSON object: moved to the dead set", zap.Error(err))
-		return []string{set, keyDead, keyQueues}, []any{member, "", "", fmtFloat(nowFloat())}
+		payload := member
+		if json.Valid([]byte(member)) {
+			payload = mustJSON(unreadable(member, "", "TypeError", "an entry of "+set+" is not a job hash: "+err.Error()))
+		}
+		return []string{set, keyDead, keyQueues}, []any{member, payload, "", fmtFloat(nowFloat())}
 	}
 	now := nowFloat()
 	if _, ok := msg["retry"]; !ok {
@@ -314,36 +379,60 @@ func (c *Client) duePush(set, member string) (keys []string, args []any) {
 }
 
 // recoverScript moves a dead process's working lists back to their
-// queues, oldest job fetched first, unless its heartbeat key came back.
-// KEYS: heartbeat key, registry, then working list and queue pairs;
-// ARGV[1] identity, ARGV[2] "own" for this process's own lists (no
-// heartbeat check, stays registered).
+// queues, oldest job fetched first, unless its heartbeat key came back,
+// and ends the process's epoch: a job fetched before cannot be settled
+// any more (settleScript compares the epoch Fetch saw), and the next
+// fetch starts a new one. It checks the types of all keys first, so that
+// it moves everything or nothing. KEYS: heartbeat key, registry, epochs,
+// "queues", then working list and queue pairs; ARGV[1] identity, ARGV[2]
+// "own" for this process's own lists (no heartbeat check, stays
+// registered), then the queue names.
 var recoverScript = redis.NewScript(`
 local own = ARGV[2] == 'own'
 if not own and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local function want(key, ty)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= ty then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. t .. ', not a ' .. ty .. ': nothing recovered')
+  end
+end
+local bad
+for i = 5, #KEYS, 2 do
+  bad = bad or want(KEYS[i], 'list')
+  if not bad and redis.call('EXISTS', KEYS[i]) == 1 then
+    bad = want(KEYS[i+1], 'list') or want(KEYS[4], 'set')
+  end
+end
+if bad then return bad end
+redis.call('HDEL', KEYS[3], ARGV[1])
 local moved = 0
-for i = 3, #KEYS, 2 do
-  while redis.call('LMOVE', KEYS[i], KEYS[i+1], 'LEFT', 'RIGHT') do moved = moved + 1 end
+for i = 5, #KEYS, 2 do
+  local n = 0
+  while redis.call('LMOVE', KEYS[i], KEYS[i+1], 'LEFT', 'RIGHT') do n = n + 1 end
+  if n > 0 then redis.call('SADD', KEYS[4], ARGV[3 + (i - 5) / 2]) end
+  moved = moved + n
 end
 if not own then redis.call('HDEL', KEYS[2], ARGV[1]) end
 return moved
 `)
 
-func recoverKeys(identity string, queues []string) []string {
-	keys := []string{identity, keyWorkingReg}
+func (c *Client) recover(ctx context.Context, identity string, queues []string, mode string) (int, error) {
+	keys := []string{identity, keyWorkingReg, keyEpoch, keyQueues}
+	args := []any{identity, mode}
 	for _, q := range queues {
 		keys = append(keys, WorkingKey(identity, q), queueKey(q))
+		args = append(args, q)
 	}
-	return keys
+	return recoverScript.Run(ctx, c.rdb, keys, args...).Int()
 }
 
 // RequeueAll moves every job of this process's working lists back to the
 // head of its queue (oldest fetched first), as Sidekiq's bulk_requeue does
 // at shutdown, and returns how many it moved: for a worker that stops
 // without finishing the jobs it holds. Settling one of them afterwards
-// returns ErrNotHeld.
+// returns ErrNotHeld, also when the same job was fetched again since.
 func (c *Client) RequeueAll(ctx context.Context) (int, error) {
-	n, err := recoverScript.Run(ctx, c.rdb, recoverKeys(c.cfg.Identity, c.uniq), c.cfg.Identity, "own").Int()
+	n, err := c.recover(ctx, c.cfg.Identity, c.uniq, "own")
 	if err != nil {
 		return 0, fmt.Errorf("sidekiq: requeue the working lists: %w", err)
 	}
@@ -351,6 +440,33 @@ func (c *Client) RequeueAll(ctx context.Context) (int, error) {
 		c.log.Info("sidekiq: unfinished jobs requeued", zap.Int("jobs", n))
 	}
 	return n, nil
+}
+
+// requeueLeftovers is New's RequeueAll of the lists of a previous run
+// with the same identity (a fixed Config.Identity), for the queues it
+// registered as well as this run's.
+func (c *Client) requeueLeftovers(ctx context.Context) error {
+	queues := c.uniq
+	prev, err := c.rdb.HGet(ctx, keyWorkingReg, c.cfg.Identity).Result()
+	switch {
+	case errors.Is(err, redis.Nil):
+	case err != nil:
+		return fmt.Errorf("sidekiq: read %s: %w", keyWorkingReg, err)
+	default:
+		var old []string
+		if err := json.Unmarshal([]byte(prev), &old); err != nil {
+			c.log.Error("sidekiq: unreadable working list registration", zap.String("owner", c.cfg.Identity), zap.Error(err))
+		}
+		queues = uniq(append(append([]string(nil), queues...), old...))
+	}
+	n, err := c.recover(ctx, c.cfg.Identity, queues, "own")
+	if err != nil {
+		return fmt.Errorf("sidekiq: requeue the jobs left by a previous run of %s: %w", c.cfg.Identity, err)
+	}
+	if n > 0 {
+		c.log.Warn("sidekiq: jobs left by a previous run of this identity requeued", zap.Int("jobs", n))
+	}
+	return nil
 }
 
 func (c *Client) recoverLoop(ctx context.Context) {
@@ -386,7 +502,7 @@ func (c *Client) RecoverDead(ctx context.Context) (int, error) {
 			c.log.Error("sidekiq: unreadable working list registration", zap.String("owner", identity), zap.Error(err))
 			continue
 		}
-		n, err := recoverScript.Run(ctx, c.rdb, recoverKeys(identity, queues), identity, "dead").Int()
+		n, err := c.recover(ctx, identity, queues, "dead")
 		if err != nil {
 			return total, fmt.Errorf("sidekiq: recover the jobs of %s: %w", identity, err)
 		}

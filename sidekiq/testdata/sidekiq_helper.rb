@@ -6,6 +6,7 @@ require "json"
 require "logger"
 require "sidekiq"
 require "sidekiq/api"
+require "sidekiq/job_retry"
 require "active_job"
 require "active_job/queue_adapters/sidekiq_adapter"
 require "globalid"
@@ -93,6 +94,21 @@ when "signal"
   else abort "unknown signal #{arg["signal"]}"
   end
   true
+when "job_retry"
+  # arg: {"job": jobstr, "queue": q, "message": m}: Sidekiq's JobRetry
+  # handles the failure of the job, as a Sidekiq process does; prints
+  # where the job went.
+  begin
+    Sidekiq::JobRetry.new.local(HardWorker.new, arg["job"], arg["queue"]) { raise arg["message"] || "boom" }
+  rescue Sidekiq::JobRetry::Skip
+    "handled"
+  rescue => e
+    "#{e.class}: #{e.message}"
+  end.then { |how|
+    {"how" => how,
+     "retry" => Sidekiq.redis { |c| c.zrange("retry", 0, -1) },
+     "dead" => Sidekiq.redis { |c| c.zrange("dead", 0, -1) }}
+  }
 when "queue"
   # arg: {"queue": q}: the queue's jobs, next to be fetched first
   Sidekiq::Queue.new(arg["queue"]).map(&:item)
