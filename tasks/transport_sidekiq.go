@@ -6,7 +6,8 @@ package tasks
 // working list until the client settles it: Done when answered (ack),
 // Requeue (giveBack), Schedule (republish), Retry (retry: Sidekiq's retry
 // set and backoff, its dead set once retries are used up) or Kill
-// (quarantine: the dead set). Each move settles the job at once, so the ack
+// (quarantine: the dead set); a failed run goes to Retry too (failed:
+// failingDelivery). Each move settles the job at once, so the ack
 // that follows it sends nothing. A delivery is held by leaving it in the
 // working list; it is stale once the client says the job is no longer its
 // own (another process recovered it, taking this one for dead). The worker
@@ -62,6 +63,11 @@ type sidekiqTransport[J comparable] struct {
 	// notHeld is the client's error (wrapped) for a job no longer in its
 	// working list (sidekiq.ErrNotHeld).
 	notHeld error
+
+	// begin and end, when set, show each run of a job (the client's Begin
+	// and End).
+	begin func(J)
+	end   func(J, bool)
 
 	mu       sync.Mutex
 	out      int // jobs fetched and not settled
@@ -294,11 +300,35 @@ func (d *sidekiqDelivery[J]) retry(ctx context.Context, _ *celeryproto.Message, 
 }
 
 // quarantine moves the job to the dead set, its error class the reason
-// (onceler.<reason>) and its message the detail.
+// (sidekiqErrorClass) and its message the detail.
 func (d *sidekiqDelivery[J]) quarantine(ctx context.Context, ours map[string]any) error {
 	reason, _ := ours[HeaderReason].(string)
 	detail, _ := ours[HeaderDetail].(string)
-	return d.settle(func() error { return d.t.client.Kill(ctx, d.job, "onceler."+reason, clip.String(detail, maxDetail)) }, false)
+	return d.settle(func() error {
+		return d.t.client.Kill(ctx, d.job, sidekiqErrorClass(reason), clip.String(detail, maxDetail))
+	}, false)
+}
+
+func (d *sidekiqDelivery[J]) runStarted() {
+	if d.t.begin != nil {
+		d.t.begin(d.job)
+	}
+}
+
+func (d *sidekiqDelivery[J]) runEnded(failed bool) {
+	if d.t.end != nil {
+		d.t.end(d.job, failed)
+	}
+}
+
+// failed hands the job of a failed run to Sidekiq's retry: the retry set
+// with its backoff, the dead set once its retries are used up (or dropped,
+// with retry: false).
+func (d *sidekiqDelivery[J]) failed(ctx context.Context, class, message string, backtrace []string) error {
+	return d.settle(func() error {
+		_, err := d.t.client.Retry(ctx, d.job, class, clip.String(message, maxDetail), backtrace)
+		return err
+	}, false)
 }
 
 // keep: a held record keeps no Sidekiq job (DecodeHeld reads Celery
@@ -312,6 +342,10 @@ func (d *sidekiqDelivery[J]) keep() ([]byte, error) {
 var (
 	_ transport = (*sidekiqTransport[*sidekiqJob])(nil)
 	_ delivery  = (*sidekiqDelivery[*sidekiqJob])(nil)
-	_ transport = (*amqpTransport)(nil)
-	_ delivery  = (*amqpDelivery)(nil)
+	_ transport = (*sidekiqWorkerTransport)(nil)
+	_ runMarker = (*sidekiqDelivery[*sidekiqJob])(nil)
+
+	_ failingDelivery = (*sidekiqDelivery[*sidekiqJob])(nil)
+	_ transport       = (*amqpTransport)(nil)
+	_ delivery        = (*amqpDelivery)(nil)
 )

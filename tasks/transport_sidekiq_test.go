@@ -249,7 +249,7 @@ func TestSidekiqSettle(t *testing.T) {
 	if err := l.ack(); !errors.Is(err, errFakeNotHeld) || !l.stale() {
 		t.Errorf("ack of a job recovered by another process: %v, stale %v; want not held, stale", err, l.stale())
 	}
-	want := []string{"kill onceler.poison: delivered 6 times quarantined", "retry IOError: gateway away retried", "schedule scheduled"}
+	want := []string{"kill Onceler::Poison: delivered 6 times quarantined", "retry IOError: gateway away retried", "schedule scheduled"}
 	if got := f.callLog(); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("calls %q, want %q", got, want)
 	}
