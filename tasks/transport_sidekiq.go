@@ -174,7 +174,7 @@ func (t *sidekiqTransport[J]) close() error      { return t.client.Close() }
 // client could not decode it (nil: it could).
 func (t *sidekiqTransport[J]) newDelivery(j J, decodeErr error) *sidekiqDelivery[J] {
 	v := t.view(j)
-	return &sidekiqDelivery[J]{t: t, job: j, v: v, w: sidekiqWire(v, decodeErr)}
+	return &sidekiqDelivery[J]{t: t, job: j, v: v, w: sidekiqWire(v, decodeErr), decodeErr: decodeErr}
 }
 
 // sidekiqWire is a job in Celery's wire form: a protocol 2 JSON message. A
@@ -227,6 +227,9 @@ type sidekiqDelivery[J comparable] struct {
 	job J
 	v   sidekiqJob
 	w   *celeryproto.Delivery
+	// decodeErr is why the client could not decode the job (nil: it
+	// could).
+	decodeErr error
 	// settled: the job left the working list (or is no longer this
 	// process's); gone: it left it to another process (stale).
 	settled, gone atomic.Bool
@@ -304,6 +307,11 @@ func (d *sidekiqDelivery[J]) retry(ctx context.Context, _ *celeryproto.Message, 
 func (d *sidekiqDelivery[J]) quarantine(ctx context.Context, ours map[string]any) error {
 	reason, _ := ours[HeaderReason].(string)
 	detail, _ := ours[HeaderDetail].(string)
+	if d.decodeErr != nil {
+		// The client's own words, not the Celery decoder's about the
+		// wire form it was given.
+		detail = d.decodeErr.Error()
+	}
 	return d.settle(func() error {
 		return d.t.client.Kill(ctx, d.job, sidekiqErrorClass(reason), clip.String(detail, maxDetail))
 	}, false)
