@@ -210,6 +210,9 @@ type skWorkerOptions struct {
 	Concurrency, Prefetch int
 	Queues                string
 	Env                   []string
+	// MayCrash: the worker may crash (its crash injection) before the
+	// harness sees it started.
+	MayCrash bool
 }
 
 // skWorker is a worker process, killed when the test ends.
@@ -290,6 +293,9 @@ func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 	ok := testkit.Eventually(60*time.Second, func() bool {
 		return w.exited() || strings.Contains(w.log(), `"worker started"`)
 	})
+	if o.MayCrash && w.exited() && w.crashed() && strings.Contains(w.log(), `"consuming Sidekiq jobs"`) {
+		return w
+	}
 	if !ok || w.exited() {
 		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.exited(), w.logTail(4000))
 	}

@@ -407,3 +407,40 @@ func TestSidekiqBadInput(t *testing.T) {
 	}
 	testkit.WaitFor(t, "Redis idle", 10*time.Second, e.idle)
 }
+
+// TestSidekiqPoison: a job that kills every worker that runs it (kill -9
+// after the claim) is recovered from each dead worker's working list and
+// counted as a redelivery each time; past the poison limit (5 earlier
+// deliveries) the next worker sends it to the dead set as
+// Onceler::Poison instead of running it again.
+func TestSidekiqPoison(t *testing.T) {
+	t.Parallel()
+	e := newSkEnv(t)
+	op := testkit.Name("skpoison")
+	jids := e.push(creditJob(op))
+	ctx := context.Background()
+	for kill := 1; kill <= 6; kill++ {
+		w := e.startWorker(skWorkerOptions{CrashAt: "after_claim", CrashTask: demo.TaskCredit, Concurrency: 1, Prefetch: 1, MayCrash: true})
+		id := w.identity(t)
+		if !testkit.Eventually(60*time.Second, w.exited) || !w.crashed() {
+			t.Fatalf("run %d: the worker did not crash: %s", kill, w.logTail(3000))
+		}
+		testkit.WaitFor(t, "the killed worker's heartbeat to expire", time.Minute, func() bool {
+			n, err := e.rdb.Exists(ctx, id).Result()
+			return err == nil && n == 0
+		})
+	}
+	e.startWorker(skWorkerOptions{})
+	var dead []skEntry
+	testkit.WaitFor(t, "the job in the dead set", time.Minute, func() bool {
+		e.ruby(&dead, "dead", nil)
+		return len(dead) == 1
+	})
+	if d := dead[0]; d.JID != jids[0] || d.Item["error_class"] != "Onceler::Poison" {
+		t.Errorf("dead set %+v, want the job as Onceler::Poison", d)
+	}
+	if n := len(ledgerOrder(t, e, op)); n != 0 {
+		t.Errorf("the poison job's effect: %d, want 0", n)
+	}
+	testkit.WaitFor(t, "Redis idle", 10*time.Second, e.idle)
+}

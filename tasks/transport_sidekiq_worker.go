@@ -50,7 +50,7 @@ func newSidekiqWorkerTransport(cfg *Config, log *zap.Logger, onTerm func()) *sid
 
 // sidekiqView is what the transport reads of a job of package sidekiq.
 func sidekiqView(j *sidekiq.Job) sidekiqJob {
-	return sidekiqJob{Queue: j.Queue, Class: j.Class, JID: j.JID, IdempotencyKey: j.IdempotencyKey,
+	return sidekiqJob{Queue: j.Queue, Class: j.Class, JID: j.JID, IdempotencyKey: j.IdempotencyKey, Raw: j.Raw,
 		Args: j.Args, RetryCount: j.RetryCount}
 }
 
@@ -64,6 +64,8 @@ func (t *sidekiqWorkerTransport) prepare(context.Context) error {
 	t.sidekiqTransport.client = c
 	t.begin = c.Begin
 	t.end = c.End
+	t.count = c.CountDelivery
+	t.forget = c.ForgetDeliveries
 	ctx, cancel := context.WithCancel(context.Background())
 	t.runCancel, t.runDone = cancel, make(chan struct{})
 	go func() {
