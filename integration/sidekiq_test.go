@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"syscall"
@@ -443,4 +444,36 @@ func TestSidekiqPoison(t *testing.T) {
 		t.Errorf("the poison job's effect: %d, want 0", n)
 	}
 	testkit.WaitFor(t, "Redis idle", 10*time.Second, e.idle)
+}
+
+// TestSidekiqIdempotencyKey: a job's idempotency_key is the operation key,
+// over the task's Key of its arguments: two jobs with the same key run
+// once; the same arguments under another key are another operation.
+func TestSidekiqIdempotencyKey(t *testing.T) {
+	t.Parallel()
+	e := newSkEnv(t)
+	e.startWorker(skWorkerOptions{})
+	entry := testkit.Name("skkey")
+	k1, k2 := entry+"-k1", entry+"-k2"
+	withKey := func(k string) map[string]any {
+		j := creditJob(entry)
+		j["idempotency_key"] = k
+		return j
+	}
+	e.push(withKey(k1), withKey(k1), withKey(k2))
+	ctx := context.Background()
+	testkit.WaitFor(t, "every job settled", time.Minute, func() bool {
+		for _, k := range []string{k1, k2} {
+			if rec, err := e.store.Get(ctx, demo.TaskCredit, k); err != nil || rec.Status != idempotency.StatusCompleted {
+				return false
+			}
+		}
+		return e.idle()
+	})
+	if n := len(ledgerOrder(t, e, entry)); n != 2 {
+		t.Errorf("%d ledger rows for entry %s, want 2 (one per idempotency key)", n, entry)
+	}
+	if _, err := e.store.Get(ctx, demo.TaskCredit, entry); !errors.Is(err, idempotency.ErrNotFound) {
+		t.Errorf("record under the task's own key: %v, want none (the job's idempotency_key wins)", err)
+	}
 }
