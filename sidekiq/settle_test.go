@@ -3,10 +3,12 @@ package sidekiq
 import (
 	"context"
 	"errors"
+	"net/url"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap/zaptest"
 )
 
 // A retry_count that is not a number makes Sidekiq's own retry fail; the
@@ -171,5 +173,55 @@ func TestSignalCallbackMayWaitForRun(t *testing.T) {
 	case <-waited:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the callback that waits for Run to return is still waiting after 10 s")
+	}
+}
+
+// When every attempt of a Fetch loses its reply (go-redis gives up), the
+// job the first attempt moved is handed out by the next Fetch instead of
+// staying in the working list with no holder.
+func TestFetchWhoseRepliesAreAllLostHandsOutItsJobNext(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	u, err := url.Parse(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newDropProxy(t, u.Host)
+	u.Host = proxy.ln.Addr().String()
+	jids := pushMany(e, "blip3", 2, "W")
+	c, err := New(Config{URL: u.String(), Queues: []string{"blip3"}, Logger: zaptest.NewLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if err := fetchScript.Load(ctx, e.rdb).Err(); err != nil {
+		t.Fatal(err)
+	}
+	proxy.again.Store(1000)
+	proxy.armed.Store(true)
+	fctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	j, err := c.Fetch(fctx)
+	proxy.again.Store(0)
+	proxy.armed.Store(false)
+	if err == nil {
+		t.Fatalf("Fetch through a connection that loses every reply: %+v", j)
+	}
+	if n := e.llen(WorkingKey(c.Identity(), "blip3")); n != 1 {
+		t.Fatalf("working list holds %d after the failed Fetch, want the job its first attempt moved", n)
+	}
+	j = fetch(t, c, 5*time.Second)
+	if j.JID != jids[0] {
+		t.Fatalf("next Fetch: %s, want %s, the job moved by the failed one", j.JID, jids[0])
+	}
+	if err := c.Done(ctx, j); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.llen(WorkingKey(c.Identity(), "blip3")); n != 0 {
+		t.Fatalf("working list holds %d", n)
+	}
+	if n := e.llen("queue:blip3"); n != 1 {
+		t.Fatalf("queue holds %d", n)
 	}
 }

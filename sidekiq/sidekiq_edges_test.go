@@ -268,6 +268,7 @@ type dropProxy struct {
 	target  string
 	armed   atomic.Bool
 	dropped atomic.Int32
+	again   atomic.Int32 // replies to drop after the armed one
 }
 
 func newDropProxy(t *testing.T, target string) *dropProxy {
@@ -306,6 +307,9 @@ func (p *dropProxy) handle(client net.Conn) {
 		if n > 0 {
 			if p.armed.CompareAndSwap(true, false) {
 				p.dropped.Add(1)
+				if p.again.Add(-1) >= 0 {
+					p.armed.Store(true)
+				}
 				_ = client.Close()
 				_ = server.Close()
 				return
