@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/sidekiq"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -65,7 +66,9 @@ the outside system whether the effect happened, then:
                                get the result (JSON; default null)
   --retry                      it did not happen: release the record and
                                republish the message kept with it, so a
-                               worker runs the task again
+                               worker runs the task again (a Sidekiq job's:
+                               pushed again to its queue in --sidekiq's
+                               Redis)
 
 'onceler records --status held' lists the held records.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
@@ -74,12 +77,14 @@ the outside system whether the effect happened, then:
 				b                brokerFlags
 				completed, retry bool
 				result           string
+				sidekiqURL       string
 			)
 			d.define(fs)
 			b.define(fs)
 			fs.Bool(&completed, "completed", "the operation happened: mark the record completed")
 			fs.String(&result, "result", "JSON", "", "with --completed: the result duplicates are answered with (JSON)")
 			fs.Bool(&retry, "retry", "the operation did not happen: release the record and republish its stored message")
+			fs.String(&sidekiqURL, "sidekiq", "URL", "", "with --retry, for the record of a Sidekiq job: the Redis its job is pushed again to (the worker's --sidekiq)")
 			fs.CommandLineOnly("completed")
 			fs.CommandLineOnly("retry")
 			return func(ctx context.Context, args []string) error {
@@ -113,7 +118,7 @@ the outside system whether the effect happened, then:
 					fmt.Fprintf(a.stdout, "%s %s: completed\n", task, key)
 					return nil
 				}
-				return a.resolveRetry(ctx, store, d.schema, b, task, key)
+				return a.resolveRetry(ctx, store, d.schema, b, sidekiqURL, task, key)
 			}
 		},
 	}
@@ -134,7 +139,7 @@ func resolveError(prog, schema, task, key string, err error) error {
 // republishes its message. The record is released before the message is
 // published: a worker that got the message while the record was still held
 // would acknowledge it and keep the operation held.
-func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, task, key string) error {
+func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, sidekiqURL, task, key string) error {
 	rec, err := store.Get(ctx, task, key)
 	if err != nil {
 		return resolveError(a.prog, schema, task, key, err)
@@ -144,6 +149,9 @@ func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema
 	}
 	if len(rec.Message) == 0 {
 		return fmt.Errorf("record %s %s keeps no message to republish: send the operation again from its producer, or resolve it --completed", task, key)
+	}
+	if queue, job, ok := tasks.DecodeHeldSidekiq(rec.Message); ok {
+		return a.resolveRetrySidekiq(ctx, store, schema, sidekiqURL, task, key, queue, job)
 	}
 	exchange, routingKey, pubMsg, err := tasks.DecodeHeld(rec.Message)
 	if err != nil {
@@ -172,6 +180,36 @@ func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema
 			task, key, oneLine(err))
 	}
 	fmt.Fprintf(a.stdout, "%s %s: released and republished to %s\n", task, key, describeRoute(exchange, routingKey))
+	return nil
+}
+
+// resolveRetrySidekiq is resolveRetry for the record of a Sidekiq job:
+// Redis is checked first, then the record released and the job pushed
+// again to its queue.
+func (a *app) resolveRetrySidekiq(ctx context.Context, store *idempotency.Store, schema, sidekiqURL, task, key, queue, job string) error {
+	if sidekiqURL == "" {
+		return usagef("resolve", "record %s %s keeps a Sidekiq job: give --sidekiq URL, the Redis to push it again to", task, key)
+	}
+	p, err := sidekiq.NewProducer(sidekiqURL)
+	if err != nil {
+		return usagef("resolve", "invalid --sidekiq: %s", oneLine(err))
+	}
+	defer func() { _ = p.Close() }()
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	if err := p.Ping(pctx); err != nil {
+		return fmt.Errorf("cannot reach Redis: %s", oneLine(err))
+	}
+	if _, err := store.ResolveRetry(ctx, task, key); err != nil {
+		return resolveError(a.prog, schema, task, key, err)
+	}
+	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer wcancel()
+	if err := p.PushRaw(wctx, queue, job); err != nil {
+		return fmt.Errorf("record %s %s was released but its Sidekiq job could not be pushed again (%s): push it again from its producer",
+			task, key, oneLine(err))
+	}
+	fmt.Fprintf(a.stdout, "%s %s: released and pushed again to Sidekiq queue %s\n", task, key, queue)
 	return nil
 }
 

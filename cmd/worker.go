@@ -3,12 +3,14 @@ package cmd
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -23,6 +25,7 @@ import (
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/workerhooks"
+	"github.com/onceler/onceler/sidekiq"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -57,6 +60,9 @@ type workerFlags struct {
 	flushers     int
 	memBudget    string
 	stallAfter   time.Duration
+	sidekiqURL   string
+	sidekiqBeat  time.Duration
+	queuesSet    bool // --queues (or its variable) was given
 }
 
 func (f *workerFlags) defineLog(fs *flagSet) {
@@ -67,7 +73,7 @@ func (f *workerFlags) defineLog(fs *flagSet) {
 func workerCommand() *command {
 	return &command{
 		name:    "worker",
-		summary: "consume Celery tasks from RabbitMQ and run them once each",
+		summary: "consume Celery tasks from RabbitMQ (or Sidekiq jobs from Redis) and run them once each",
 		long: `Runs a worker: consumes the queues, runs each task with the idempotency
 record (claim, run, complete, reply, then acknowledge), and answers duplicates
 with the stored result. SIGINT or SIGTERM stops it gracefully: no new tasks,
@@ -77,6 +83,11 @@ A second signal ends the process at once.
 It serves the tasks the binary registers (cmd.App): onceler's own binary
 the demo tasks, a binary built as docs/example is its own.
 
+With --sidekiq redis://host:port/db it consumes Sidekiq jobs instead, with
+the same tasks, record and commands: a job's class is the task's name, a
+failed job goes to Sidekiq's retry set, then its dead set; a TERM or TSTP
+sent through Sidekiq's API stops or quiets it (docs/sidekiq.md).
+
 ONCELER_CRASH_AT=after_claim|after_effect|before_ack|chord_joined with
 ONCELER_CRASH_TASK=<task> makes the process die abruptly (as kill -9) the
 first time that point is reached, for crash tests.`,
@@ -84,7 +95,9 @@ first time that point is reached, for crash tests.`,
 			f := &workerFlags{}
 			f.db.define(fs)
 			f.broker.define(fs)
-			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume: one that exists is consumed as the application declared it, a missing one is declared as Celery declares it (see --queue-arg, --quorum); each gets a quarantine queue <queue>.quarantine")
+			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume: one that exists is consumed as the application declared it, a missing one is declared as Celery declares it (see --queue-arg, --quorum); each gets a quarantine queue <queue>.quarantine. With --sidekiq: Sidekiq's queues (default: default), in strict order, or weighted when a number follows a name (critical,2,default,1), as Sidekiq's -q critical,2 -q default,1")
+			fs.String(&f.sidekiqURL, "sidekiq", "URL", "", "consume Sidekiq jobs from this Redis (redis://[[user]:password@]host[:port][/db], rediss:// for TLS) instead of Celery messages from RabbitMQ: a job's class is the task's name, its args the arguments (docs/sidekiq.md); no remote control nor events then")
+			fs.Duration(&f.sidekiqBeat, "sidekiq-heartbeat", 5*time.Second, "with --sidekiq, the interval of the process heartbeat Sidekiq's tools read; the heartbeat lives 12 times as long, after which the process counts as dead and another worker recovers the jobs it held")
 			fs.List(&f.queueArgs, "queue-arg", "[QUEUE:]ARG=VALUE", "an argument to declare a missing queue with, for every queue of --queues or, with QUEUE:, for that one; repeat the flag or separate items with commas, e.g. --queue-arg x-max-priority=10. An integer value is sent as an integer, true and false as booleans, anything else (or a value in double quotes) as a string. A queue that exists is consumed as it is, with the arguments the application declared it with (docs/queues.md)")
 			fs.Bool(&f.quorum, "quorum", "declare missing queues as quorum queues (x-queue-type=quorum); a queue that exists is consumed as it is")
 			fs.Int(&f.concurrency, "concurrency", 0, "tasks run at once; 0 means 64 × CPUs, at least 256 (goroutines are cheap, and many in flight fill the record's batches and transaction groups)")
@@ -112,6 +125,7 @@ first time that point is reached, for crash tests.`,
 				if len(args) > 0 {
 					return usagef("worker", "unexpected argument %q", args[0])
 				}
+				fs.fs.Visit(func(fl *flag.Flag) { f.queuesSet = f.queuesSet || fl.Name == "queues" })
 				return a.runWorker(ctx, f)
 			}
 		},
@@ -124,8 +138,13 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return err
 	}
 	defer func() { _ = logger.Sync() }()
-	queues, err := f.queueSpecs()
-	if err != nil {
+	var queues []amqp.QueueSpec
+	var skCfg *sidekiq.Config
+	if f.sidekiqURL != "" {
+		if skCfg, err = f.sidekiqConfig(); err != nil {
+			return err
+		}
+	} else if queues, err = f.queueSpecs(); err != nil {
 		return err
 	}
 	switch {
@@ -193,9 +212,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	defer pool.Close()
 	defer store.Close()
-	found, err := probeBroker(ctx, broker, queues)
-	if err != nil {
-		return err
+	var found []amqp.QueueSpec
+	if skCfg == nil {
+		if found, err = probeBroker(ctx, broker, queues); err != nil {
+			return err
+		}
 	}
 	concurrency, prefetch := f.concurrency, f.prefetch
 	if concurrency <= 0 {
@@ -242,6 +263,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := tasks.Config{
+		Sidekiq:          skCfg,
 		Broker:           broker,
 		Queues:           queues,
 		Pool:             pool,
@@ -272,7 +294,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	}
 	gogc := workerGCPercent()
 	memLimit := workerMemoryLimit(budget)
-	logger.Info("starting worker", zap.String("node", node), zap.String("broker", amqp.RedactURL(f.broker.url)), zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
+	source := zap.String("broker", amqp.RedactURL(f.broker.url))
+	if skCfg != nil {
+		source = zap.String("sidekiq", sidekiq.RedactURL(skCfg.URL))
+	}
+	logger.Info("starting worker", zap.String("node", node), source, zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
 		zap.Int64("memory_budget", budget), zap.Int64("go_memory_limit", memLimit),
 		zap.String("result_backend", tasks.RedactResultBackend(f.resultBE)),
 		zap.Strings("queues", strings.Split(f.queues, ",")))
@@ -301,6 +327,55 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
+}
+
+// sidekiqConfig is the Sidekiq configuration of --sidekiq, --queues
+// (Sidekiq's: a number after a name is its weight) and --sidekiq-heartbeat.
+func (f *workerFlags) sidekiqConfig() (*sidekiq.Config, error) {
+	if len(f.queueArgs) > 0 || f.quorum {
+		return nil, usagef("worker", "--queue-arg and --quorum are RabbitMQ's: not with --sidekiq")
+	}
+	if f.noControl || f.events {
+		return nil, usagef("worker", "--events and --no-control are Celery's: with --sidekiq there is no remote control nor events")
+	}
+	if f.sidekiqBeat < 500*time.Millisecond {
+		return nil, usagef("worker", "--sidekiq-heartbeat must be at least 500ms")
+	}
+	spec := f.queues
+	if !f.queuesSet {
+		spec = "default"
+	}
+	qs, err := sidekiqQueues(spec)
+	if err != nil {
+		return nil, usagef("worker", "invalid --queues %q: %v", spec, err)
+	}
+	f.queues = spec
+	return &sidekiq.Config{URL: f.sidekiqURL, Queues: qs, Heartbeat: f.sidekiqBeat, HeartbeatTTL: 12 * f.sidekiqBeat}, nil
+}
+
+// sidekiqQueues reads a --queues list for Sidekiq: names, each followed
+// by its weight or not ("critical,2,default,1"), as sidekiq.Config.Queues
+// takes them ("critical,2", "default,1").
+func sidekiqQueues(spec string) ([]string, error) {
+	var out []string
+	for _, item := range strings.Split(spec, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		if _, err := strconv.Atoi(item); err == nil {
+			if len(out) == 0 || strings.Contains(out[len(out)-1], ",") {
+				return nil, fmt.Errorf("weight %s follows no queue name", item)
+			}
+			out[len(out)-1] += "," + item
+			continue
+		}
+		out = append(out, item)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no queue")
+	}
+	return out, nil
 }
 
 // serveHTTP serves metrics and health until ctx is done.

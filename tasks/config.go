@@ -19,6 +19,7 @@ import (
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/logging"
 	"github.com/onceler/onceler/internal/workerhooks"
+	"github.com/onceler/onceler/sidekiq"
 )
 
 // Config configures a Worker. Zero values take the documented defaults.
@@ -32,6 +33,15 @@ type Config struct {
 	// "Queues" in package amqp). Each queue q gets a durable quarantine
 	// queue "q.quarantine", declared by the worker.
 	Queues []amqp.QueueSpec
+
+	// Sidekiq, when set, makes the worker consume Sidekiq jobs from Redis
+	// instead of Celery messages from RabbitMQ (docs/sidekiq.md): its URL
+	// and Queues are required; its Concurrency defaults to Concurrency and
+	// its Logger to Logger. Broker and Queues are then not used; there is
+	// no remote control nor worker events (NoControl is implied: they are
+	// Celery's), and a job is answered by its outcome in Redis (Sidekiq's
+	// retry and dead sets) and the record, not by a result to a caller.
+	Sidekiq *sidekiq.Config
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
 	// effects). Required unless every task is pure.
@@ -195,6 +205,12 @@ func DefaultPrefetch(concurrency int) int { return max(concurrency, min(256, 4*c
 const DefaultPoolConns = 16
 
 func (c *Config) setDefaults() error {
+	if c.Sidekiq != nil {
+		if c.Sidekiq.URL == "" || len(c.Sidekiq.Queues) == 0 {
+			return errors.New("tasks: Config.Sidekiq needs its URL and Queues")
+		}
+		c.NoControl = true
+	}
 	if len(c.Queues) == 0 {
 		c.Queues = []amqp.QueueSpec{amqp.CeleryQueue("celery")}
 	}

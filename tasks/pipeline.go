@@ -7,7 +7,8 @@ package tasks
 //
 // The job's delivery comes from the worker's transport and is read, moved
 // and settled only through the delivery interface (transport.go), whatever
-// the transport; the worker's transport is RabbitMQ's (transport_amqp.go). The
+// the transport; the worker's transport is RabbitMQ's (transport_amqp.go), or
+// Sidekiq's with Config.Sidekiq (transport_sidekiq_worker.go). The
 // answer to the caller and the workflow's next steps go where the message
 // says (its reply_to, the result backend, its links), not by its delivery.
 //

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -84,6 +85,10 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 		return
 	}
 	w.crash(workerhooks.BeforeAck, j)
+	if fd, ok := j.d.(failingDelivery); ok {
+		w.settleFailed(ctx, j, fd, sidekiqClassOf(exc), exc.Message, strings.Split(strings.TrimRight(tb, "\n"), "\n"))
+		return
+	}
 	w.ack(j)
 }
 

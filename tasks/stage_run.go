@@ -199,6 +199,10 @@ func (w *Worker) execute(ctx context.Context, j *job, c *Call, fn func(context.C
 	delete(w.reserved, j)
 	w.active[j] = rs
 	w.mu.Unlock()
+	if r, ok := j.d.(runMarker); ok {
+		r.runStarted()
+		defer func() { r.runEnded(err != nil) }()
+	}
 	w.m.inFlight.Inc()
 	if w.wantEvents() {
 		w.event(ctx, j, &celeryproto.TaskEvent{Type: "task-started"})

@@ -6,7 +6,8 @@ package tasks
 // working list until the client settles it: Done when answered (ack),
 // Requeue (giveBack), Schedule (republish), Retry (retry: Sidekiq's retry
 // set and backoff, its dead set once retries are used up) or Kill
-// (quarantine: the dead set). Each move settles the job at once, so the ack
+// (quarantine: the dead set); a failed run goes to Retry too (failed:
+// failingDelivery). Each move settles the job at once, so the ack
 // that follows it sends nothing. A delivery is held by leaving it in the
 // working list; it is stale once the client says the job is no longer its
 // own (another process recovered it, taking this one for dead). The worker
@@ -45,6 +46,8 @@ type sidekiqClient[J comparable] interface {
 // sidekiqJob is what the transport reads of a job (sidekiqTransport.view).
 type sidekiqJob struct {
 	Queue, Class, JID, IdempotencyKey string
+	// Raw is the job as fetched (what a held record keeps).
+	Raw string
 	// Args are the positional arguments, numbers as json.Number.
 	Args []any
 	// RetryCount is the job's retry_count: -1 when it never failed.
@@ -62,6 +65,16 @@ type sidekiqTransport[J comparable] struct {
 	// notHeld is the client's error (wrapped) for a job no longer in its
 	// working list (sidekiq.ErrNotHeld).
 	notHeld error
+
+	// begin and end, when set, show each run of a job (the client's Begin
+	// and End).
+	begin func(J)
+	end   func(J, bool)
+	// count, when set, counts a fetch of the job and returns how many its
+	// counter holds (1: the first); forget removes the counter once the job
+	// is settled for good (not when it is handed back).
+	count  func(context.Context, J) (int, error)
+	forget func(context.Context, J) error
 
 	mu       sync.Mutex
 	out      int // jobs fetched and not settled
@@ -100,7 +113,15 @@ func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery
 		}
 		failures = 0
 		t.failing.Store(false)
-		receive(t.newDelivery(j, err))
+		d := t.newDelivery(j, err)
+		if t.count != nil && err == nil {
+			n, cerr := t.count(ctx, j)
+			if cerr != nil {
+				n = 0 // unknown: it may have been delivered before
+			}
+			d.fetches = n
+		}
+		receive(d)
 	}
 }
 
@@ -168,7 +189,7 @@ func (t *sidekiqTransport[J]) close() error      { return t.client.Close() }
 // client could not decode it (nil: it could).
 func (t *sidekiqTransport[J]) newDelivery(j J, decodeErr error) *sidekiqDelivery[J] {
 	v := t.view(j)
-	return &sidekiqDelivery[J]{t: t, job: j, v: v, w: sidekiqWire(v, decodeErr)}
+	return &sidekiqDelivery[J]{t: t, job: j, v: v, w: sidekiqWire(v, decodeErr), decodeErr: decodeErr, fetches: 1}
 }
 
 // sidekiqWire is a job in Celery's wire form: a protocol 2 JSON message. A
@@ -221,6 +242,12 @@ type sidekiqDelivery[J comparable] struct {
 	job J
 	v   sidekiqJob
 	w   *celeryproto.Delivery
+	// decodeErr is why the client could not decode the job (nil: it
+	// could).
+	decodeErr error
+	// fetches is how many fetches of the job its counter holds, this one
+	// included (sidekiqTransport.count); 0 when unknown.
+	fetches int
 	// settled: the job left the working list (or is no longer this
 	// process's); gone: it left it to another process (stale).
 	settled, gone atomic.Bool
@@ -228,8 +255,8 @@ type sidekiqDelivery[J comparable] struct {
 
 func (d *sidekiqDelivery[J]) wire() *celeryproto.Delivery { return d.w }
 func (d *sidekiqDelivery[J]) origin() origin              { return origin{Queue: d.v.Queue} }
-func (d *sidekiqDelivery[J]) redelivered() bool           { return d.v.Recovered }
-func (d *sidekiqDelivery[J]) deliveryCount() int          { return 0 }
+func (d *sidekiqDelivery[J]) redelivered() bool           { return d.v.Recovered || d.fetches != 1 }
+func (d *sidekiqDelivery[J]) deliveryCount() int          { return max(d.fetches-1, 0) }
 func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load() }
 
 // settle runs op, a client call that takes the job out of the working
@@ -237,14 +264,20 @@ func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load()
 // the ack that follows a move sends nothing. The job's place in the window
 // is given back once it is out, or when last is set (ack, giveBack: the
 // worker is done with it; a job left in the working list by a failed call
-// comes back when this process is taken for dead).
-func (d *sidekiqDelivery[J]) settle(op func() error, last bool) error {
+// comes back when this process is taken for dead). forGood: op settles the
+// job for good (all but giveBack), so its delivery counter goes.
+func (d *sidekiqDelivery[J]) settle(op func() error, last, forGood bool) error {
 	if d.settled.Load() {
 		return nil
 	}
 	err := op()
 	if err != nil && errors.Is(err, d.t.notHeld) {
 		d.gone.Store(true)
+	}
+	if err == nil && forGood && d.t.forget != nil {
+		fctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+		_ = d.t.forget(fctx, d.job) // a counter left behind expires
+		cancel()
 	}
 	if (err == nil || d.gone.Load() || last) && !d.settled.Swap(true) {
 		d.t.unreserve()
@@ -257,7 +290,7 @@ func (d *sidekiqDelivery[J]) ack() error {
 		ctx, cancel := final(context.Background())
 		defer cancel()
 		return d.t.client.Done(ctx, d.job)
-	}, true)
+	}, true, true)
 }
 
 func (d *sidekiqDelivery[J]) giveBack() error {
@@ -265,7 +298,7 @@ func (d *sidekiqDelivery[J]) giveBack() error {
 		ctx, cancel := final(context.Background())
 		defer cancel()
 		return d.t.client.Requeue(ctx, d.job)
-	}, true)
+	}, true, false)
 }
 
 // republish moves the job to the schedule set, due at eta (now when it has
@@ -276,7 +309,7 @@ func (d *sidekiqDelivery[J]) republish(ctx context.Context, eta time.Time) error
 			eta = now
 		}
 		return d.t.client.Schedule(ctx, d.job, eta)
-	}, false)
+	}, false, true)
 }
 
 // retry hands the job to Sidekiq's retry (its own backoff: next's ETA is
@@ -290,21 +323,72 @@ func (d *sidekiqDelivery[J]) retry(ctx context.Context, _ *celeryproto.Message, 
 	return d.settle(func() error {
 		_, err := d.t.client.Retry(ctx, d.job, class, msg, nil)
 		return err
-	}, false)
+	}, false, true)
 }
 
 // quarantine moves the job to the dead set, its error class the reason
-// (onceler.<reason>) and its message the detail.
+// (sidekiqErrorClass) and its message the detail.
 func (d *sidekiqDelivery[J]) quarantine(ctx context.Context, ours map[string]any) error {
 	reason, _ := ours[HeaderReason].(string)
 	detail, _ := ours[HeaderDetail].(string)
-	return d.settle(func() error { return d.t.client.Kill(ctx, d.job, "onceler."+reason, clip.String(detail, maxDetail)) }, false)
+	if d.decodeErr != nil {
+		// The client's own words, not the Celery decoder's about the
+		// wire form it was given.
+		detail = d.decodeErr.Error()
+	}
+	return d.settle(func() error {
+		return d.t.client.Kill(ctx, d.job, sidekiqErrorClass(reason), clip.String(detail, maxDetail))
+	}, false, true)
 }
 
-// keep: a held record keeps no Sidekiq job (DecodeHeld reads Celery
-// messages only).
+func (d *sidekiqDelivery[J]) runStarted() {
+	if d.t.begin != nil {
+		d.t.begin(d.job)
+	}
+}
+
+func (d *sidekiqDelivery[J]) runEnded(failed bool) {
+	if d.t.end != nil {
+		d.t.end(d.job, failed)
+	}
+}
+
+// failed hands the job of a failed run to Sidekiq's retry: the retry set
+// with its backoff, the dead set once its retries are used up (or dropped,
+// with retry: false).
+func (d *sidekiqDelivery[J]) failed(ctx context.Context, class, message string, backtrace []string) error {
+	return d.settle(func() error {
+		_, err := d.t.client.Retry(ctx, d.job, class, clip.String(message, maxDetail), backtrace)
+		return err
+	}, false, true)
+}
+
+// keep: a held record keeps the job as fetched and its queue
+// (DecodeHeldSidekiq), to push it again.
 func (d *sidekiqDelivery[J]) keep() ([]byte, error) {
-	return nil, errors.New("a Sidekiq job is not kept for replay")
+	if d.v.Raw == "" || d.v.Queue == "" {
+		return nil, errors.New("a Sidekiq job without its raw form or queue is not kept for replay")
+	}
+	return json.Marshal(heldSidekiq{Queue: d.v.Queue, Job: d.v.Raw, CapturedAt: time.Now().UTC()})
+}
+
+// heldSidekiq is the form of a Sidekiq job kept in a held record.
+type heldSidekiq struct {
+	Queue      string    `json:"sidekiq_queue"`
+	Job        string    `json:"sidekiq_job"`
+	CapturedAt time.Time `json:"captured_at"`
+}
+
+// DecodeHeldSidekiq reads the job kept in a held record of a Sidekiq job
+// (idempotency Record.Message): its queue and the job as it was fetched,
+// to push it again (sidekiq.Producer.PushRaw). ok is false for a record
+// that keeps a Celery message (DecodeHeld) or nothing.
+func DecodeHeldSidekiq(b []byte) (queue, job string, ok bool) {
+	var h heldSidekiq
+	if json.Unmarshal(b, &h) != nil || h.Queue == "" || h.Job == "" {
+		return "", "", false
+	}
+	return h.Queue, h.Job, true
 }
 
 // The Sidekiq transport is a transport, and its deliveries are deliveries,
@@ -312,6 +396,10 @@ func (d *sidekiqDelivery[J]) keep() ([]byte, error) {
 var (
 	_ transport = (*sidekiqTransport[*sidekiqJob])(nil)
 	_ delivery  = (*sidekiqDelivery[*sidekiqJob])(nil)
-	_ transport = (*amqpTransport)(nil)
-	_ delivery  = (*amqpDelivery)(nil)
+	_ transport = (*sidekiqWorkerTransport)(nil)
+	_ runMarker = (*sidekiqDelivery[*sidekiqJob])(nil)
+
+	_ failingDelivery = (*sidekiqDelivery[*sidekiqJob])(nil)
+	_ transport       = (*amqpTransport)(nil)
+	_ delivery        = (*amqpDelivery)(nil)
 )

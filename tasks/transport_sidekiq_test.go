@@ -249,7 +249,7 @@ func TestSidekiqSettle(t *testing.T) {
 	if err := l.ack(); !errors.Is(err, errFakeNotHeld) || !l.stale() {
 		t.Errorf("ack of a job recovered by another process: %v, stale %v; want not held, stale", err, l.stale())
 	}
-	want := []string{"kill onceler.poison: delivered 6 times quarantined", "retry IOError: gateway away retried", "schedule scheduled"}
+	want := []string{"kill Onceler::Poison: delivered 6 times quarantined", "retry IOError: gateway away retried", "schedule scheduled"}
 	if got := f.callLog(); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("calls %q, want %q", got, want)
 	}
@@ -258,5 +258,66 @@ func TestSidekiqSettle(t *testing.T) {
 	tr.mu.Unlock()
 	if out != 1 {
 		t.Errorf("%d places in the window taken, want 1 (the fetch waiting for a fifth job)", out)
+	}
+}
+
+// TestSidekiqDeliveryCount: a job fetched again (recovered from a dead
+// process, handed back) is a redelivery with the transport's own count of
+// its earlier deliveries; a count that fails makes it a redelivery of
+// unknown count; the counter is forgotten when the job is settled for
+// good, not when it is handed back.
+func TestSidekiqDeliveryCount(t *testing.T) {
+	t.Parallel()
+	j := &sidekiqJob{Queue: "q", Class: "C", JID: "again", RetryCount: -1}
+	broken := &sidekiqJob{Queue: "q", Class: "C", JID: "uncounted", RetryCount: -1}
+	f := newFakeSidekiq(j, j, broken)
+	tr := newFakeTransport(f, 1)
+	var mu sync.Mutex
+	counts := map[string]int{}
+	var forgotten []string
+	tr.count = func(_ context.Context, j *sidekiqJob) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if j.JID == "uncounted" {
+			return 1, errors.New("redis away")
+		}
+		counts[j.JID]++
+		return counts[j.JID], nil
+	}
+	tr.forget = func(_ context.Context, j *sidekiqJob) error {
+		mu.Lock()
+		defer mu.Unlock()
+		delete(counts, j.JID)
+		forgotten = append(forgotten, j.JID)
+		return nil
+	}
+	ds := consumeFake(t, tr)
+	first := nextDelivery(t, ds)
+	if first.redelivered() || first.deliveryCount() != 0 {
+		t.Errorf("first fetch: redelivered %v count %d, want false 0", first.redelivered(), first.deliveryCount())
+	}
+	if err := first.giveBack(); err != nil {
+		t.Fatal(err)
+	}
+	second := nextDelivery(t, ds)
+	if !second.redelivered() || second.deliveryCount() != 1 {
+		t.Errorf("second fetch: redelivered %v count %d, want true 1", second.redelivered(), second.deliveryCount())
+	}
+	mu.Lock()
+	if len(forgotten) != 0 {
+		t.Errorf("forgotten after a hand-back: %v, want none", forgotten)
+	}
+	mu.Unlock()
+	if err := second.ack(); err != nil {
+		t.Fatal(err)
+	}
+	third := nextDelivery(t, ds)
+	if !third.redelivered() || third.deliveryCount() != 0 {
+		t.Errorf("fetch whose count failed: redelivered %v count %d, want true 0", third.redelivered(), third.deliveryCount())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(forgotten) != "[again]" || len(counts) != 0 {
+		t.Errorf("forgotten %v, counters left %v; want [again] forgotten once settled", forgotten, counts)
 	}
 }

@@ -179,9 +179,23 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 		w.closeStore()
 		return nil, err
 	}
+	// The publisher connects at its first publish: with Sidekiq, only for
+	// what a job cannot ask for (a reply queue, workflow steps).
 	w.pub = amqp.NewPublisher(cfg.Broker)
-	w.tr = newAMQPTransport(&w.cfg, w.pub)
+	if cfg.Sidekiq != nil {
+		w.tr = newSidekiqWorkerTransport(&w.cfg, w.log, w.stop)
+	} else {
+		w.tr = newAMQPTransport(&w.cfg, w.pub)
+	}
 	return w, nil
+}
+
+// stop ends Run as the cancellation of its context does (a shutdown
+// command, a Sidekiq TERM).
+func (w *Worker) stop() {
+	if p := w.stopRun.Load(); p != nil {
+		(*p)()
+	}
 }
 
 // Controller returns the worker's remote control: nil with

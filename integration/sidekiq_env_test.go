@@ -1,0 +1,396 @@
+package integration
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/internal/testkit"
+)
+
+// The Sidekiq tests' world: a Redis database of their own (Sidekiq's
+// layout is per database: its processes, stats and sets), a record schema,
+// onceler workers started with --sidekiq, and Ruby Sidekiq 6 as the
+// producer and the reader of what the workers write.
+
+// skTestDBs are the Redis databases these tests may take, one per test,
+// under the same lock as package sidekiq's tests (a database holding
+// nothing but the lock is free): not 0 and 9, which other tests use.
+var skTestDBs = []int{1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15}
+
+const skDBLockKey = "onceler-test:sidekiq-db-lock"
+
+// skHeartbeat is the workers' --sidekiq-heartbeat: a killed worker's jobs
+// are recovered 12 times this after its last beat.
+const skHeartbeat = 500 * time.Millisecond
+
+// skEnv is one test's Sidekiq world.
+type skEnv struct {
+	t        *testing.T
+	redisURL string
+	rdb      *redis.Client
+	queue    string
+	dbURL    string
+	schema   string
+	pool     *pgxpool.Pool
+	store    *idempotency.Store
+	lease    time.Duration
+
+	mu      sync.Mutex
+	workers []*skWorker
+	seq     int
+}
+
+func newSkEnv(t *testing.T) *skEnv {
+	t.Helper()
+	addr := testkit.RedisAddr(t)
+	testkit.RequireRubySidekiq(t)
+	dbURL := testkit.Postgres.URL(t)
+	e := &skEnv{t: t, queue: "default", dbURL: dbURL, lease: 2 * time.Second}
+	e.lockRedis(addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		t.Fatalf("open pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	e.pool = pool
+	e.schema = testkit.Name("sk")
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{e.schema}.Sanitize()); err != nil {
+		t.Fatalf("create schema: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{e.schema}.Sanitize()+" CASCADE")
+	})
+	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatalf("open record: %v", err)
+	}
+	t.Cleanup(store.Close)
+	if err := store.Migrate(ctx); err != nil {
+		t.Fatalf("migrate record: %v", err)
+	}
+	if err := demo.Migrate(ctx, pool); err != nil {
+		t.Fatalf("demo tables: %v", err)
+	}
+	e.store = store
+	t.Cleanup(e.killAll)
+	return e
+}
+
+// lockRedis takes a free Redis database for the test, flushed when it
+// ends.
+func (e *skEnv) lockRedis(addr string) {
+	t := e.t
+	token := testkit.Name("lock")
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		for _, db := range skTestDBs {
+			rdb := redis.NewClient(&redis.Options{Addr: addr, DB: db, DisableIdentity: true})
+			ctx := context.Background()
+			ok, err := rdb.SetNX(ctx, skDBLockKey, token, 15*time.Minute).Result()
+			if err != nil {
+				_ = rdb.Close()
+				t.Fatalf("lock Redis db %d: %v", db, err)
+			}
+			if !ok {
+				_ = rdb.Close()
+				continue
+			}
+			if n, _ := rdb.DBSize(ctx).Result(); n != 1 {
+				_ = rdb.Del(ctx, skDBLockKey)
+				_ = rdb.Close()
+				continue
+			}
+			e.rdb, e.redisURL = rdb, fmt.Sprintf("redis://%s/%d", addr, db)
+			t.Cleanup(func() {
+				ctx := context.Background()
+				if v, _ := rdb.Get(ctx, skDBLockKey).Result(); v == token {
+					_ = rdb.FlushDB(ctx).Err()
+				}
+				_ = rdb.Close()
+			})
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no free Redis database for the test")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// ruby runs the Sidekiq helper (sidekiq/testdata/sidekiq_helper.rb) and
+// decodes its JSON output into out (may be nil).
+func (e *skEnv) ruby(out any, cmd string, arg any) {
+	e.t.Helper()
+	args := []string{filepath.Join("..", "sidekiq", "testdata", "sidekiq_helper.rb"), cmd}
+	if arg != nil {
+		b, err := json.Marshal(arg)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		args = append(args, string(b))
+	}
+	c := exec.Command(testkit.RubySidekiq, args...)
+	c.Env = append(os.Environ(), "REDIS_URL="+e.redisURL)
+	var stderr strings.Builder
+	c.Stderr = &stderr
+	b, err := c.Output()
+	if err != nil {
+		e.t.Fatalf("ruby %s: %v\n%s", cmd, err, stderr.String())
+	}
+	if out != nil {
+		if err := json.Unmarshal(b, out); err != nil {
+			e.t.Fatalf("ruby %s output %q: %v", cmd, b, err)
+		}
+	}
+}
+
+// push pushes jobs with Sidekiq::Client.push, each a job hash; returns
+// their jids.
+func (e *skEnv) push(jobs ...map[string]any) []string {
+	e.t.Helper()
+	for _, j := range jobs {
+		if _, ok := j["queue"]; !ok {
+			j["queue"] = e.queue
+		}
+	}
+	var jids []string
+	e.ruby(&jids, "push_many", jobs)
+	return jids
+}
+
+// idle reports whether no job is left in the queues, the working lists,
+// the schedule or retry sets.
+func (e *skEnv) idle() bool {
+	ctx := context.Background()
+	keys, err := e.rdb.Keys(ctx, "queue:*").Result()
+	if err != nil {
+		return false
+	}
+	work, err := e.rdb.Keys(ctx, "onceler:working:*").Result()
+	if err != nil {
+		return false
+	}
+	for _, k := range append(keys, work...) {
+		if n, err := e.rdb.LLen(ctx, k).Result(); err != nil || n > 0 {
+			return false
+		}
+	}
+	for _, set := range []string{"schedule", "retry"} {
+		if n, err := e.rdb.ZCard(ctx, set).Result(); err != nil || n > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// skWorkerOptions are the settings of one worker process.
+type skWorkerOptions struct {
+	CrashAt, CrashTask    string
+	NoRecord              bool
+	Concurrency, Prefetch int
+	Queues                string
+	Env                   []string
+	// MayCrash: the worker may crash (its crash injection) before the
+	// harness sees it started.
+	MayCrash bool
+}
+
+// skWorker is a worker process, killed when the test ends.
+type skWorker struct {
+	Name    string
+	LogPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+}
+
+// startWorker starts onceler worker --sidekiq and waits until it is in
+// Sidekiq's process set.
+func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
+	e.t.Helper()
+	if o.Concurrency <= 0 {
+		o.Concurrency = 4
+	}
+	if o.Prefetch <= 0 {
+		o.Prefetch = 2 * o.Concurrency
+	}
+	if o.Queues == "" {
+		o.Queues = e.queue
+	}
+	e.mu.Lock()
+	e.seq++
+	name := testkit.Name(fmt.Sprintf("sk%d", e.seq))
+	e.mu.Unlock()
+	logPath := filepath.Join(e.t.TempDir(), name+".log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer logFile.Close()
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "ONCELER_") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env,
+		"ONCELER_SIDEKIQ="+e.redisURL,
+		"ONCELER_SIDEKIQ_HEARTBEAT="+skHeartbeat.String(),
+		"ONCELER_QUEUES="+o.Queues,
+		"ONCELER_DATABASE_URL="+e.dbURL,
+		"ONCELER_SCHEMA="+e.schema,
+		"ONCELER_LEASE="+e.lease.String(),
+		"ONCELER_HOSTNAME="+name,
+		"ONCELER_CONCURRENCY="+strconv.Itoa(o.Concurrency),
+		"ONCELER_PREFETCH="+strconv.Itoa(o.Prefetch),
+		"ONCELER_GRACE=5s",
+		"ONCELER_LOG_FORMAT=json",
+		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
+	)
+	if o.CrashAt != "" {
+		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
+	}
+	env = append(env, o.Env...)
+	cmd := exec.Command(oncelerBin, "worker")
+	cmd.Env = env
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		e.t.Fatalf("start worker: %v", err)
+	}
+	w := &skWorker{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(w.done)
+	}()
+	e.mu.Lock()
+	e.workers = append(e.workers, w)
+	e.mu.Unlock()
+	e.t.Cleanup(func() {
+		w.kill()
+		if e.t.Failed() {
+			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.cmd.ProcessState, w.logTail(6000))
+		}
+	})
+	ok := testkit.Eventually(60*time.Second, func() bool {
+		return w.exited() || strings.Contains(w.log(), `"worker started"`)
+	})
+	if o.MayCrash && w.exited() && w.crashed() && strings.Contains(w.log(), `"consuming Sidekiq jobs"`) {
+		return w
+	}
+	if !ok || w.exited() {
+		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.exited(), w.logTail(4000))
+	}
+	return w
+}
+
+func (e *skEnv) killAll() {
+	e.mu.Lock()
+	ws := append([]*skWorker(nil), e.workers...)
+	e.mu.Unlock()
+	for _, w := range ws {
+		w.kill()
+	}
+}
+
+// stopAll stops every live worker with SIGTERM, failing the test if one
+// does not stop within 30 s.
+func (e *skEnv) stopAll() {
+	e.mu.Lock()
+	ws := append([]*skWorker(nil), e.workers...)
+	e.mu.Unlock()
+	for _, w := range ws {
+		if w.exited() {
+			continue
+		}
+		_ = w.cmd.Process.Signal(syscall.SIGTERM)
+		if !w.waitExit(30 * time.Second) {
+			e.t.Errorf("worker %s did not stop within 30s after SIGTERM", w.Name)
+			w.kill()
+		}
+	}
+}
+
+func (w *skWorker) exited() bool {
+	select {
+	case <-w.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (w *skWorker) waitExit(d time.Duration) bool {
+	select {
+	case <-w.done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+
+func (w *skWorker) kill() {
+	if w.exited() {
+		return
+	}
+	_ = w.cmd.Process.Signal(syscall.SIGKILL)
+	<-w.done
+}
+
+// crashed reports whether the process ended by SIGKILL.
+func (w *skWorker) crashed() bool {
+	if !w.exited() {
+		return false
+	}
+	ws, ok := w.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+func (w *skWorker) log() string {
+	b, _ := os.ReadFile(w.LogPath)
+	return string(b)
+}
+
+func (w *skWorker) logTail(n int) string {
+	s := w.log()
+	if len(s) > n {
+		return "..." + s[len(s)-n:]
+	}
+	return s
+}
+
+// identity is the worker's Sidekiq identity, from its log.
+func (w *skWorker) identity(t *testing.T) string {
+	t.Helper()
+	for _, line := range strings.Split(w.log(), "\n") {
+		if !strings.Contains(line, `"consuming Sidekiq jobs"`) {
+			continue
+		}
+		var m struct {
+			Identity string `json:"identity"`
+		}
+		if err := json.Unmarshal([]byte(line), &m); err == nil && m.Identity != "" {
+			return m.Identity
+		}
+	}
+	t.Fatalf("worker %s logged no Sidekiq identity", w.Name)
+	return ""
+}
