@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -63,6 +64,27 @@ func newSkEnv(t *testing.T) *skEnv {
 	dbURL := testkit.Postgres.URL(t)
 	e := &skEnv{t: t, queue: "default", dbURL: dbURL, lease: 2 * time.Second}
 	e.lockRedis(addr)
+	e.setup()
+	return e
+}
+
+// newSkEnvAt is newSkEnv on database 0 of a Redis server of the test's own
+// at addr (no lock taken).
+func newSkEnvAt(t *testing.T, addr string) *skEnv {
+	t.Helper()
+	testkit.RequireRubySidekiq(t)
+	dbURL := testkit.Postgres.URL(t)
+	e := &skEnv{t: t, queue: "default", dbURL: dbURL, lease: 2 * time.Second}
+	e.rdb = redis.NewClient(&redis.Options{Addr: addr, DisableIdentity: true})
+	e.redisURL = "redis://" + addr + "/0"
+	t.Cleanup(func() { _ = e.rdb.Close() })
+	e.setup()
+	return e
+}
+
+// setup creates the test's record schema and the demo tables.
+func (e *skEnv) setup() {
+	t, dbURL := e.t, e.dbURL
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pool, err := pgxpool.New(ctx, dbURL)
@@ -93,7 +115,6 @@ func newSkEnv(t *testing.T) *skEnv {
 	}
 	e.store = store
 	t.Cleanup(e.killAll)
-	return e
 }
 
 // lockRedis takes a free Redis database for the test, flushed when it
@@ -141,6 +162,12 @@ func (e *skEnv) lockRedis(addr string) {
 // decodes its JSON output into out (may be nil).
 func (e *skEnv) ruby(out any, cmd string, arg any) {
 	e.t.Helper()
+	e.rubyIn(out, cmd, arg, nil)
+}
+
+// rubyIn is ruby with stdin (may be nil) given to the helper.
+func (e *skEnv) rubyIn(out any, cmd string, arg any, stdin []byte) {
+	e.t.Helper()
 	args := []string{filepath.Join("..", "sidekiq", "testdata", "sidekiq_helper.rb"), cmd}
 	if arg != nil {
 		b, err := json.Marshal(arg)
@@ -151,6 +178,9 @@ func (e *skEnv) ruby(out any, cmd string, arg any) {
 	}
 	c := exec.Command(testkit.RubySidekiq, args...)
 	c.Env = append(os.Environ(), "REDIS_URL="+e.redisURL)
+	if stdin != nil {
+		c.Stdin = bytes.NewReader(stdin)
+	}
 	var stderr strings.Builder
 	c.Stderr = &stderr
 	b, err := c.Output()

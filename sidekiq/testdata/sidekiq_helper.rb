@@ -52,6 +52,10 @@ when "push"
   Sidekiq::Client.push(arg)
 when "push_many"
   arg.map { |item| Sidekiq::Client.push(item) }
+when "push_bulk"
+  # stdin: a JSON array of {"class", "queue", "args": [[...], ...]}, each
+  # pushed with Sidekiq::Client.push_bulk; output: how many jobs were pushed
+  JSON.parse($stdin.read).sum { |bulk| Sidekiq::Client.push_bulk(bulk).size }
 when "perform_in"
   # arg: {"seconds": n, "queue": q, "args": [...]}
   HardWorker.set(queue: arg["queue"]).perform_in(arg["seconds"], *arg["args"])
