@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/tasks"
 )
 
 // scenario is one row of the table.
@@ -46,6 +47,8 @@ var scenarios = []scenario{
 	{ID: "d", Title: "onceler, outside no-op, 20% duplicates", Kind: "worker", Task: taskOutside, DupEvery: 5},
 	{ID: "e", Title: "Python Celery 5.2.6 prefork, same claim + completion", Kind: "python", Task: taskOutside},
 	{ID: "f", Title: "(b) with remote control and task events on, a monitor's queue bound to celeryev", Kind: "worker", Task: taskOutside, Events: true},
+	{ID: "s-raw", Title: "raw LMOVE + LREM of Sidekiq jobs in Redis (the Sidekiq ceiling)", Kind: "sidekiq-raw", Task: taskOutside},
+	{ID: "s", Title: "onceler --sidekiq, outside no-op (Sidekiq jobs from Redis)", Kind: "sidekiq", Task: taskOutside},
 }
 
 // pairedWith is the scenario (f) alternates with: (b), measured again next
@@ -230,6 +233,9 @@ func (b *bench) names(sc scenario, suffix string) (queue, schema string) {
 }
 
 func (b *bench) drain(ctx context.Context, sc scenario) row {
+	if strings.HasPrefix(sc.Kind, "sidekiq") {
+		return b.drainSidekiq(ctx, sc)
+	}
 	r := row{sc: sc, n: b.o.n}
 	if sc.N > 0 {
 		r.n = sc.N
@@ -363,12 +369,18 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 // consumerJob is a consumer child of kind on queue and schema, expecting n
 // tasks, with the bench's worker settings.
 func (b *bench) consumerJob(kind, queue, schema string, n int) childJob {
-	prefetch := b.o.prefetch
-	if kind == "raw" {
+	prefetch, concurrency := b.o.prefetch, b.o.concurrency
+	switch kind {
+	case "raw":
 		prefetch = b.o.rawPrefetch()
+	case "sidekiq-raw":
+		prefetch = b.o.rawPrefetch()
+		if concurrency <= 0 {
+			concurrency = tasks.DefaultConcurrency()
+		}
 	}
 	return childJob{Kind: kind, AMQPURL: b.o.amqpURL, DatabaseURL: b.o.dbURL, Queue: queue, Schema: schema,
-		Expect: n, Prefetch: prefetch, Concurrency: b.o.concurrency, PoolConns: b.o.poolConns,
+		Expect: n, Prefetch: prefetch, Concurrency: concurrency, PoolConns: b.o.poolConns,
 		Flushers: b.o.flushers, Linger: b.o.linger, GroupTx: b.o.groupTx,
 		Timeout: b.o.timeout, Debug: b.o.debug, GOGC: b.o.workerGOGC, Procs: b.o.workerProcs}
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/sidekiq"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -36,7 +37,7 @@ const childEnv = "ONCELER_BENCH_CHILD"
 
 // childJob is what one child process does.
 type childJob struct {
-	Kind        string // "raw" or "worker"
+	Kind        string // "raw", "worker", "sidekiq-raw" or "sidekiq"
 	AMQPURL     string
 	DatabaseURL string
 	Queue       string
@@ -58,6 +59,11 @@ type childJob struct {
 	Events      bool   // remote control on, task events on (Celery's -E)
 
 	ResultBackend string // the worker's result backend ("": rpc://)
+
+	// SidekiqURL: the Sidekiq scenarios' Redis; Queue is then the Sidekiq
+	// queue and Identity the consumer's Sidekiq identity.
+	SidekiqURL string
+	Identity   string
 }
 
 // childResult is what the child reports.
@@ -91,8 +97,10 @@ func childMain() error {
 	switch job.Kind {
 	case "raw":
 		res, err = runRaw(ctx, job)
-	case "worker":
+	case "worker", "sidekiq":
 		res, err = runWorkerChild(ctx, job)
+	case "sidekiq-raw":
+		res, err = runSidekiqRaw(ctx, job)
 	default:
 		err = fmt.Errorf("child: unknown kind %q", job.Kind)
 	}
@@ -243,6 +251,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		TaskEvents: job.Events,
 
 		ResultBackend: job.ResultBackend,
+		Sidekiq:       sidekiqConfig(job, log),
 	})
 	if err != nil {
 		return res, fmt.Errorf("worker: %w", err)
@@ -310,6 +319,15 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 		waitErr = obs.write(job.DoneFile)
 	}
 	return res, waitErr
+}
+
+// sidekiqConfig is the worker's Sidekiq configuration in the Sidekiq
+// scenarios, else nil.
+func sidekiqConfig(job childJob, log *zap.Logger) *sidekiq.Config {
+	if job.SidekiqURL == "" {
+		return nil
+	}
+	return &sidekiq.Config{URL: job.SidekiqURL, Queues: []string{job.Queue}, Identity: job.Identity, Logger: log}
 }
 
 // counters sums the worker's counters over their labels.
