@@ -363,9 +363,12 @@ func sidekiqQueues(spec string) ([]string, error) {
 		if item == "" {
 			continue
 		}
-		if _, err := strconv.Atoi(item); err == nil {
+		if w, err := strconv.Atoi(item); err == nil {
 			if len(out) == 0 || strings.Contains(out[len(out)-1], ",") {
 				return nil, fmt.Errorf("weight %s follows no queue name", item)
+			}
+			if w < 0 || w > sidekiq.MaxQueueWeight {
+				return nil, fmt.Errorf("weight %s of queue %s: not between 0 and %d", item, out[len(out)-1], sidekiq.MaxQueueWeight)
 			}
 			out[len(out)-1] += "," + item
 			continue

@@ -122,6 +122,9 @@ func defaultIdentity() string {
 // parseQueues reads Sidekiq's -q list: each "name" or "name,weight" is
 // added max(weight, 1) times; the order is strict unless a weight is
 // given (cli.rb parse_queue).
+// MaxQueueWeight is the largest weight of a queue in Config.Queues.
+const MaxQueueWeight = 1000
+
 func parseQueues(specs []string) (expanded []string, strict bool, err error) {
 	if len(specs) == 0 {
 		return nil, false, fmt.Errorf("sidekiq: no queues")
@@ -143,6 +146,10 @@ func parseQueues(specs []string) (expanded []string, strict bool, err error) {
 			w, err = strconv.Atoi(strings.TrimSpace(weight))
 			if err != nil {
 				return nil, false, fmt.Errorf("sidekiq: queue weight in %q: %w", spec, err)
+			}
+			if w < 0 || w > MaxQueueWeight {
+				// The order is drawn from the queue repeated weight times.
+				return nil, false, fmt.Errorf("sidekiq: queue weight in %q: not between 0 and %d", spec, MaxQueueWeight)
 			}
 		}
 		for range max(w, 1) {

@@ -181,7 +181,7 @@
 //	other _aj_serialized objects       Serialized (serializer name, fields)
 //
 // A job that cannot be decoded is still returned by Fetch, with a
-// *DecodeError (ErrBadJSON, ErrMissingClass, ErrBadArgs), so that it can
+// *DecodeError (ErrBadJSON, ErrMissingClass, ErrBadArgs, ErrBadKey), so that it can
 // be sent to the dead set with Kill rather than lost.
 //
 // Not supported: Sidekiq 7's layout, redis-namespace prefixes, and the

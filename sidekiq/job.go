@@ -25,10 +25,12 @@ var (
 	// ErrBadArgs: "args" is not a JSON array, or an ActiveJob's arguments
 	// cannot be read.
 	ErrBadArgs = errors.New("job arguments cannot be read")
+	// ErrBadKey: "idempotency_key" is neither a string nor a number.
+	ErrBadKey = errors.New("job idempotency_key is not a string or a number")
 )
 
 // A DecodeError says why a job fetched from Queue cannot be run; Reason is
-// ErrBadJSON, ErrMissingClass or ErrBadArgs.
+// ErrBadJSON, ErrMissingClass, ErrBadArgs or ErrBadKey.
 type DecodeError struct {
 	Queue  string
 	Reason error
@@ -61,7 +63,9 @@ type Job struct {
 	Args []any
 	// JID is the job's "jid".
 	JID string
-	// IdempotencyKey is the job's "idempotency_key" string, "" if none.
+	// IdempotencyKey is the job's "idempotency_key": a string as it is, a
+	// number as its JSON text (Ruby's order.id and order.id.to_s name one
+	// operation); "" when the job has none, or null or "".
 	IdempotencyKey string
 	// RetryCount is "retry_count": -1 when the job has never failed
 	// (Sidekiq sets 0 at the first failure and adds one per retry).
@@ -91,7 +95,15 @@ func Decode(raw string, queue string) (*Job, error) {
 		j.Queue, _ = fields["queue"].(string)
 	}
 	j.JID, _ = fields["jid"].(string)
-	j.IdempotencyKey, _ = fields["idempotency_key"].(string)
+	switch k := fields["idempotency_key"].(type) {
+	case nil:
+	case string:
+		j.IdempotencyKey = k
+	case json.Number:
+		j.IdempotencyKey = k.String()
+	default:
+		return j, &DecodeError{Queue: queue, Reason: ErrBadKey, Detail: fmt.Sprintf("idempotency_key is a JSON %s", jsonKind(k))}
+	}
 	if n, ok := countOf(fields["retry_count"]); ok {
 		j.RetryCount = int(n)
 	}
@@ -322,4 +334,18 @@ func activeJobObject(serializer string, h map[string]any) (any, error) {
 		fields[k] = d
 	}
 	return Serialized{Serializer: serializer, Fields: fields}, nil
+}
+
+// jsonKind names the JSON type of a decoded value.
+func jsonKind(v any) string {
+	switch v.(type) {
+	case bool:
+		return "boolean"
+	case []any:
+		return "array"
+	case map[string]any:
+		return "object"
+	default:
+		return fmt.Sprintf("%T", v)
+	}
 }

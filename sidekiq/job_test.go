@@ -34,6 +34,22 @@ func TestDecodePlain(t *testing.T) {
 	}
 }
 
+func TestDecodeIdempotencyKey(t *testing.T) {
+	t.Parallel()
+	for raw, want := range map[string]string{
+		`{"class":"W","args":[],"idempotency_key":"order-7"}`: "order-7",
+		`{"class":"W","args":[],"idempotency_key":4242}`:      "4242",
+		`{"class":"W","args":[],"idempotency_key":1e3}`:       "1e3",
+		`{"class":"W","args":[],"idempotency_key":null}`:      "",
+		`{"class":"W","args":[]}`:                             "",
+	} {
+		j, err := Decode(raw, "q")
+		if err != nil || j.IdempotencyKey != want {
+			t.Errorf("%s: key %q, %v; want %q", raw, j.IdempotencyKey, err, want)
+		}
+	}
+}
+
 func TestDecodeErrors(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
@@ -51,6 +67,8 @@ func TestDecodeErrors(t *testing.T) {
 		{`{"class":"` + JobWrapperClass + `","wrapped":"J","args":[]}`, ErrBadArgs, true},
 		{`{"class":"` + JobWrapperClass + `","wrapped":"J","args":[{"arguments":[{"_aj_serialized":"ActiveJob::Serializers::TimeSerializer","value":"yesterday"}]}]}`, ErrBadArgs, true},
 		{`{"class":"` + JobWrapperClass + `","args":[{"arguments":[]}]}`, ErrMissingClass, true},
+		{`{"class":"W","args":[],"idempotency_key":true}`, ErrBadKey, true},
+		{`{"class":"W","args":[],"idempotency_key":{"id":1}}`, ErrBadKey, true},
 	} {
 		j, err := Decode(c.raw, "q")
 		var de *DecodeError
@@ -109,7 +127,7 @@ func TestParseQueues(t *testing.T) {
 	if err != nil || strict || !reflect.DeepEqual(q, []string{"critical", "critical", "critical", "low", "zero"}) {
 		t.Fatalf("%v %v %v", q, strict, err)
 	}
-	for _, bad := range [][]string{nil, {"a", "a"}, {",2"}, {"a,x"}} {
+	for _, bad := range [][]string{nil, {"a", "a"}, {",2"}, {"a,x"}, {"a,-1"}, {"a,1001"}, {"a,4000000000"}} {
 		if _, _, err := parseQueues(bad); err == nil {
 			t.Errorf("%q accepted", bad)
 		}
