@@ -67,13 +67,6 @@ func sidekiqDB(t *testing.T) (string, *redis.Client) {
 	}
 }
 
-// sidekiqView is what the transport reads of a package sidekiq job. The
-// Job says nothing of a recovery: Recovered stays false.
-func sidekiqView(j *sidekiq.Job) sidekiqJob {
-	return sidekiqJob{Queue: j.Queue, Class: j.Class, JID: j.JID, IdempotencyKey: j.IdempotencyKey,
-		Args: j.Args, RetryCount: j.RetryCount}
-}
-
 // recovered is a job fetched by process a through the transport (first),
 // then recovered to its queue by process b, which took a for dead.
 type recovered struct {
@@ -112,6 +105,7 @@ func recoverScenario(t *testing.T, window int) *recovered {
 		t.Fatal(err)
 	}
 	tr := newSidekiqTransport[*sidekiq.Job](r.a, sidekiqView, sidekiq.ErrNotHeld, window)
+	tr.count, tr.forget = r.a.CountDelivery, r.a.ForgetDeliveries
 	cctx, cancel := context.WithCancel(context.Background())
 	out := make(chan delivery, 10)
 	done := make(chan error, 1)
@@ -147,9 +141,19 @@ func recoverScenario(t *testing.T, window int) *recovered {
 // only from a settle call's ErrNotHeld, after the run.
 func TestSidekiqStaleWhenRecovered(t *testing.T) {
 	t.Parallel()
-	r := recoverScenario(t, 1) // window 1: a does not fetch the job again
+	r := recoverScenario(t, 1) // window 1: a fetches the job again only once its place is freed
+	// The transport checks the deliveries it holds every sidekiqHeldCheck.
+	deadline := time.Now().Add(10 * sidekiqHeldCheck)
+	for !r.first.stale() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if !r.first.stale() {
 		t.Error("the delivery of a job recovered by another process (back on its queue, to run again) is not stale: the pipeline would run it here too")
+	}
+	// Its place in the window is freed (once): a fetches the job again.
+	second := nextDelivery(t, r.ds)
+	if second.stale() {
+		t.Error("the new delivery of the recovered job is stale")
 	}
 	err := r.first.ack()
 	if !errors.Is(err, sidekiq.ErrNotHeld) {
@@ -157,6 +161,16 @@ func TestSidekiqStaleWhenRecovered(t *testing.T) {
 	}
 	if !r.first.stale() {
 		t.Error("not stale even after ErrNotHeld")
+	}
+	if err := second.ack(); err != nil {
+		t.Errorf("the new delivery's ack: %v", err)
+	}
+	tr := r.first.(*sidekiqDelivery[*sidekiq.Job]).t
+	tr.mu.Lock()
+	out := tr.out
+	tr.mu.Unlock()
+	if out != 1 {
+		t.Errorf("%d places of the window taken after both deliveries settled, want 1 (the fetch waiting for a job)", out)
 	}
 }
 

@@ -45,6 +45,7 @@ func newSidekiqWorkerTransport(cfg *Config, log *zap.Logger, onTerm func()) *sid
 	}
 	t := &sidekiqWorkerTransport{cfg: scfg, log: log, onTerm: onTerm}
 	t.sidekiqTransport = newSidekiqTransport[*sidekiq.Job](nil, sidekiqView, sidekiq.ErrNotHeld, cfg.Prefetch)
+	t.sidekiqTransport.log = log
 	return t
 }
 
@@ -90,13 +91,14 @@ func (t *sidekiqWorkerTransport) signal(sig string) {
 	}
 }
 
-// close hands back the jobs left in the working lists, then stops the
-// heartbeat (the process leaves Sidekiq's process set) and closes the
+// close ends the retries of give-backs under way, hands back the jobs
+// left in the working lists, then stops the heartbeat (the process leaves Sidekiq's process set) and closes the
 // client.
 func (t *sidekiqWorkerTransport) close() error {
 	if t.client == nil {
 		return nil
 	}
+	t.stopBacks()
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
 	var errs []error
