@@ -570,6 +570,8 @@ var (
 	_ transport = (*sidekiqWorkerTransport)(nil)
 	_ runMarker = (*sidekiqDelivery[*sidekiqJob])(nil)
 
+	_ retryOutcomer = (*sidekiqDelivery[*sidekiqJob])(nil)
+
 	_ failingDelivery = (*sidekiqDelivery[*sidekiqJob])(nil)
 	_ transport       = (*amqpTransport)(nil)
 	_ delivery        = (*amqpDelivery)(nil)
