@@ -382,6 +382,7 @@ func (d *sidekiqDelivery[J]) settle(op func() error, last, forGood bool) error {
 		}
 	}
 	if err == nil || last {
+		d.untrack()
 		d.free()
 	}
 	return err
