@@ -488,7 +488,7 @@ func unreadable(raw, queue, errClass, errMsg string) map[string]any {
 // the job out of the working list in the same script:
 //
 //   - "retry" false: the job is neither retried nor kept (Sidekiq only
-//     calls its death handlers); Retry logs it and returns dead false.
+//     calls its death handlers); Retry logs it and returns Discarded.
 //   - otherwise (true, absent, or an integer maximum; default
 //     Config.MaxRetries; "retry" true is written when absent, as a Ruby
 //     worker's default option): "queue" becomes "retry_queue" when set;
@@ -497,8 +497,9 @@ func unreadable(raw, queue, errClass, errMsg string) map[string]any {
 //     retry_count+1; error_backtrace when "backtrace" is true (all lines)
 //     or a number of lines (zlib-deflated JSON in Base64, as Sidekiq).
 //     While retry_count is below the maximum the job goes to the "retry"
-//     set, due in retry_count**4 + 15 + rand(10)*(retry_count+1) seconds;
-//     then to the dead set (dead true), unless its "dead" is false. A
+//     set, due in retry_count**4 + 15 + rand(10)*(retry_count+1) seconds
+//     (Retried); then to the dead set (Dead), unless its "dead" is false
+//     (Discarded). A
 //     retry_count that is a float counts truncated, as Ruby's arithmetic
 //     on it does.
 //   - a retry_count that is neither a number nor null/false (a string,
@@ -506,13 +507,17 @@ func unreadable(raw, queue, errClass, errMsg string) map[string]any {
 //     dead set with error_class "Onceler::InvalidRetryCount" and an
 //     error_message that names the value and the job's own error.
 //
-// An undecodable job (no Fields) goes to the dead set as Kill sends it.
-func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, backtrace []string) (dead bool, err error) {
+// An undecodable job (no Fields) goes to the dead set as Kill sends it
+// (Dead). On an error the outcome is 0, none of them.
+func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, backtrace []string) (RetryOutcome, error) {
 	if j == nil {
-		return false, errors.New("sidekiq: nil job")
+		return 0, errors.New("sidekiq: nil job")
 	}
 	if j.Fields == nil {
-		return true, c.Kill(ctx, j, errClass, errMsg)
+		if err := c.Kill(ctx, j, errClass, errMsg); err != nil {
+			return 0, err
+		}
+		return Dead, nil
 	}
 	msg := cloneMap(j.Fields)
 	maxRetries := c.cfg.MaxRetries
@@ -523,12 +528,12 @@ func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, bac
 	case bool:
 		if !v {
 			if err := c.settle(ctx, j, "done", keyRetry, "", nil, 0); err != nil {
-				return false, err
+				return 0, err
 			}
-			c.log.Warn("sidekiq job failed and is not retried (retry: false)", zap.String("queue", j.Queue),
+			c.log.Warn("sidekiq job failed and is discarded (retry: false)", zap.String("queue", j.Queue),
 				zap.String("class", j.Class), zap.String("jid", j.JID), zap.String("error_class", errClass),
 				zap.String("error", errMsg))
-			return false, nil
+			return Discarded, nil
 		}
 	case json.Number:
 		if n, err := v.Int64(); err == nil {
@@ -554,11 +559,11 @@ func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, bac
 				msg["failed_at"] = now
 			}
 			if err := c.settle(ctx, j, "dead", keyDead, mustJSON(msg), msg, now); err != nil {
-				return false, err
+				return 0, err
 			}
 			c.log.Error("sidekiq job failed and has an invalid retry_count: moved to the dead set", zap.String("queue", j.Queue),
 				zap.String("class", j.Class), zap.String("jid", j.JID), zap.String("error_class", errClass))
-			return true, nil
+			return Dead, nil
 		}
 		msg["retried_at"] = now
 		count = int(n) + 1
@@ -576,23 +581,51 @@ func (c *Client) Retry(ctx context.Context, j *Job, errClass, errMsg string, bac
 		c4 := min(count, 10000) // beyond, the delay would overflow (and is centuries anyway)
 		delay := c4*c4*c4*c4 + 15 + rand.IntN(10)*(c4+1)
 		if err := c.settle(ctx, j, "zadd", keyRetry, payload, msg, now+float64(delay)); err != nil {
-			return false, err
+			return 0, err
 		}
 		log.Info("sidekiq job failed, retry scheduled", zap.Int("delay_s", delay))
-		return false, nil
+		return Retried, nil
 	}
 	if d, ok := msg["dead"].(bool); ok && !d {
 		if err := c.settle(ctx, j, "done", keyRetry, "", nil, 0); err != nil {
-			return false, err
+			return 0, err
 		}
-		log.Warn("sidekiq job retries exhausted, not kept (dead: false)")
-		return false, nil
+		log.Warn("sidekiq job retries exhausted, discarded (dead: false)")
+		return Discarded, nil
 	}
 	if err := c.settle(ctx, j, "dead", keyDead, payload, msg, now); err != nil {
-		return false, err
+		return 0, err
 	}
 	log.Warn("sidekiq job retries exhausted, moved to the dead set")
-	return true, nil
+	return Dead, nil
+}
+
+// RetryOutcome is where Retry sent a failed job.
+type RetryOutcome int
+
+// Retry's outcomes.
+const (
+	// Retried: the job is in the retry set, to run again.
+	Retried RetryOutcome = iota + 1
+	// Dead: the job is in the dead set (retries used up, or it cannot
+	// be retried).
+	Dead
+	// Discarded: the job ended without being kept ("retry": false, or
+	// "dead": false once its retries are used up).
+	Discarded
+)
+
+// String returns "retried", "dead" or "discarded".
+func (o RetryOutcome) String() string {
+	switch o {
+	case Retried:
+		return "retried"
+	case Dead:
+		return "dead"
+	case Discarded:
+		return "discarded"
+	}
+	return "unknown"
 }
 
 // backtraceLines applies the job's "backtrace" option (job_retry.rb).

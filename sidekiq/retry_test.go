@@ -24,9 +24,9 @@ func TestRetryAsSidekiqReadsIt(t *testing.T) {
 	j := fetch(t, c, 5*time.Second)
 	bt := []string{"app/workers/flaky_worker.rb:3:in `perform'", "lib/runner.rb:9:in `call'"}
 	before := float64(time.Now().UnixNano()) / 1e9
-	dead, err := c.Retry(ctx, j, "Net::ReadTimeout", "timed out", bt)
-	if err != nil || dead {
-		t.Fatalf("Retry: %v dead %v", err, dead)
+	out, err := c.Retry(ctx, j, "Net::ReadTimeout", "timed out", bt)
+	if err != nil || out != Retried {
+		t.Fatalf("Retry: %v, outcome %v", err, out)
 	}
 	if n := e.llen(WorkingKey(c.Identity(), "main")); n != 0 {
 		t.Fatalf("working list holds %d after Retry", n)
@@ -70,8 +70,8 @@ func TestRetryAsSidekiqReadsIt(t *testing.T) {
 		t.Fatal("retry set not emptied")
 	}
 	before = float64(time.Now().UnixNano()) / 1e9
-	if dead, err := c.Retry(ctx, j2, "Net::ReadTimeout", "again", bt); err != nil || dead {
-		t.Fatalf("second Retry: %v %v", err, dead)
+	if out, err := c.Retry(ctx, j2, "Net::ReadTimeout", "again", bt); err != nil || out != Retried {
+		t.Fatalf("second Retry: %v %v", err, out)
 	}
 	e.ruby("retries", nil, &retries)
 	if len(retries) != 1 {
@@ -107,15 +107,15 @@ func TestRetryExhaustedAndRetryFalse(t *testing.T) {
 		{"class": "F", "args": []any{}, "queue": "q", "retry_count": 23, "retry": true},            // 24 < 25: retried
 	}, &jids)
 	c := e.client(Config{Queues: []string{"q"}})
-	wantDead := map[string]bool{"A": true, "B": true, "D": true}
+	want := map[string]RetryOutcome{"A": Dead, "B": Dead, "C": Discarded, "D": Dead, "E": Discarded, "F": Retried}
 	for range 6 {
 		j := fetch(t, c, 5*time.Second)
-		dead, err := c.Retry(ctx, j, "RuntimeError", "boom "+j.Class, nil)
+		out, err := c.Retry(ctx, j, "RuntimeError", "boom "+j.Class, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if dead != wantDead[j.Class] {
-			t.Errorf("%s: dead %v", j.Class, dead)
+		if out != want[j.Class] {
+			t.Errorf("%s: outcome %v, want %v", j.Class, out, want[j.Class])
 		}
 	}
 	if n := e.llen(WorkingKey(c.Identity(), "q")); n != 0 {

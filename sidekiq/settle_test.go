@@ -24,9 +24,9 @@ func TestRetryCountNotANumberGoesDead(t *testing.T) {
 	}
 	c := e.client(Config{Queues: []string{"rcs"}})
 	j := fetch(t, c, 5*time.Second)
-	dead, err := c.Retry(ctx, j, "RuntimeError", "boom", nil)
-	if err != nil || !dead {
-		t.Fatalf("Retry: dead %v, %v", dead, err)
+	out, err := c.Retry(ctx, j, "RuntimeError", "boom", nil)
+	if err != nil || out != Dead {
+		t.Fatalf("Retry: outcome %v, %v", out, err)
 	}
 	var entries []sortedEntry
 	e.ruby("dead", nil, &entries)
@@ -50,8 +50,8 @@ func TestRetryWritesRetryTrueWhenAbsent(t *testing.T) {
 	}
 	c := e.client(Config{Queues: []string{"rt"}})
 	j := fetch(t, c, 5*time.Second)
-	if dead, err := c.Retry(ctx, j, "RuntimeError", "boom", nil); err != nil || dead {
-		t.Fatalf("Retry: dead %v, %v", dead, err)
+	if out, err := c.Retry(ctx, j, "RuntimeError", "boom", nil); err != nil || out != Retried {
+		t.Fatalf("Retry: outcome %v, %v", out, err)
 	}
 	var retries []sortedEntry
 	e.ruby("retries", nil, &retries)

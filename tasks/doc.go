@@ -304,6 +304,7 @@
 //	onceler_tasks_succeeded_total{task}       runs that succeeded
 //	onceler_tasks_failed_total{task}          runs that failed
 //	onceler_tasks_retried_total{task}         Celery retries requested
+//	onceler_sidekiq_retry_outcomes_total{task,outcome} Sidekiq jobs handed to Sidekiq's retry: retried, dead, discarded
 //	onceler_tasks_revoked_total{task}         revoked, expired or terminated
 //	onceler_duplicates_suppressed_total{task} deliveries answered from the record
 //	onceler_deferred_total{task}              deliveries deferred: operation in progress elsewhere

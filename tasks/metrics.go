@@ -18,6 +18,7 @@ type metrics struct {
 	succeeded   *prometheus.CounterVec // task
 	failed      *prometheus.CounterVec // task
 	retried     *prometheus.CounterVec // task
+	skRetries   *prometheus.CounterVec // task, outcome
 	revoked     *prometheus.CounterVec // task
 	duplicates  *prometheus.CounterVec // task
 	deferred    *prometheus.CounterVec // task
@@ -49,10 +50,12 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: name, Help: help}, labels)
 	}
 	m := &metrics{
-		received:    cv("tasks_received_total", "Task messages received, by task name.", "task"),
-		succeeded:   cv("tasks_succeeded_total", "Tasks that ran and succeeded.", "task"),
-		failed:      cv("tasks_failed_total", "Tasks that ran and failed.", "task"),
-		retried:     cv("tasks_retried_total", "Tasks that asked for a Celery retry.", "task"),
+		received:  cv("tasks_received_total", "Task messages received, by task name.", "task"),
+		succeeded: cv("tasks_succeeded_total", "Tasks that ran and succeeded.", "task"),
+		failed:    cv("tasks_failed_total", "Tasks that ran and failed.", "task"),
+		retried:   cv("tasks_retried_total", "Tasks that asked for a Celery retry.", "task"),
+		skRetries: cv("sidekiq_retry_outcomes_total", "Sidekiq jobs handed to Sidekiq's retry (a failed run, a retry asked for), by where it sent them: retried, dead, discarded.",
+			"task", "outcome"),
 		revoked:     cv("tasks_revoked_total", "Tasks revoked or expired before running.", "task"),
 		duplicates:  cv("duplicates_suppressed_total", "Deliveries of an operation already completed: answered from the record without running.", "task"),
 		deferred:    cv("deferred_total", "Deliveries deferred because the operation was in progress elsewhere.", "task"),
@@ -87,7 +90,7 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 	if reg == nil {
 		return m, nil
 	}
-	cs := []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.revoked, m.duplicates,
+	cs := []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.skRetries, m.revoked, m.duplicates,
 		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects,
 		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections}
 	if lapsed != nil {

@@ -22,6 +22,7 @@ import (
 	"github.com/onceler/onceler/internal/clip"
 	"github.com/onceler/onceler/internal/pause"
 	"github.com/onceler/onceler/internal/workerhooks"
+	"github.com/onceler/onceler/sidekiq"
 )
 
 // finish answers a delivery whose outcome is recorded (or that has no
@@ -130,8 +131,21 @@ func (w *Worker) retry(ctx context.Context, j *job, rr *RetryRequest) {
 		}
 		return
 	}
-	w.m.retried.WithLabelValues(j.h.name).Inc()
 	exc := &celeryproto.Exception{Type: "Retry", Module: "celery.exceptions", Message: rr.Error()}
+	if out, ok := w.retryOutcome(j); ok && out != sidekiq.Retried {
+		// Sidekiq ended the job (its retries used up, retry: false): it
+		// does not run again, so the caller is told it failed.
+		w.log.Warn("retry asked for, but Sidekiq ended the job", w.fields(j, zap.Stringer("outcome", out))...)
+		if w.wantEvents() {
+			w.event(ctx, j, failedEvent("task-failed", j.h.name, exc))
+		}
+		if !w.publishResult(ctx, j, &celeryproto.Result{TaskID: j.msg.ID, Status: celeryproto.StateFailure, Exception: exc}) {
+			return
+		}
+		w.ack(j)
+		return
+	}
+	w.m.retried.WithLabelValues(j.h.name).Inc()
 	if w.wantEvents() {
 		w.event(ctx, j, failedEvent("task-retried", j.h.name, exc))
 	}

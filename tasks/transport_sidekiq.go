@@ -23,9 +23,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
 	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/sidekiq"
 )
 
 // sidekiqClient is what the Sidekiq transport needs of a client whose jobs
@@ -38,10 +41,19 @@ type sidekiqClient[J comparable] interface {
 	Done(ctx context.Context, j J) error
 	Requeue(ctx context.Context, j J) error
 	Schedule(ctx context.Context, j J, at time.Time) error
-	Retry(ctx context.Context, j J, errClass, errMsg string, backtrace []string) (dead bool, err error)
+	Retry(ctx context.Context, j J, errClass, errMsg string, backtrace []string) (sidekiq.RetryOutcome, error)
 	Kill(ctx context.Context, j J, errClass, errMsg string) error
+	// Held reports, for each job, whether the process still holds it
+	// (another process did not recover it), in one Redis read.
+	Held(ctx context.Context, jobs []J) ([]bool, error)
 	Close() error
 }
+
+// sidekiqHeldCheck is how often the transport asks whether it still holds
+// the jobs it fetched and has not settled: a job another process recovered
+// (taking this one for dead) makes its delivery stale within about this
+// long, so that the pipeline does not run it here too.
+const sidekiqHeldCheck = 250 * time.Millisecond
 
 // sidekiqJob is what the transport reads of a job (sidekiqTransport.view).
 type sidekiqJob struct {
@@ -76,16 +88,30 @@ type sidekiqTransport[J comparable] struct {
 	count  func(context.Context, J) (int, error)
 	forget func(context.Context, J) error
 
+	// log, when set, tells of give-backs that fail.
+	log *zap.Logger
+
 	mu       sync.Mutex
 	out      int // jobs fetched and not settled
 	prefetch int
 	limit    int // the window's cap for the memory budget (0: none)
 	kick     chan struct{}
 	failing  atomic.Bool // the last fetch failed
+	// held are the deliveries whose job may still be in the working
+	// list (not settled, not stale), checked every sidekiqHeldCheck.
+	held map[*sidekiqDelivery[J]]struct{}
+	// backs are the give-backs under way (giveBack); stopping ends
+	// their retries (stopBacks).
+	backs    sync.WaitGroup
+	stopping bool
+	stopCtx  context.Context
+	stop     context.CancelFunc
 }
 
 func newSidekiqTransport[J comparable](client sidekiqClient[J], view func(J) sidekiqJob, notHeld error, prefetch int) *sidekiqTransport[J] {
-	return &sidekiqTransport[J]{client: client, view: view, notHeld: notHeld, prefetch: prefetch, kick: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &sidekiqTransport[J]{client: client, view: view, notHeld: notHeld, prefetch: prefetch, kick: make(chan struct{}, 1),
+		held: map[*sidekiqDelivery[J]]struct{}{}, stopCtx: ctx, stop: cancel, log: zap.NewNop()}
 }
 
 func (t *sidekiqTransport[J]) prepare(context.Context) error { return nil }
@@ -93,6 +119,12 @@ func (t *sidekiqTransport[J]) prepare(context.Context) error { return nil }
 // consume fetches while the window has room, until ctx is done. A fetch
 // that fails (Redis away) is tried again, at growing intervals up to 5 s.
 func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery)) error {
+	checkDone := make(chan struct{})
+	go func() {
+		defer close(checkDone)
+		t.checkHeld(ctx)
+	}()
+	defer func() { <-checkDone }()
 	var zero J
 	for failures := 0; ; {
 		if !t.reserve(ctx) {
@@ -114,6 +146,9 @@ func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery
 		failures = 0
 		t.failing.Store(false)
 		d := t.newDelivery(j, err)
+		t.mu.Lock()
+		t.held[d] = struct{}{}
+		t.mu.Unlock()
 		if t.count != nil && err == nil {
 			n, cerr := t.count(ctx, j)
 			if cerr != nil {
@@ -122,6 +157,43 @@ func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery
 			d.fetches = n
 		}
 		receive(d)
+	}
+}
+
+// checkHeld asks the client every sidekiqHeldCheck, until ctx is done,
+// whether it still holds the jobs of the deliveries not settled; those it
+// does not are stale from then on (drop).
+func (t *sidekiqTransport[J]) checkHeld(ctx context.Context) {
+	tick := time.NewTicker(sidekiqHeldCheck)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		t.mu.Lock()
+		ds := make([]*sidekiqDelivery[J], 0, len(t.held))
+		jobs := make([]J, 0, len(t.held))
+		for d := range t.held {
+			ds = append(ds, d)
+			jobs = append(jobs, d.job)
+		}
+		t.mu.Unlock()
+		if len(ds) == 0 {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, max(sidekiqHeldCheck, time.Second))
+		held, err := t.client.Held(cctx, jobs)
+		cancel()
+		if err != nil {
+			continue // unknown: a settle tells (ErrNotHeld)
+		}
+		for i, d := range ds {
+			if !held[i] {
+				d.drop()
+			}
+		}
 	}
 }
 
@@ -183,7 +255,23 @@ func (t *sidekiqTransport[J]) setWindowLimit(n int) error {
 }
 
 func (t *sidekiqTransport[J]) fixedWindow() bool { return false }
-func (t *sidekiqTransport[J]) close() error      { return t.client.Close() }
+
+func (t *sidekiqTransport[J]) close() error {
+	t.stopBacks()
+	return t.client.Close()
+}
+
+// stopBacks ends the retries of the give-backs under way and waits for
+// them: a job whose give-back did not succeed stays in the working list,
+// which the caller hands back (RequeueAll) or another process recovers.
+// A give-back after it is left to them too.
+func (t *sidekiqTransport[J]) stopBacks() {
+	t.mu.Lock()
+	t.stopping = true
+	t.mu.Unlock()
+	t.stop()
+	t.backs.Wait()
+}
 
 // newDelivery is the delivery of a fetched job; decodeErr is why the
 // client could not decode it (nil: it could).
@@ -248,9 +336,12 @@ type sidekiqDelivery[J comparable] struct {
 	// fetches is how many fetches of the job its counter holds, this one
 	// included (sidekiqTransport.count); 0 when unknown.
 	fetches int
-	// settled: the job left the working list (or is no longer this
-	// process's); gone: it left it to another process (stale).
-	settled, gone atomic.Bool
+	// settled: a settle call took the job out of the working list;
+	// gone: it is no longer this process's (stale): another process
+	// recovered it; freed: its place in the window was given back.
+	settled, gone, freed atomic.Bool
+	// outcome is where Retry sent the job (sidekiq.RetryOutcome).
+	outcome atomic.Int32
 }
 
 func (d *sidekiqDelivery[J]) wire() *celeryproto.Delivery { return d.w }
@@ -261,28 +352,62 @@ func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load()
 
 // settle runs op, a client call that takes the job out of the working
 // list, unless a move (republish, retry, quarantine) took it out already:
-// the ack that follows a move sends nothing. The job's place in the window
-// is given back once it is out, or when last is set (ack, giveBack: the
-// worker is done with it; a job left in the working list by a failed call
-// comes back when this process is taken for dead). forGood: op settles the
-// job for good (all but giveBack), so its delivery counter goes.
+// the ack that follows a move sends nothing. A stale delivery's job is
+// another process's: op is not called (it would find the job not held).
+// The job's place in the window is given back once it is out, or when
+// last is set (ack: the worker is done with it; a job left in the working
+// list by a failed call comes back when this process is taken for dead).
+// forGood: op settles the job for good (all but giveBack), so its delivery
+// counter goes.
 func (d *sidekiqDelivery[J]) settle(op func() error, last, forGood bool) error {
 	if d.settled.Load() {
 		return nil
 	}
-	err := op()
+	var err error
+	if d.gone.Load() {
+		err = fmt.Errorf("sidekiq job %s: recovered by another process: %w", d.v.JID, d.t.notHeld)
+	} else {
+		err = op()
+	}
 	if err != nil && errors.Is(err, d.t.notHeld) {
-		d.gone.Store(true)
+		d.drop()
 	}
-	if err == nil && forGood && d.t.forget != nil {
-		fctx, cancel := context.WithTimeout(context.Background(), opTimeout)
-		_ = d.t.forget(fctx, d.job) // a counter left behind expires
-		cancel()
+	if err == nil {
+		d.settled.Store(true)
+		d.untrack()
+		if forGood && d.t.forget != nil {
+			fctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+			_ = d.t.forget(fctx, d.job) // a counter left behind expires
+			cancel()
+		}
 	}
-	if (err == nil || d.gone.Load() || last) && !d.settled.Swap(true) {
-		d.t.unreserve()
+	if err == nil || last {
+		d.untrack()
+		d.free()
 	}
 	return err
+}
+
+// drop makes the delivery stale: its job is no longer this process's. Its
+// place in the window is given back (once).
+func (d *sidekiqDelivery[J]) drop() {
+	d.gone.Store(true)
+	d.untrack()
+	d.free()
+}
+
+// free gives the delivery's place in the window back, once.
+func (d *sidekiqDelivery[J]) free() {
+	if !d.freed.Swap(true) {
+		d.t.unreserve()
+	}
+}
+
+// untrack stops the checks of whether the job is still held.
+func (d *sidekiqDelivery[J]) untrack() {
+	d.t.mu.Lock()
+	delete(d.t.held, d)
+	d.t.mu.Unlock()
 }
 
 func (d *sidekiqDelivery[J]) ack() error {
@@ -293,12 +418,51 @@ func (d *sidekiqDelivery[J]) ack() error {
 	}, true, true)
 }
 
+// giveBack hands the job back to its queue, asynchronously: the caller
+// may hold the worker's lock, and a Redis call may take up to opTimeout. A
+// give-back that fails is tried again, at growing intervals up to 5 s,
+// until it succeeds, the job is found stale, or the transport closes (the
+// job then stays in the working list: close hands it back, or another
+// process recovers it). The job's place in the window is given back once
+// the give-back is over. It returns nil: what happens is logged.
 func (d *sidekiqDelivery[J]) giveBack() error {
-	return d.settle(func() error {
-		ctx, cancel := final(context.Background())
-		defer cancel()
-		return d.t.client.Requeue(ctx, d.job)
-	}, true, false)
+	t := d.t
+	t.mu.Lock()
+	if t.stopping {
+		t.mu.Unlock()
+		d.free() // left in the working list for close or another process
+		return nil
+	}
+	t.backs.Add(1)
+	t.mu.Unlock()
+	go func() {
+		defer t.backs.Done()
+		defer d.free()
+		for attempt := 0; ; attempt++ {
+			err := d.settle(func() error {
+				ctx, cancel := context.WithTimeout(t.stopCtx, opTimeout)
+				defer cancel()
+				return t.client.Requeue(ctx, d.job)
+			}, false, false)
+			switch {
+			case err == nil:
+				return
+			case d.stale():
+				t.log.Debug("Sidekiq job to hand back was recovered by another process; it runs again", zap.String("jid", d.v.JID))
+				return
+			case t.stopCtx.Err() != nil:
+				t.log.Warn("handing a Sidekiq job back failed while stopping; it stays in this process's working list until it is requeued at exit or recovered",
+					zap.String("jid", d.v.JID), zap.String("queue", d.v.Queue), zap.Error(err))
+				return
+			}
+			t.log.Warn("handing a Sidekiq job back failed; retrying (it stays in this process's working list meanwhile)",
+				zap.String("jid", d.v.JID), zap.String("queue", d.v.Queue), zap.Int("attempt", attempt+1), zap.Error(err))
+			if !pause.For(t.stopCtx, min(100*time.Millisecond<<min(attempt, 6), 5*time.Second)) {
+				return
+			}
+		}
+	}()
+	return nil
 }
 
 // republish moves the job to the schedule set, due at eta (now when it has
@@ -321,9 +485,16 @@ func (d *sidekiqDelivery[J]) retry(ctx context.Context, _ *celeryproto.Message, 
 		class, msg = exc.Type, exc.Message
 	}
 	return d.settle(func() error {
-		_, err := d.t.client.Retry(ctx, d.job, class, msg, nil)
+		out, err := d.t.client.Retry(ctx, d.job, class, msg, nil)
+		d.outcome.Store(int32(out))
 		return err
 	}, false, true)
+}
+
+// retryOutcome is where the last retry or failed call sent the job (0:
+// none succeeded).
+func (d *sidekiqDelivery[J]) retryOutcome() sidekiq.RetryOutcome {
+	return sidekiq.RetryOutcome(d.outcome.Load())
 }
 
 // quarantine moves the job to the dead set, its error class the reason
@@ -358,7 +529,8 @@ func (d *sidekiqDelivery[J]) runEnded(failed bool) {
 // with retry: false).
 func (d *sidekiqDelivery[J]) failed(ctx context.Context, class, message string, backtrace []string) error {
 	return d.settle(func() error {
-		_, err := d.t.client.Retry(ctx, d.job, class, clip.String(message, maxDetail), backtrace)
+		out, err := d.t.client.Retry(ctx, d.job, class, clip.String(message, maxDetail), backtrace)
+		d.outcome.Store(int32(out))
 		return err
 	}, false, true)
 }
@@ -398,6 +570,8 @@ var (
 	_ delivery  = (*sidekiqDelivery[*sidekiqJob])(nil)
 	_ transport = (*sidekiqWorkerTransport)(nil)
 	_ runMarker = (*sidekiqDelivery[*sidekiqJob])(nil)
+
+	_ retryOutcomer = (*sidekiqDelivery[*sidekiqJob])(nil)
 
 	_ failingDelivery = (*sidekiqDelivery[*sidekiqJob])(nil)
 	_ transport       = (*amqpTransport)(nil)

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/sidekiq"
 )
 
 // fakeSidekiq is a client of the Sidekiq transport in memory: its queue, its
@@ -19,14 +21,23 @@ type fakeSidekiq struct {
 	mu      sync.Mutex
 	queue   []*sidekiqJob
 	working map[*sidekiqJob]bool
-	calls   []string
-	added   chan struct{}
+	lost    map[*sidekiqJob]bool // recovered by another process
+	// requeueFails is how many Requeue calls fail (Redis away) before
+	// one succeeds; requeueGate, when set, holds each Requeue until it
+	// receives.
+	requeueFails int
+	requeueGate  chan struct{}
+	requeues     int // Requeue calls
+	// outcomes are Retry's outcomes by jid (Retried when absent).
+	outcomes map[string]sidekiq.RetryOutcome
+	calls    []string
+	added    chan struct{}
 }
 
 var errFakeNotHeld = errors.New("fake: job is not in the working list")
 
 func newFakeSidekiq(jobs ...*sidekiqJob) *fakeSidekiq {
-	return &fakeSidekiq{queue: jobs, working: map[*sidekiqJob]bool{}, added: make(chan struct{}, 1)}
+	return &fakeSidekiq{queue: jobs, working: map[*sidekiqJob]bool{}, lost: map[*sidekiqJob]bool{}, added: make(chan struct{}, 1)}
 }
 
 func (f *fakeSidekiq) Fetch(ctx context.Context) (*sidekiqJob, error) {
@@ -63,21 +74,53 @@ func (f *fakeSidekiq) take(op string, j *sidekiqJob) error {
 	return nil
 }
 
-func (f *fakeSidekiq) Done(_ context.Context, j *sidekiqJob) error    { return f.take("done", j) }
-func (f *fakeSidekiq) Requeue(_ context.Context, j *sidekiqJob) error { return f.take("requeue", j) }
+func (f *fakeSidekiq) Done(_ context.Context, j *sidekiqJob) error { return f.take("done", j) }
+func (f *fakeSidekiq) Requeue(ctx context.Context, j *sidekiqJob) error {
+	if f.requeueGate != nil {
+		select {
+		case <-f.requeueGate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	f.mu.Lock()
+	f.requeues++
+	fail := f.requeues <= f.requeueFails
+	f.mu.Unlock()
+	if fail {
+		return errors.New("fake: redis away")
+	}
+	return f.take("requeue", j)
+}
 func (f *fakeSidekiq) Schedule(_ context.Context, j *sidekiqJob, at time.Time) error {
 	if time.Until(at) < -time.Second {
 		return fmt.Errorf("scheduled in the past: %s", at)
 	}
 	return f.take("schedule", j)
 }
-func (f *fakeSidekiq) Retry(_ context.Context, j *sidekiqJob, class, msg string, _ []string) (bool, error) {
-	return false, f.take("retry "+class+": "+msg, j)
+func (f *fakeSidekiq) Retry(_ context.Context, j *sidekiqJob, class, msg string, _ []string) (sidekiq.RetryOutcome, error) {
+	if err := f.take("retry "+class+": "+msg, j); err != nil {
+		return 0, err
+	}
+	if out, ok := f.outcomes[j.JID]; ok {
+		return out, nil
+	}
+	return sidekiq.Retried, nil
 }
 func (f *fakeSidekiq) Kill(_ context.Context, j *sidekiqJob, class, msg string) error {
 	return f.take("kill "+class+": "+msg, j)
 }
 func (f *fakeSidekiq) Close() error { return nil }
+
+func (f *fakeSidekiq) Held(_ context.Context, jobs []*sidekiqJob) ([]bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	held := make([]bool, len(jobs))
+	for i, j := range jobs {
+		held[i] = !f.lost[j]
+	}
+	return held, nil
+}
 
 func (f *fakeSidekiq) callLog() []string {
 	f.mu.Lock()
@@ -90,6 +133,7 @@ func (f *fakeSidekiq) callLog() []string {
 func (f *fakeSidekiq) lose(j *sidekiqJob) {
 	f.mu.Lock()
 	delete(f.working, j)
+	f.lost[j] = true
 	f.mu.Unlock()
 }
 
@@ -215,7 +259,8 @@ func TestSidekiqWindow(t *testing.T) {
 }
 
 // TestSidekiqSettle: each move settles the job once at the client (the ack
-// after it sends nothing), and a job another process took back is stale.
+// after it sends nothing), and a job another process took back is stale
+// before any settle, its ack not sent.
 func TestSidekiqSettle(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -243,9 +288,7 @@ func TestSidekiqSettle(t *testing.T) {
 		}
 	}
 	f.lose(jobs[3])
-	if l.stale() {
-		t.Error("stale before the transport knew")
-	}
+	testkit.WaitFor(t, "the delivery of the lost job stale", 10*sidekiqHeldCheck, l.stale)
 	if err := l.ack(); !errors.Is(err, errFakeNotHeld) || !l.stale() {
 		t.Errorf("ack of a job recovered by another process: %v, stale %v; want not held, stale", err, l.stale())
 	}
@@ -319,5 +362,108 @@ func TestSidekiqDeliveryCount(t *testing.T) {
 	defer mu.Unlock()
 	if fmt.Sprint(forgotten) != "[again]" || len(counts) != 0 {
 		t.Errorf("forgotten %v, counters left %v; want [again] forgotten once settled", forgotten, counts)
+	}
+}
+
+// TestSidekiqGiveBackOffTheLock: a give-back returns at once (the worker
+// calls it holding its lock) while the client's Requeue waits on Redis;
+// one that fails is tried again until it succeeds, and the job's place in
+// the window is freed only then.
+func TestSidekiqGiveBackOffTheLock(t *testing.T) {
+	t.Parallel()
+	f := newFakeSidekiq(&sidekiqJob{Queue: "q", Class: "C", JID: "back"}, &sidekiqJob{Queue: "q", Class: "C", JID: "next"})
+	f.requeueFails = 2
+	f.requeueGate = make(chan struct{})
+	tr := newFakeTransport(f, 1)
+	ds := consumeFake(t, tr)
+	d := nextDelivery(t, ds)
+	returned := make(chan error, 1)
+	go func() { returned <- d.giveBack() }()
+	select {
+	case err := <-returned:
+		if err != nil {
+			t.Fatalf("giveBack: %v", err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("giveBack waits for the client's Requeue")
+	}
+	noDelivery(t, ds, "the give-back is not over: the job's place is taken")
+	for range 3 {
+		select {
+		case f.requeueGate <- struct{}{}:
+		case <-time.After(5 * time.Second):
+			t.Fatal("a failed give-back is not tried again")
+		}
+	}
+	next := nextDelivery(t, ds)
+	if err := next.ack(); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"requeue back", "done next"}
+	if got := f.callLog(); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("calls %q, want %q", got, want)
+	}
+}
+
+// TestSidekiqGiveBackEndsAtClose: a give-back that keeps failing is tried
+// until the transport closes, which does not wait longer for it (the job
+// stays in the working list, for close's RequeueAll or another process).
+func TestSidekiqGiveBackEndsAtClose(t *testing.T) {
+	t.Parallel()
+	f := newFakeSidekiq(&sidekiqJob{Queue: "q", Class: "C", JID: "stuck"})
+	f.requeueFails = 1 << 30
+	tr := newFakeTransport(f, 1)
+	ds := consumeFake(t, tr)
+	d := nextDelivery(t, ds)
+	if err := d.giveBack(); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, "the give-back tried twice", 5*time.Second, func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return f.requeues >= 2
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- tr.close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("close waits for a give-back that keeps failing")
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.working[d.(*sidekiqDelivery[*sidekiqJob]).job] {
+		t.Error("the job whose give-back failed left the working list")
+	}
+}
+
+// TestSidekiqRetryOutcome: the delivery tells where Sidekiq's retry sent
+// the job: retried, or ended (dead set, discarded).
+func TestSidekiqRetryOutcome(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFakeSidekiq(&sidekiqJob{Queue: "q", Class: "C", JID: "again"}, &sidekiqJob{Queue: "q", Class: "C", JID: "dead"},
+		&sidekiqJob{Queue: "q", Class: "C", JID: "dropped"})
+	f.outcomes = map[string]sidekiq.RetryOutcome{"dead": sidekiq.Dead, "dropped": sidekiq.Discarded}
+	tr := newFakeTransport(f, 3)
+	ds := consumeFake(t, tr)
+	for range 3 {
+		d := nextDelivery(t, ds).(*sidekiqDelivery[*sidekiqJob])
+		var err error
+		if d.v.JID == "dropped" {
+			err = d.retry(ctx, nil, &RetryRequest{Countdown: time.Second})
+		} else {
+			err = d.failed(ctx, "RuntimeError", "boom", nil)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := map[string]sidekiq.RetryOutcome{"again": sidekiq.Retried, "dead": sidekiq.Dead, "dropped": sidekiq.Discarded}[d.v.JID]
+		if got := d.retryOutcome(); got != want {
+			t.Errorf("%s: outcome %v, want %v", d.v.JID, got, want)
+		}
 	}
 }

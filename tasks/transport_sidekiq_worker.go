@@ -45,6 +45,7 @@ func newSidekiqWorkerTransport(cfg *Config, log *zap.Logger, onTerm func()) *sid
 	}
 	t := &sidekiqWorkerTransport{cfg: scfg, log: log, onTerm: onTerm}
 	t.sidekiqTransport = newSidekiqTransport[*sidekiq.Job](nil, sidekiqView, sidekiq.ErrNotHeld, cfg.Prefetch)
+	t.sidekiqTransport.log = log
 	return t
 }
 
@@ -90,13 +91,14 @@ func (t *sidekiqWorkerTransport) signal(sig string) {
 	}
 }
 
-// close hands back the jobs left in the working lists, then stops the
-// heartbeat (the process leaves Sidekiq's process set) and closes the
+// close ends the retries of give-backs under way, hands back the jobs
+// left in the working lists, then stops the heartbeat (the process leaves Sidekiq's process set) and closes the
 // client.
 func (t *sidekiqWorkerTransport) close() error {
 	if t.client == nil {
 		return nil
 	}
+	t.stopBacks()
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
 	var errs []error
@@ -154,6 +156,9 @@ func (w *Worker) settleFailed(ctx context.Context, j *job, d failingDelivery, cl
 		err := d.failed(fctx, class, message, backtrace)
 		cancel()
 		if err == nil {
+			if out, ok := w.retryOutcome(j); ok {
+				w.log.Info("failed job handed to Sidekiq's retry", w.fields(j, zap.Stringer("outcome", out))...)
+			}
 			w.forget(j)
 			return
 		}
@@ -168,6 +173,24 @@ func (w *Worker) settleFailed(ctx context.Context, j *job, d failingDelivery, cl
 			return
 		}
 	}
+}
+
+// retryOutcomer is a delivery that tells where its transport's retry sent
+// it (the Sidekiq transport).
+type retryOutcomer interface {
+	retryOutcome() sidekiq.RetryOutcome
+}
+
+// retryOutcome is where the retry of j's delivery sent it (ok false: its
+// transport does not tell), counted in the metrics by outcome.
+func (w *Worker) retryOutcome(j *job) (sidekiq.RetryOutcome, bool) {
+	ro, ok := j.d.(retryOutcomer)
+	if !ok {
+		return 0, false
+	}
+	out := ro.retryOutcome()
+	w.m.skRetries.WithLabelValues(j.h.name, out.String()).Inc()
+	return out, true
 }
 
 // sidekiqClassOf is the error_class a failed run gives its Sidekiq job:
