@@ -84,9 +84,13 @@ type sidekiqTransport[J comparable] struct {
 	end   func(J, bool)
 	// count, when set, counts a fetch of the job and returns how many its
 	// counter holds (1: the first); forget removes the counter once the job
-	// is settled for good (not when it is handed back).
-	count  func(context.Context, J) (int, error)
-	forget func(context.Context, J) error
+	// is settled for good (not when it is handed back); uncount takes the
+	// fetch of each job off its counter: the job is handed back without
+	// a run of it begun (giveBack, uncountUnstarted), so that only
+	// deliveries whose run may have begun reach the poison limit.
+	count   func(context.Context, J) (int, error)
+	forget  func(context.Context, J) error
+	uncount func(context.Context, ...J) error
 
 	// log, when set, tells of give-backs that fail.
 	log *zap.Logger
@@ -155,6 +159,7 @@ func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery
 				n = 0 // unknown: it may have been delivered before
 			}
 			d.fetches = n
+			d.counted.Store(cerr == nil)
 		}
 		receive(d)
 	}
@@ -336,6 +341,10 @@ type sidekiqDelivery[J comparable] struct {
 	// fetches is how many fetches of the job its counter holds, this one
 	// included (sidekiqTransport.count); 0 when unknown.
 	fetches int
+	// counted: this fetch is on the job's counter; began: a run of the
+	// job began (runStarted); uncounted: the fetch was taken off the
+	// counter again (uncountable), as its job was handed back unrun.
+	counted, began, uncounted atomic.Bool
 	// settled: a settle call took the job out of the working list;
 	// gone: it is no longer this process's (stale): another process
 	// recovered it; freed: its place in the window was given back.
@@ -446,6 +455,7 @@ func (d *sidekiqDelivery[J]) giveBack() error {
 			}, false, false)
 			switch {
 			case err == nil:
+				d.uncountUnstarted()
 				return
 			case d.stale():
 				t.log.Debug("Sidekiq job to hand back was recovered by another process; it runs again", zap.String("jid", d.v.JID))
@@ -463,6 +473,52 @@ func (d *sidekiqDelivery[J]) giveBack() error {
 		}
 	}()
 	return nil
+}
+
+// uncountable reports whether the delivery's fetch is to be taken off
+// the job's counter, its job handed back: it was counted, no run of it
+// began, and it was not taken off already. It is true once at most.
+func (d *sidekiqDelivery[J]) uncountable() bool {
+	return d.t.uncount != nil && d.counted.Load() && !d.began.Load() && !d.uncounted.Swap(true)
+}
+
+// uncountUnstarted takes the fetch of a job handed back (Requeue) off its
+// counter, unless a run of it began: a graceful hand-back is no delivery
+// the poison limit counts.
+func (d *sidekiqDelivery[J]) uncountUnstarted() {
+	if !d.uncountable() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	if err := d.t.uncount(ctx, d.job); err != nil {
+		d.t.log.Warn("taking a Sidekiq job handed back unrun off its delivery count failed; the count stays one too high",
+			zap.String("jid", d.v.JID), zap.Error(err))
+	}
+}
+
+// uncountUnstarted takes off their counters the fetches of the jobs the
+// transport still holds whose runs did not begin, before they are handed
+// back at close (RequeueAll): each was fetched and counted, and is handed
+// back unrun. A job whose run began (abandoned at the end of the grace
+// period) keeps its count: its run may have crashed things. Call it once
+// the give-backs are over (stopBacks) and no run begins any more.
+func (t *sidekiqTransport[J]) uncountUnstarted(ctx context.Context) error {
+	if t.uncount == nil {
+		return nil
+	}
+	t.mu.Lock()
+	var jobs []J
+	for d := range t.held {
+		if d.uncountable() {
+			jobs = append(jobs, d.job)
+		}
+	}
+	t.mu.Unlock()
+	if len(jobs) == 0 {
+		return nil
+	}
+	return t.uncount(ctx, jobs...)
 }
 
 // republish moves the job to the schedule set, due at eta (now when it has
@@ -513,6 +569,7 @@ func (d *sidekiqDelivery[J]) quarantine(ctx context.Context, ours map[string]any
 }
 
 func (d *sidekiqDelivery[J]) runStarted() {
+	d.began.Store(true)
 	if d.t.begin != nil {
 		d.t.begin(d.job)
 	}

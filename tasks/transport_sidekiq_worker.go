@@ -67,6 +67,7 @@ func (t *sidekiqWorkerTransport) prepare(context.Context) error {
 	t.end = c.End
 	t.count = c.CountDelivery
 	t.forget = c.ForgetDeliveries
+	t.uncount = c.UncountDeliveries
 	ctx, cancel := context.WithCancel(context.Background())
 	t.runCancel, t.runDone = cancel, make(chan struct{})
 	go func() {
@@ -92,8 +93,9 @@ func (t *sidekiqWorkerTransport) signal(sig string) {
 }
 
 // close ends the retries of give-backs under way, hands back the jobs
-// left in the working lists, then stops the heartbeat (the process leaves Sidekiq's process set) and closes the
-// client.
+// left in the working lists (those whose runs did not begin taken off
+// their delivery counts first: uncountUnstarted), then stops the heartbeat
+// (the process leaves Sidekiq's process set) and closes the client.
 func (t *sidekiqWorkerTransport) close() error {
 	if t.client == nil {
 		return nil
@@ -102,6 +104,9 @@ func (t *sidekiqWorkerTransport) close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
 	defer cancel()
 	var errs []error
+	if err := t.uncountUnstarted(ctx); err != nil {
+		t.log.Warn("taking the Sidekiq jobs handed back unrun off their delivery counts failed; their counts stay one too high", zap.Error(err))
+	}
 	if _, err := t.client.RequeueAll(ctx); err != nil {
 		errs = append(errs, err)
 		t.log.Error("unfinished Sidekiq jobs not handed back: they come back when this process is taken for dead", zap.Error(err))
