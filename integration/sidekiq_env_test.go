@@ -29,13 +29,6 @@ import (
 // onceler workers started with --sidekiq, and Ruby Sidekiq 6 as the
 // producer and the reader of what the workers write.
 
-// skTestDBs are the Redis databases these tests may take, one per test,
-// under the same lock as package sidekiq's tests (a database holding
-// nothing but the lock is free): not 0 and 9, which other tests use.
-var skTestDBs = []int{1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15}
-
-const skDBLockKey = "onceler-test:sidekiq-db-lock"
-
 // skHeartbeat is the workers' --sidekiq-heartbeat: a killed worker's jobs
 // are recovered 12 times this after its last beat.
 const skHeartbeat = 500 * time.Millisecond
@@ -121,41 +114,7 @@ func (e *skEnv) setup() {
 // ends.
 func (e *skEnv) lockRedis(addr string) {
 	t := e.t
-	token := testkit.Name("lock")
-	deadline := time.Now().Add(3 * time.Minute)
-	for {
-		for _, db := range skTestDBs {
-			rdb := redis.NewClient(&redis.Options{Addr: addr, DB: db, DisableIdentity: true})
-			ctx := context.Background()
-			ok, err := rdb.SetNX(ctx, skDBLockKey, token, 15*time.Minute).Result()
-			if err != nil {
-				_ = rdb.Close()
-				t.Fatalf("lock Redis db %d: %v", db, err)
-			}
-			if !ok {
-				_ = rdb.Close()
-				continue
-			}
-			if n, _ := rdb.DBSize(ctx).Result(); n != 1 {
-				_ = rdb.Del(ctx, skDBLockKey)
-				_ = rdb.Close()
-				continue
-			}
-			e.rdb, e.redisURL = rdb, fmt.Sprintf("redis://%s/%d", addr, db)
-			t.Cleanup(func() {
-				ctx := context.Background()
-				if v, _ := rdb.Get(ctx, skDBLockKey).Result(); v == token {
-					_ = rdb.FlushDB(ctx).Err()
-				}
-				_ = rdb.Close()
-			})
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no free Redis database for the test")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	e.redisURL, e.rdb = testkit.RedisDB(t, addr)
 }
 
 // ruby runs the Sidekiq helper (sidekiq/testdata/sidekiq_helper.rb) and

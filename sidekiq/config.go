@@ -4,13 +4,14 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"net/url"
 	"os"
 	"strconv"
 	"strings"
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/internal/redact"
 )
 
 // Config configures a Client. Only URL and Queues are required.
@@ -175,26 +176,4 @@ func uniq(s []string) []string {
 }
 
 // RedactURL returns raw with its password hidden, for logs.
-func RedactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		scheme, _, _ := strings.Cut(raw, "://")
-		return scheme + "://…"
-	}
-	if u.User != nil {
-		if _, has := u.User.Password(); has {
-			u.User = url.UserPassword(u.User.Username(), "****")
-		}
-	}
-	q := u.Query()
-	for k := range q {
-		if strings.Contains(strings.ToLower(k), "password") {
-			q.Set(k, "****")
-		}
-	}
-	if len(q) > 0 {
-		u.RawQuery = q.Encode()
-	}
-	// url.URL escapes the stars.
-	return strings.ReplaceAll(u.String(), "%2A%2A%2A%2A", "****")
-}
+func RedactURL(raw string) string { return redact.URL(raw) }

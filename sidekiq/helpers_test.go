@@ -3,7 +3,6 @@ package sidekiq
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -19,12 +18,6 @@ import (
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m, nil)) }
 
-// testDBs are the Redis databases these tests may take, one per test: not
-// 0 and 9, which other tests and benchmarks use.
-var testDBs = []int{1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15}
-
-const dbLockKey = "onceler-test:sidekiq-db-lock"
-
 // env is one test's Redis database, empty when the test starts and
 // flushed when it ends.
 type env struct {
@@ -33,48 +26,13 @@ type env struct {
 	rdb *redis.Client
 }
 
-// newEnv takes a free Redis database (one holding nothing but this
-// package's lock, taken with SET NX) for the test.
+// newEnv takes a free Redis database for the test (testkit.RedisDB).
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	addr := testkit.RedisAddr(t)
 	testkit.RequireRubySidekiq(t)
-	token := testkit.Name("lock")
-	deadline := time.Now().Add(2 * time.Minute)
-	for {
-		for _, db := range testDBs {
-			rdb := redis.NewClient(&redis.Options{Addr: addr, DB: db, DisableIdentity: true})
-			ctx := context.Background()
-			ok, err := rdb.SetNX(ctx, dbLockKey, token, 10*time.Minute).Result()
-			if err != nil {
-				_ = rdb.Close()
-				t.Fatalf("lock Redis db %d: %v", db, err)
-			}
-			if !ok {
-				_ = rdb.Close()
-				continue
-			}
-			if n, _ := rdb.DBSize(ctx).Result(); n != 1 {
-				// Someone else's data: leave it alone.
-				_ = rdb.Del(ctx, dbLockKey)
-				_ = rdb.Close()
-				continue
-			}
-			e := &env{t: t, url: fmt.Sprintf("redis://%s/%d", addr, db), rdb: rdb}
-			t.Cleanup(func() {
-				ctx := context.Background()
-				if v, _ := rdb.Get(ctx, dbLockKey).Result(); v == token {
-					_ = rdb.FlushDB(ctx).Err()
-				}
-				_ = rdb.Close()
-			})
-			return e
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no free Redis database for the test")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	url, rdb := testkit.RedisDB(t, addr)
+	return &env{t: t, url: url, rdb: rdb}
 }
 
 // ruby runs the Sidekiq helper script and decodes its JSON output into out

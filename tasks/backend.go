@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -15,6 +14,7 @@ import (
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
 	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/internal/redact"
 )
 
 // BackendSchemes are the result backend URL schemes a worker takes
@@ -104,32 +104,9 @@ func RedactResultBackend(raw string) string {
 	return redactURL(raw)
 }
 
-// redactURL returns raw with the password of its user info replaced by
-// "****" (as Celery's maybe_sanitize_url hides it).
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		// Not a URL we can take apart: keep the scheme only.
-		scheme, _, _ := strings.Cut(raw, "://")
-		return scheme + "://…"
-	}
-	if u.User != nil {
-		if _, has := u.User.Password(); has {
-			u.User = url.UserPassword(u.User.Username(), "****")
-		}
-	}
-	q := u.Query()
-	for k := range q {
-		if strings.Contains(strings.ToLower(k), "password") {
-			q.Set(k, "****")
-		}
-	}
-	if len(q) > 0 {
-		u.RawQuery = q.Encode()
-	}
-	// url.URL escapes the stars.
-	return strings.ReplaceAll(u.String(), "%2A%2A%2A%2A", "****")
-}
+// redactURL returns raw with its password hidden (as Celery's
+// maybe_sanitize_url hides it).
+func redactURL(raw string) string { return redact.URL(raw) }
 
 // storeResult writes r to the result backend before the delivery is
 // acknowledged, retrying while the backend does not answer. It reports

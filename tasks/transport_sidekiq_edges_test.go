@@ -18,53 +18,11 @@ import (
 // where a process taken for dead (its heartbeat expired) has its working
 // list recovered by another process while it still holds the job.
 
-// sidekiqTestDBs are the Redis databases a test may take, one per test, as
-// package sidekiq's tests take them (not 0 and 9, which other tests use).
-var sidekiqTestDBs = []int{1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15}
-
-// sidekiqDBLock is package sidekiq's tests' lock key: a database holding
-// it is taken.
-const sidekiqDBLock = "onceler-test:sidekiq-db-lock"
-
 // sidekiqDB takes a free Redis database for the test (flushed at its end)
 // and returns its URL and a client of it.
 func sidekiqDB(t *testing.T) (string, *redis.Client) {
 	t.Helper()
-	addr := testkit.RedisAddr(t)
-	token := testkit.Name("lock")
-	deadline := time.Now().Add(2 * time.Minute)
-	for {
-		for _, db := range sidekiqTestDBs {
-			rdb := redis.NewClient(&redis.Options{Addr: addr, DB: db, DisableIdentity: true})
-			ctx := context.Background()
-			ok, err := rdb.SetNX(ctx, sidekiqDBLock, token, 10*time.Minute).Result()
-			if err != nil {
-				_ = rdb.Close()
-				t.Fatalf("lock Redis db %d: %v", db, err)
-			}
-			if !ok {
-				_ = rdb.Close()
-				continue
-			}
-			if n, _ := rdb.DBSize(ctx).Result(); n != 1 {
-				_ = rdb.Del(ctx, sidekiqDBLock)
-				_ = rdb.Close()
-				continue
-			}
-			t.Cleanup(func() {
-				ctx := context.Background()
-				if v, _ := rdb.Get(ctx, sidekiqDBLock).Result(); v == token {
-					_ = rdb.FlushDB(ctx).Err()
-				}
-				_ = rdb.Close()
-			})
-			return fmt.Sprintf("redis://%s/%d", addr, db), rdb
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no free Redis database for the test")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	return testkit.RedisDB(t, testkit.RedisAddr(t))
 }
 
 // recovered is a job fetched by process a through the transport (first),
