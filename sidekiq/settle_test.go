@@ -3,12 +3,10 @@ package sidekiq
 import (
 	"context"
 	"errors"
-	"net/url"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap/zaptest"
 )
 
 // A retry_count that is not a number makes Sidekiq's own retry fail; the
@@ -183,18 +181,8 @@ func TestFetchWhoseRepliesAreAllLostHandsOutItsJobNext(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	u, err := url.Parse(e.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := newDropProxy(t, u.Host)
-	u.Host = proxy.ln.Addr().String()
 	jids := pushMany(e, "blip3", 2, "W")
-	c, err := New(Config{URL: u.String(), Queues: []string{"blip3"}, Logger: zaptest.NewLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	proxy, c := proxiedClient(t, e, "blip3")
 	if err := fetchScript.Load(ctx, e.rdb).Err(); err != nil {
 		t.Fatal(err)
 	}

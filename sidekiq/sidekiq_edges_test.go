@@ -271,6 +271,24 @@ type dropProxy struct {
 	again   atomic.Int32 // replies to drop after the armed one
 }
 
+// proxiedClient is a Client of e's database, consuming queue, whose
+// connections go through a dropProxy.
+func proxiedClient(t *testing.T, e *env, queue string) (*dropProxy, *Client) {
+	t.Helper()
+	u, err := url.Parse(e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newDropProxy(t, u.Host)
+	u.Host = proxy.ln.Addr().String()
+	c, err := New(Config{URL: u.String(), Queues: []string{queue}, Logger: zaptest.NewLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return proxy, c
+}
+
 func newDropProxy(t *testing.T, target string) *dropProxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -335,18 +353,8 @@ func TestEdgeFetchReplyLostDoesNotStrandJob(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	u, err := url.Parse(e.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := newDropProxy(t, u.Host)
-	u.Host = proxy.ln.Addr().String()
 	jids := pushMany(e, "blip", 2, "W")
-	c, err := New(Config{URL: u.String(), Queues: []string{"blip"}, Logger: zaptest.NewLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	proxy, c := proxiedClient(t, e, "blip")
 	if err := fetchScript.Load(ctx, e.rdb).Err(); err != nil { // the reply dropped is the move's
 		t.Fatal(err)
 	}
@@ -377,24 +385,14 @@ func TestEdgeDoneReplyLostIsNotErrNotHeld(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	u, err := url.Parse(e.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := newDropProxy(t, u.Host)
-	u.Host = proxy.ln.Addr().String()
 	pushMany(e, "blip2", 1, "W")
-	c, err := New(Config{URL: u.String(), Queues: []string{"blip2"}, Logger: zaptest.NewLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	proxy, c := proxiedClient(t, e, "blip2")
 	j := fetch(t, c, 5*time.Second)
 	if err := settleScript.Load(ctx, e.rdb).Err(); err != nil {
 		t.Fatal(err)
 	}
 	proxy.armed.Store(true)
-	err = c.Done(ctx, j)
+	err := c.Done(ctx, j)
 	if proxy.dropped.Load() != 1 {
 		t.Fatalf("no reply dropped (Done: %v)", err)
 	}
