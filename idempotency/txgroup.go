@@ -40,9 +40,14 @@ import (
 // for each other's locks: the estimate (the median of the last functions
 // of groups and of lone calls) is of their work. When functions are slow
 // (the estimate and the last one over adaptiveSlow), calls run in
-// transactions of their own, in parallel, as without groups, and every
-// second a group measures again; when one function of a group runs for
-// longer than adaptiveStuck, the calls queued behind it run alone too.
+// transactions of their own, in parallel, as without groups. Until the
+// estimate is fresh (two measurements, the last within estimateStale) a
+// group holds one call: a probe, timed on the flusher's connection, so
+// that slow functions are never queued one behind another before they are
+// known to be slow, and every second of slow functions one probe measures
+// again. When a function of a group (or a probe) runs for longer than
+// adaptiveStuck, the calls queued behind it, and those that come until it
+// returns, run alone too.
 
 type txOp struct {
 	ctx   context.Context
@@ -98,6 +103,7 @@ type txGroup struct {
 	closed bool
 	wg     sync.WaitGroup
 
+	stuck    atomic.Bool  // adaptive: a group's function has run past adaptiveStuck
 	est      atomic.Int64 // adaptive: recent functions' duration, ns (see observe)
 	last     atomic.Int64 // adaptive: the last function's duration, ns
 	measured atomic.Int64 // adaptive: when est was last renewed, unix ns
@@ -144,30 +150,47 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		t0 := time.Now()
 		if inGroup {
-			t := time.AfterFunc(adaptiveStuck, g.releaseQueued)
-			defer t.Stop()
+			ended := false // guarded by g.mu
+			t := time.AfterFunc(adaptiveStuck, func() { g.releaseQueued(&ended) })
+			defer func() {
+				t.Stop()
+				g.mu.Lock()
+				defer g.mu.Unlock()
+				ended = true
+				g.stuck.Store(false)
+			}()
 		}
 		defer func() { g.observe(time.Since(t0)) }()
 		return fn(ctx, tx)
 	}
 }
 
-// slow reports whether recent functions were slow, the last one too: calls
-// run alone. One measurement is not enough (the first call on a connection
-// prepares its statements). An estimate not renewed for estimateStale is not trusted: the
-// calls go to groups again, which measure their functions (alone, they
-// would measure each other's lock waits too), and a fast one ends it.
-func (g *txGroup) slow() bool {
-	return g.samples.Load() >= 2 &&
-		time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow &&
-		time.Since(time.Unix(0, g.measured.Load())) < estimateStale
+// fresh reports whether the estimate can be trusted: two measurements at
+// least (the first call on a connection prepares its statements), the
+// last within estimateStale. A stale or missing estimate makes groups of
+// one, probes (see size).
+func (g *txGroup) fresh() bool {
+	return g.samples.Load() >= 2 && time.Since(time.Unix(0, g.measured.Load())) < estimateStale
 }
 
-// releaseQueued answers every queued call "run alone": the group's running
-// function is slow.
-func (g *txGroup) releaseQueued() {
+// slow reports whether recent functions were slow, the last one too: calls
+// run alone. Their durations are not measured (beside each other they would
+// measure each other's lock waits too): once the estimate is stale, a probe
+// measures again, and a fast one ends it.
+func (g *txGroup) slow() bool {
+	return g.fresh() && time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow
+}
+
+// releaseQueued answers every queued call "run alone", and makes the calls
+// that come run alone until the function returns (ended): the group's
+// running function is slow.
+func (g *txGroup) releaseQueued(ended *bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if *ended {
+		return // it returned as the timer fired
+	}
+	g.stuck.Store(true)
 	for _, op := range g.queue {
 		if op.state == opQueued {
 			op.state = opCancelled // dropped from the queue by the next take
@@ -183,8 +206,8 @@ func (g *txGroup) size() int {
 		return g.max
 	}
 	est := time.Duration(g.est.Load())
-	if est <= 0 {
-		return adaptiveMax
+	if !g.fresh() || est <= 0 {
+		return 1 // a probe
 	}
 	return int(min(adaptiveMax, max(2, int64(AdaptiveGroupBudget/est))))
 }
@@ -232,10 +255,11 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 	}
 	if g.adaptive() {
 		lone := g.solos == 0 && g.active == 0 && len(g.queue) == 0
-		if lone || g.slow() {
-			// Alone, or slow: at once, in a transaction of its own. The
-			// estimate counts the lone only: the slow run beside each
-			// other and may wait for each other's locks.
+		if lone || g.slow() || g.stuck.Load() {
+			// Alone, slow, or behind a function that runs long: at once, in
+			// a transaction of its own. The estimate counts the lone only:
+			// the others run beside each other and may wait for each
+			// other's locks.
 			g.solos++
 			g.mu.Unlock()
 			return g.solo(ctx, p, fn, lone)

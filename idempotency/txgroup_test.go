@@ -271,3 +271,53 @@ func TestRunTxAdaptiveGroups(t *testing.T) {
 		t.Errorf("%d slow calls committed in %d transactions, want one each", slow, txs)
 	}
 }
+
+// TestAdaptiveGroupsNeverQueueSlowFunctions runs slow same-database
+// functions through adaptive groups on a fresh store, and again once the
+// estimate of their duration has gone stale: each time they run side by
+// side. A group that took several of them before it knew them slow would
+// run them one after another on its connection, each waiting for the
+// previous.
+func TestAdaptiveGroupsNeverQueueSlowFunctions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{})
+	ctx := context.Background()
+	const n, d = 4, time.Second
+	slow := func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if _, err := tx.Exec(ctx, `SELECT pg_sleep($1)`, d.Seconds()); err != nil {
+			return nil, err
+		}
+		return []byte(`{}`), nil
+	}
+	round := func(name string) {
+		t.Helper()
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		t0 := time.Now()
+		// The first runs alone, the second goes to a group, the last two
+		// come once it has run for longer than a group's function should.
+		for i, at := range []time.Duration{0, 50 * time.Millisecond, 300 * time.Millisecond, 300 * time.Millisecond} {
+			wg.Go(func() {
+				time.Sleep(at)
+				_, errs[i] = e.store.RunTx(ctx, params("sleep", fmt.Sprintf("%s-%d", name, i)), slow)
+			})
+		}
+		wg.Wait()
+		took := time.Since(t0)
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("%s: call %d: %v", name, i, err)
+			}
+		}
+		// Side by side: about d and the last start. One waiting for
+		// another: 2d at least.
+		if took >= 2*d-100*time.Millisecond {
+			t.Fatalf("%s: %d calls of %v took %v: some waited for others", name, n, d, took)
+		}
+		t.Logf("%s: %d calls of %v took %v", name, n, d, took.Round(time.Millisecond))
+	}
+	round("fresh")
+	time.Sleep(1500 * time.Millisecond) // the estimate goes stale
+	round("stale")
+	round("known")
+}

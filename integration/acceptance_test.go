@@ -100,10 +100,7 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 	t.Parallel()
 	t.Run("within_grace", func(t *testing.T) {
 		e := demoEnv(t)
-		// Transaction groups off: four 3 s same-database sleeps must run
-		// at once, and an adaptive group can take two of them before it
-		// has measured a function (the second then waits for the first).
-		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=30s", "ONCELER_GROUP_TX=1"}})
+		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=30s"}})
 		running := sendSleeps(e, "termin"+testkit.NewID()[:4], 4, 3)
 		waiting := sendSleeps(e, "termwait"+testkit.NewID()[:4], 4, 0.1)
 		if !testkit.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
@@ -149,7 +146,7 @@ func TestSIGTERMDuringTasks(t *testing.T) {
 	})
 	t.Run("past_grace", func(t *testing.T) {
 		e := demoEnv(t)
-		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=1s", "ONCELER_GROUP_TX=1"}})
+		a := e.StartWorker(replay.WorkerOptions{Concurrency: 4, Prefetch: 4, Env: []string{"ONCELER_GRACE=1s"}})
 		running := sendSleeps(e, "termpast"+testkit.NewID()[:4], 4, 6)
 		if !testkit.Eventually(30*time.Second, func() bool { return sleepStarted(a) >= 4 }) {
 			t.Fatalf("%d tasks started, want 4", sleepStarted(a))
