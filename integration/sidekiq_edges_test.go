@@ -67,10 +67,10 @@ func TestSidekiqEdgeHandBacksAreNotPoison(t *testing.T) {
 			l, err := e.rdb.LRange(ctx, working, 0, -1).Result()
 			return err == nil && len(l) == 2 && strings.Contains(strings.Join(l, ""), jids[0])
 		})
-		if err := w.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		if err := w.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}
-		if !w.waitExit(30 * time.Second) {
+		if !w.WaitExit(30 * time.Second) {
 			t.Fatal("the worker did not stop after SIGTERM")
 		}
 		if n := len(ledgerOrder(t, e, op)); n != 0 {

@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -21,6 +20,7 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
+	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -206,10 +206,7 @@ type skWorkerOptions struct {
 
 // skWorker is a worker process, killed when the test ends.
 type skWorker struct {
-	Name    string
-	LogPath string
-	cmd     *exec.Cmd
-	done    chan struct{}
+	*replay.Process
 }
 
 // startWorker starts onceler worker --sidekiq and waits until it is in
@@ -230,11 +227,6 @@ func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 	name := testkit.Name(fmt.Sprintf("sk%d", e.seq))
 	e.mu.Unlock()
 	logPath := filepath.Join(e.t.TempDir(), name+".log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	defer logFile.Close()
 	var env []string
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "ONCELER_") {
@@ -261,32 +253,28 @@ func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 	env = append(env, o.Env...)
 	cmd := exec.Command(oncelerBin, "worker")
 	cmd.Env = env
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		e.t.Fatalf("start worker: %v", err)
+	p, err := replay.StartProcess(cmd, name, logPath)
+	if err != nil {
+		e.t.Fatal(err)
 	}
-	w := &skWorker{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		close(w.done)
-	}()
+	w := &skWorker{p}
 	e.mu.Lock()
 	e.workers = append(e.workers, w)
 	e.mu.Unlock()
 	e.t.Cleanup(func() {
-		w.kill()
+		w.Kill()
 		if e.t.Failed() {
-			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.cmd.ProcessState, w.logTail(6000))
+			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.State(), w.LogTail(6000))
 		}
 	})
 	ok := testkit.Eventually(60*time.Second, func() bool {
-		return w.exited() || strings.Contains(w.log(), `"worker started"`)
+		return w.Exited() || strings.Contains(w.Log(), `"worker started"`)
 	})
-	if o.MayCrash && w.exited() && w.crashed() && strings.Contains(w.log(), `"consuming Sidekiq jobs"`) {
+	if o.MayCrash && w.Exited() && w.Crashed() && strings.Contains(w.Log(), `"consuming Sidekiq jobs"`) {
 		return w
 	}
-	if !ok || w.exited() {
-		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.exited(), w.logTail(4000))
+	if !ok || w.Exited() {
+		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.Exited(), w.LogTail(4000))
 	}
 	return w
 }
@@ -296,7 +284,7 @@ func (e *skEnv) killAll() {
 	ws := append([]*skWorker(nil), e.workers...)
 	e.mu.Unlock()
 	for _, w := range ws {
-		w.kill()
+		w.Kill()
 	}
 }
 
@@ -307,69 +295,20 @@ func (e *skEnv) stopAll() {
 	ws := append([]*skWorker(nil), e.workers...)
 	e.mu.Unlock()
 	for _, w := range ws {
-		if w.exited() {
+		if w.Exited() {
 			continue
 		}
-		_ = w.cmd.Process.Signal(syscall.SIGTERM)
-		if !w.waitExit(30 * time.Second) {
+		if !w.Terminate(30 * time.Second) {
 			e.t.Errorf("worker %s did not stop within 30s after SIGTERM", w.Name)
-			w.kill()
+			w.Kill()
 		}
 	}
-}
-
-func (w *skWorker) exited() bool {
-	select {
-	case <-w.done:
-		return true
-	default:
-		return false
-	}
-}
-
-func (w *skWorker) waitExit(d time.Duration) bool {
-	select {
-	case <-w.done:
-		return true
-	case <-time.After(d):
-		return false
-	}
-}
-
-func (w *skWorker) kill() {
-	if w.exited() {
-		return
-	}
-	_ = w.cmd.Process.Signal(syscall.SIGKILL)
-	<-w.done
-}
-
-// crashed reports whether the process ended by SIGKILL.
-func (w *skWorker) crashed() bool {
-	if !w.exited() {
-		return false
-	}
-	ws, ok := w.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-func (w *skWorker) log() string {
-	b, _ := os.ReadFile(w.LogPath)
-	return string(b)
-}
-
-func (w *skWorker) logTail(n int) string {
-	s := w.log()
-	if len(s) > n {
-		return "..." + s[len(s)-n:]
-	}
-	return s
 }
 
 // identity is the worker's Sidekiq identity, from its log.
 func (w *skWorker) identity(t *testing.T) string {
 	t.Helper()
-	for _, line := range strings.Split(w.log(), "\n") {
+	for _, line := range strings.Split(w.Log(), "\n") {
 		if !strings.Contains(line, `"consuming Sidekiq jobs"`) {
 			continue
 		}

@@ -136,8 +136,8 @@ func skReplay(t *testing.T, tg skTarget, s replay.Scenario, noRecord bool) {
 		id := w1.identity(t)
 		r.ops = []string{op(0)}
 		r.e.push(r.job(op(0)))
-		if !testkit.Eventually(60*time.Second, w1.exited) || !w1.crashed() {
-			t.Fatalf("worker armed with %s did not crash: %s", at, w1.logTail(3000))
+		if !testkit.Eventually(60*time.Second, w1.Exited) || !w1.Crashed() {
+			t.Fatalf("worker armed with %s did not crash: %s", at, w1.LogTail(3000))
 		}
 		r.afterKill(id)
 	case skInWorkingList:
@@ -153,7 +153,7 @@ func skReplay(t *testing.T, tg skTarget, s replay.Scenario, noRecord bool) {
 			n, err := r.e.rdb.LLen(context.Background(), working).Result()
 			return err == nil && n == 2
 		})
-		w1.kill()
+		w1.Kill()
 		r.afterKill(id)
 	case replay.ScenarioMany:
 		r.worker(skWorkerOptions{})

@@ -115,7 +115,7 @@ func TestSidekiqSoak(t *testing.T) {
 			restarts++
 		case sent < nb && !now.Before(nextKill):
 			i := rng.IntN(len(workers))
-			workers[i].kill()
+			workers[i].Kill()
 			kills++
 			workers[i] = e.startWorker(opts)
 			nextKill = time.Now().Add(time.Duration(2000+rng.IntN(3000)) * time.Millisecond)
@@ -231,7 +231,7 @@ func TestSidekiqSoak(t *testing.T) {
 	redelivered := 0
 	e.mu.Lock()
 	for _, w := range e.workers {
-		redelivered += skRecovered(w.log())
+		redelivered += skRecovered(w.Log())
 	}
 	e.mu.Unlock()
 

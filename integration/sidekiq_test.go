@@ -282,7 +282,7 @@ func TestSidekiqSignals(t *testing.T) {
 	w := e.startWorker(skWorkerOptions{})
 	id := w.identity(t)
 	e.ruby(nil, "signal", map[string]any{"identity": id, "signal": "TSTP"})
-	testkit.WaitFor(t, "the worker quiet", 15*time.Second, func() bool { return strings.Contains(w.log(), "sidekiq TSTP") })
+	testkit.WaitFor(t, "the worker quiet", 15*time.Second, func() bool { return strings.Contains(w.Log(), "sidekiq TSTP") })
 	op := testkit.Name("skquiet")
 	e.push(creditJob(op))
 	time.Sleep(3 * time.Second)
@@ -298,11 +298,11 @@ func TestSidekiqSignals(t *testing.T) {
 		t.Errorf("process set %+v, want the worker quiet", ps)
 	}
 	e.ruby(nil, "signal", map[string]any{"identity": id, "signal": "TERM"})
-	if !w.waitExit(30 * time.Second) {
+	if !w.WaitExit(30 * time.Second) {
 		t.Fatal("the worker did not stop after TERM")
 	}
-	if !w.cmd.ProcessState.Success() {
-		t.Errorf("the worker ended %s after TERM, want exit 0", w.cmd.ProcessState)
+	if !w.Succeeded() {
+		t.Errorf("the worker ended %s after TERM, want exit 0", w.State())
 	}
 	e.ruby(&ps, "processes", nil)
 	if len(ps) != 0 {
@@ -328,10 +328,10 @@ func TestSidekiqShutdown(t *testing.T) {
 		n, err := e.rdb.LLen(context.Background(), working).Result()
 		return err == nil && n == 3
 	})
-	if err := w.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := w.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if !w.waitExit(30 * time.Second) {
+	if !w.WaitExit(30 * time.Second) {
 		t.Fatal("the worker did not stop after SIGTERM")
 	}
 	n, err := demo.CountSleeps(context.Background(), e.pool, op+"-run")
@@ -423,8 +423,8 @@ func TestSidekiqPoison(t *testing.T) {
 	for kill := 1; kill <= 6; kill++ {
 		w := e.startWorker(skWorkerOptions{CrashAt: "after_claim", CrashTask: demo.TaskCredit, Concurrency: 1, Prefetch: 1, MayCrash: true})
 		id := w.identity(t)
-		if !testkit.Eventually(60*time.Second, w.exited) || !w.crashed() {
-			t.Fatalf("run %d: the worker did not crash: %s", kill, w.logTail(3000))
+		if !testkit.Eventually(60*time.Second, w.Exited) || !w.Crashed() {
+			t.Fatalf("run %d: the worker did not crash: %s", kill, w.LogTail(3000))
 		}
 		testkit.WaitFor(t, "the killed worker's heartbeat to expire", time.Minute, func() bool {
 			n, err := e.rdb.Exists(ctx, id).Result()

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/onceler/onceler/internal/testkit"
@@ -36,17 +35,13 @@ type WorkerOptions struct {
 }
 
 // Worker is a worker process started by StartWorker. It is killed when the
-// test ends, whatever happens.
+// test ends, whatever happens. Its Name is its node name
+// (ONCELER_HOSTNAME), also its broker connection name and its PostgreSQL
+// application_name.
 type Worker struct {
-	// Name is its node name (ONCELER_HOSTNAME), also its broker connection
-	// name and its PostgreSQL application_name.
-	Name string
-	// LogPath is the file that holds its stderr and stdout.
-	LogPath string
+	*Process
 
-	e    *Env
-	cmd  *exec.Cmd
-	done chan struct{}
+	e *Env
 }
 
 // StartWorker starts a worker process on the Env's queue and schema and
@@ -66,11 +61,6 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 	name := testkit.Name(fmt.Sprintf("replay%d", seq))
 	dir := e.t.TempDir()
 	logPath := filepath.Join(dir, name+".log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		e.t.Fatalf("worker log: %v", err)
-	}
-	defer logFile.Close()
 	env := []string{}
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "ONCELER_") {
@@ -108,15 +98,11 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 	env = append(env, o.Env...)
 	cmd := exec.Command(e.cfg.Binary, e.cfg.Command...)
 	cmd.Env = env
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
+	p, err := StartProcess(cmd, name, logPath)
+	if err != nil {
 		e.t.Fatalf("start worker %s: %v", e.cfg.Binary, err)
 	}
-	w := &Worker{Name: name, LogPath: logPath, e: e, cmd: cmd, done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		close(w.done)
-	}()
+	w := &Worker{Process: p, e: e}
 	e.mu.Lock()
 	e.workers = append(e.workers, w)
 	e.mu.Unlock()
@@ -178,101 +164,13 @@ func (e *Env) StopAll() {
 	}
 }
 
-// Exited reports whether the process has ended.
-func (w *Worker) Exited() bool {
-	select {
-	case <-w.done:
-		return true
-	default:
-		return false
-	}
-}
-
-// WaitExit waits until the process ends and reports whether it did within
-// timeout.
-func (w *Worker) WaitExit(timeout time.Duration) bool {
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	select {
-	case <-w.done:
-		return true
-	case <-t.C:
-		return false
-	}
-}
-
-// Signal sends sig to the process (SIGSTOP, SIGCONT, ...).
-func (w *Worker) Signal(sig syscall.Signal) error {
-	if w.Exited() {
-		return fmt.Errorf("worker %s has exited", w.Name)
-	}
-	if err := w.cmd.Process.Signal(sig); err != nil {
-		return fmt.Errorf("signal worker %s: %w", w.Name, err)
-	}
-	return nil
-}
-
-// PID is the worker's process id.
-func (w *Worker) PID() int { return w.cmd.Process.Pid }
-
-// Kill ends the process with SIGKILL (after SIGCONT, should it be stopped)
-// and waits for it.
-func (w *Worker) Kill() {
-	if w.Exited() {
-		return
-	}
-	_ = w.cmd.Process.Signal(syscall.SIGKILL)
-	_ = w.cmd.Process.Signal(syscall.SIGCONT)
-	<-w.done
-}
-
-// Stop asks the process to stop (SIGTERM), waits up to 30 s, then kills it.
+// Stop asks the process to stop (SIGTERM), waits up to 30 s, then kills it
+// and fails the test.
 func (w *Worker) Stop() {
-	if w.Exited() {
-		return
-	}
-	_ = w.cmd.Process.Signal(syscall.SIGCONT)
-	_ = w.cmd.Process.Signal(syscall.SIGTERM)
-	if !w.WaitExit(30 * time.Second) {
+	if !w.Terminate(30 * time.Second) {
 		w.e.t.Errorf("worker %s did not stop within 30s after SIGTERM; killed", w.Name)
 		w.Kill()
 	}
-}
-
-// State describes how the process ended, or "running".
-func (w *Worker) State() string {
-	if !w.Exited() {
-		return "running"
-	}
-	return w.cmd.ProcessState.String()
-}
-
-// Crashed reports whether the process ended by SIGKILL (crash injection or
-// Kill).
-func (w *Worker) Crashed() bool {
-	if !w.Exited() {
-		return false
-	}
-	ws, ok := w.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-// Log returns everything the process wrote so far.
-func (w *Worker) Log() string {
-	b, err := os.ReadFile(w.LogPath)
-	if err != nil {
-		return "(no log: " + err.Error() + ")"
-	}
-	return string(b)
-}
-
-// LogTail returns the last n bytes of the log.
-func (w *Worker) LogTail(n int) string {
-	s := w.Log()
-	if len(s) > n {
-		return "..." + s[len(s)-n:]
-	}
-	return s
 }
 
 // Build compiles a Go main package (e.g. "github.com/onceler/onceler/cmd/onceler"
