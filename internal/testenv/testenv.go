@@ -12,7 +12,10 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"net"
+	neturl "net/url"
 	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -167,4 +170,26 @@ func Python(tb testing.TB) string {
 		tb.Skip("python3-celery not installed")
 	}
 	return py
+}
+
+// Role creates a PostgreSQL role of its own for the test (LOGIN, not a
+// superuser, no privileges beyond PUBLIC's) and returns its name and the
+// test database's URL with that role as the user. When the test ends its
+// privileges are revoked (DROP OWNED) and it is dropped.
+func Role(tb testing.TB, p *pgxpool.Pool) (name, url string) {
+	tb.Helper()
+	name = Name("r")
+	ctx := context.Background()
+	id := pgx.Identifier{name}.Sanitize()
+	if _, err := p.Exec(ctx, "CREATE ROLE "+id+" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE"); err != nil {
+		tb.Fatalf("create role: %v", err)
+	}
+	tb.Cleanup(func() {
+		_, _ = p.Exec(context.Background(), "DROP OWNED BY "+id)
+		_, _ = p.Exec(context.Background(), "DROP ROLE "+id)
+	})
+	cfg := p.Config().ConnConfig
+	u := neturl.URL{Scheme: "postgres", User: neturl.User(name), Host: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))),
+		Path: "/" + cfg.Database, RawQuery: "sslmode=disable"}
+	return name, u.String()
 }
