@@ -110,6 +110,9 @@ the outside system whether the effect happened, then:
 				}
 				defer pool.Close()
 				defer store.Close()
+				if err := a.checkPrivileges(ctx, "resolve", store, d.schema, idempotency.ResolvePrivileges(), "--grant-to"); err != nil {
+					return err
+				}
 				task, key := args[0], args[1]
 				if completed {
 					if err := store.ResolveCompleted(ctx, task, key, res); err != nil {

@@ -236,6 +236,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		}
 	}
 	if !f.noRecord {
+		if err := a.checkPrivileges(ctx, "worker", store, f.db.schema, idempotency.WorkerPrivileges(), "--grant-to"); err != nil {
+			return err
+		}
 		if err := checkSchema(ctx, a.prog, store, f.db.schema); err != nil {
 			return err
 		}

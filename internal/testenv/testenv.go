@@ -185,11 +185,34 @@ func Role(tb testing.TB, p *pgxpool.Pool) (name, url string) {
 		tb.Fatalf("create role: %v", err)
 	}
 	tb.Cleanup(func() {
-		_, _ = p.Exec(context.Background(), "DROP OWNED BY "+id)
+		// Concurrent changes of one object's privileges (tests granting
+		// on the same shared tables) may fail with "tuple concurrently
+		// updated": try again.
+		for range 20 {
+			if _, err := p.Exec(context.Background(), "DROP OWNED BY "+id); err == nil {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
 		_, _ = p.Exec(context.Background(), "DROP ROLE "+id)
 	})
 	cfg := p.Config().ConnConfig
 	u := neturl.URL{Scheme: "postgres", User: neturl.User(name), Host: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))),
 		Path: "/" + cfg.Database, RawQuery: "sslmode=disable"}
 	return name, u.String()
+}
+
+// Grant runs the GRANT (or REVOKE) statement q on p, again while it fails
+// because a concurrent test changed the same object's privileges ("tuple
+// concurrently updated").
+func Grant(tb testing.TB, p *pgxpool.Pool, q string) {
+	tb.Helper()
+	var err error
+	for range 20 {
+		if _, err = p.Exec(context.Background(), q); err == nil {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	tb.Fatalf("%s: %v", q, err)
 }
