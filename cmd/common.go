@@ -35,7 +35,7 @@ type dbFlags struct {
 }
 
 func (d *dbFlags) define(fs *flagSet) {
-	fs.String(&d.url, "database-url", "URL", "",
+	fs.Secret(&d.url, "database-url", "URL", "",
 		"PostgreSQL connection string (URL or key=value); empty uses the libpq environment (PGHOST, PGUSER, PGDATABASE, ...) and defaults")
 	fs.String(&d.schema, "schema", "NAME", "onceler",
 		"PostgreSQL schema that holds the idempotency record")
