@@ -2,6 +2,7 @@ package cmd
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -143,6 +144,10 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		var cve *tls.CertificateVerificationError
+		if errors.As(err, &cve) {
+			return nil, fmt.Errorf("PostgreSQL at %s: its TLS certificate was refused: %s; check the URL's sslrootcert (the CA that signed the server's certificate) and that its host is a name the certificate holds", where, oneLine(cve))
+		}
 		return nil, fmt.Errorf("cannot reach PostgreSQL at %s: %s; check --database-url (ONCELER_DATABASE_URL) and that the server is running", where, oneLine(err))
 	}
 	return pool, nil
