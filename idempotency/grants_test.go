@@ -78,6 +78,10 @@ func TestWorkerPrivilegesRunTheRecord(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
+			// As a careful DBA does: functions are not everyone's.
+			if _, err := e.pool.Exec(ctx, "REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA "+e.schema+" FROM PUBLIC"); err != nil {
+				t.Fatal(err)
+			}
 			s, role := roleStore(t, e, idempotency.BatchConfig{Disabled: disabled, GroupTx: 4})
 			var pe *idempotency.PrivilegeError
 			if err := s.CheckPrivileges(ctx, idempotency.WorkerPrivileges()); !errors.As(err, &pe) || pe.Role != role {
