@@ -6,6 +6,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
+	"os"
 	"runtime/debug"
 	"sort"
 	"strconv"
@@ -169,6 +171,9 @@ func (a *app) runCommand(ctx context.Context, c *command, args []string) error {
 	if err != nil {
 		return err
 	}
+	if err := fs.readSecrets(); err != nil {
+		return err
+	}
 	return runFn(ctx, pos)
 }
 
@@ -184,12 +189,14 @@ type flagSet struct {
 	noEnv map[string]bool
 	// alias: flag name -> the flag it is another name of.
 	alias map[string]string
+	// secrets: flag name -> the path its -file flag gave (see Secret).
+	secrets map[string]*string
 }
 
 func newFlagSet(c *command) *flagSet {
 	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	return &flagSet{fs: fs, cmd: c, metas: map[string]string{}, noEnv: map[string]bool{}, alias: map[string]string{}}
+	return &flagSet{fs: fs, cmd: c, metas: map[string]string{}, noEnv: map[string]bool{}, alias: map[string]string{}, secrets: map[string]*string{}}
 }
 
 // envName is the environment variable of a flag: ONCELER_ and the flag name
@@ -222,6 +229,56 @@ func (f *flagSet) Duration(p *time.Duration, name string, def time.Duration, usa
 	*p = def
 	f.fs.Var((*durationValue)(p), name, usage)
 	f.add(name, "DURATION")
+}
+
+// Secret defines a string flag whose value may carry a password, and
+// beside it the flag name-file (variable ONCELER_<NAME>_FILE, the Docker and
+// Kubernetes convention for secrets mounted as files): the value is read
+// from that file, so it need not sit on the command line nor in the
+// environment. readSecrets reads it after parsing.
+func (f *flagSet) Secret(p *string, name, meta, def, usage string) {
+	f.String(p, name, meta, def, usage)
+	path := new(string)
+	f.String(path, name+"-file", "PATH", "", "read --"+name+" from this file: its content, without the trailing newline (a secret mounted as a file keeps the password out of the command line and the environment); not with --"+name)
+	f.secrets[name] = path
+}
+
+// readSecrets sets each Secret flag whose -file flag was given from its
+// file. Both given, or a file that cannot be read or is empty, is a usage
+// error naming the path, never the content.
+func (f *flagSet) readSecrets() error {
+	set := map[string]bool{}
+	f.fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	names := make([]string, 0, len(f.secrets))
+	for name := range f.secrets {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		path := *f.secrets[name]
+		if path == "" {
+			continue
+		}
+		if set[name] {
+			return usagef(f.cmd.name, "give --%s (%s) or --%s-file (%s), not both", name, envName(name), name, envName(name+"-file"))
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			var pe *fs.PathError
+			if errors.As(err, &pe) {
+				err = pe.Err
+			}
+			return usagef(f.cmd.name, "cannot read --%s-file %s: %v", name, path, err)
+		}
+		v := strings.TrimRight(string(b), "\r\n")
+		if v == "" {
+			return usagef(f.cmd.name, "--%s-file %s is empty", name, path)
+		}
+		if err := f.fs.Set(name, v); err != nil {
+			return usagef(f.cmd.name, "invalid value in --%s-file %s", name, path)
+		}
+	}
+	return nil
 }
 
 // List defines a repeatable flag whose values may also be comma-separated.

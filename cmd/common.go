@@ -2,6 +2,7 @@ package cmd
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -35,7 +36,7 @@ type dbFlags struct {
 }
 
 func (d *dbFlags) define(fs *flagSet) {
-	fs.String(&d.url, "database-url", "URL", "",
+	fs.Secret(&d.url, "database-url", "URL", "",
 		"PostgreSQL connection string (URL or key=value); empty uses the libpq environment (PGHOST, PGUSER, PGDATABASE, ...) and defaults")
 	fs.String(&d.schema, "schema", "NAME", "onceler",
 		"PostgreSQL schema that holds the idempotency record")
@@ -143,6 +144,10 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		var cve *tls.CertificateVerificationError
+		if errors.As(err, &cve) {
+			return nil, fmt.Errorf("PostgreSQL at %s: its TLS certificate was refused: %s; check the URL's sslrootcert (the CA that signed the server's certificate) and that its host is a name the certificate holds", where, oneLine(cve))
+		}
 		return nil, fmt.Errorf("cannot reach PostgreSQL at %s: %s; check --database-url (ONCELER_DATABASE_URL) and that the server is running", where, oneLine(err))
 	}
 	return pool, nil

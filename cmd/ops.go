@@ -3,6 +3,7 @@ package cmd
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"strconv"
@@ -26,13 +27,43 @@ yet, then creates or updates the tables of the binary's own tasks
 (cmd.App.Migrate; in onceler's own binary, the demo tables in schema
 onceler_demo). Safe to run again and from several machines at once
 (advisory locks serialise both steps). Run it before the first worker
-starts, and after each upgrade of the binary.`,
+starts, and after each upgrade of the binary.
+
+Run it as the role that owns the schema. --grant-to gives a worker's role
+the privileges on the record it needs and nothing more, --grant-admin-to
+those and what 'onceler repeats' and 'onceler purge' need; both are applied
+after the migrations, also to a schema already current, and granting again
+is harmless. The binary's own tables get no grants: give them to the
+worker's role yourself. --print-grants prints the GRANT statements instead,
+for a DBA to apply, and connects to nothing (docs/security.md).`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
-			var d dbFlags
+			var (
+				d               dbFlags
+				workers, admins []string
+				printOnly       bool
+			)
 			d.define(fs)
+			fs.List(&workers, "grant-to", "ROLE", "after migrating, grant this PostgreSQL role what a worker needs on the record (USAGE on the schema, the statements it runs on its tables); repeat the flag or separate roles with commas")
+			fs.List(&admins, "grant-admin-to", "ROLE", "after migrating, grant this PostgreSQL role what a worker needs and what 'repeats' and 'purge' need besides (SELECT on events, DELETE on records, events and attempts); repeat the flag or separate roles with commas")
+			fs.Bool(&printOnly, "print-grants", "print the GRANT statements of --grant-to and --grant-admin-to for --schema, and do nothing else (no connection, no migration)")
+			fs.CommandLineOnly("print-grants")
 			return func(ctx context.Context, args []string) error {
 				if len(args) > 0 {
 					return usagef("migrate", "unexpected argument %q", args[0])
+				}
+				if err := checkIdent("migrate", "--schema", d.schema); err != nil {
+					return err
+				}
+				if printOnly {
+					if len(workers)+len(admins) == 0 {
+						return usagef("migrate", "--print-grants needs --grant-to or --grant-admin-to")
+					}
+					for _, g := range grantsOf(workers, admins) {
+						for _, q := range idempotency.GrantStatements(d.schema, g.role, g.privs) {
+							fmt.Fprintln(a.stdout, q+";")
+						}
+					}
+					return nil
 				}
 				pool, store, err := openStore(ctx, "migrate", d, zap.NewNop(), idempotency.BatchConfig{})
 				if err != nil {
@@ -48,9 +79,52 @@ starts, and after each upgrade of the binary.`,
 					return err
 				}
 				fmt.Fprintf(a.stdout, "schema %q is at version %d\n", d.schema, ms[len(ms)-1].Version)
+				for _, g := range grantsOf(workers, admins) {
+					if err := store.Grant(ctx, g.role, g.privs); err != nil {
+						return fmt.Errorf("grant %s privileges on the record schema %q to role %q: %s", g.what, d.schema, g.role, oneLine(err))
+					}
+					fmt.Fprintf(a.stdout, "role %q has the %s privileges on schema %q\n", g.role, g.what, d.schema)
+				}
 				return nil
 			}
 		},
+	}
+}
+
+// grant is the privileges one role is given by migrate.
+type grant struct {
+	role, what string
+	privs      []idempotency.Privilege
+}
+
+// grantsOf lists the grants of --grant-to (workers) and --grant-admin-to.
+func grantsOf(workers, admins []string) []grant {
+	var out []grant
+	for _, r := range workers {
+		out = append(out, grant{r, "worker", idempotency.WorkerPrivileges()})
+	}
+	for _, r := range admins {
+		out = append(out, grant{r, "admin", idempotency.AdminPrivileges()})
+	}
+	return out
+}
+
+// checkPrivileges refuses to go on when the session's role lacks a
+// privilege of need on the record, in one line naming what is missing and
+// the migrate flag that grants it (--grant-to or --grant-admin-to).
+func (a *app) checkPrivileges(ctx context.Context, cmd string, store *idempotency.Store, schema string, need []idempotency.Privilege, grantFlag string) error {
+	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	err := store.CheckPrivileges(cctx, need)
+	var pe *idempotency.PrivilegeError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &pe):
+		return fmt.Errorf("PostgreSQL role %q lacks %s, which '%s %s' needs: run '%s migrate --schema %s %s %s' as the schema's owner (docs/security.md)",
+			pe.Role, pe.Lacks(), a.prog, cmd, a.prog, schema, grantFlag, pe.Role)
+	default:
+		return fmt.Errorf("check the privileges on the record schema %q: %s", schema, oneLine(err))
 	}
 }
 
@@ -146,6 +220,9 @@ an outcome. With both --task and --key it shows the one record in full
 				}
 				defer pool.Close()
 				defer store.Close()
+				if err := a.checkPrivileges(ctx, "records", store, d.schema, idempotency.ListPrivileges(), "--grant-to"); err != nil {
+					return err
+				}
 				recs, err := store.List(ctx, idempotency.Filter{Task: task, Key: key, Status: st, Stale: stale, Limit: limit})
 				if err != nil {
 					return fmt.Errorf("list records: %s", schemaHint(a.prog, d.schema, err))
@@ -319,6 +396,9 @@ and skipped operations, argument mismatches and failures.`,
 				}
 				defer pool.Close()
 				defer store.Close()
+				if err := a.checkPrivileges(ctx, "repeats", store, d.schema, idempotency.RepeatsPrivileges(), "--grant-admin-to"); err != nil {
+					return err
+				}
 				from := time.Now().Add(-dur)
 				stats, err := store.Repeats(ctx, from)
 				if err != nil {

@@ -57,6 +57,9 @@ status, and deletes nothing.`,
 				}
 				defer pool.Close()
 				defer store.Close()
+				if err := a.checkPrivileges(ctx, "purge", store, d.schema, idempotency.PurgePrivileges(), "--grant-admin-to"); err != nil {
+					return err
+				}
 				return a.purge(ctx, store, d.schema, olderThan, time.Now().Add(-dur), batch, dryRun)
 			}
 		},

@@ -21,7 +21,7 @@ type brokerFlags struct {
 }
 
 func (b *brokerFlags) define(fs *flagSet) {
-	fs.String(&b.url, "broker-url", "URL", DefaultBrokerURL,
+	fs.Secret(&b.url, "broker-url", "URL", DefaultBrokerURL,
 		"RabbitMQ URL (amqp://, amqps://; Celery's amqp://host// and pyamqp:// spellings accepted)")
 	fs.String(&b.caFile, "broker-ca-file", "FILE", "", "CA bundle (PEM) that verifies an amqps:// broker; default the system roots")
 	fs.String(&b.certFile, "broker-cert-file", "FILE", "", "client certificate (PEM) for mutual TLS with the broker")
@@ -84,7 +84,7 @@ the outside system whether the effect happened, then:
 			fs.Bool(&completed, "completed", "the operation happened: mark the record completed")
 			fs.String(&result, "result", "JSON", "", "with --completed: the result duplicates are answered with (JSON)")
 			fs.Bool(&retry, "retry", "the operation did not happen: release the record and republish its stored message")
-			fs.String(&sidekiqURL, "sidekiq", "URL", "", "with --retry, for the record of a Sidekiq job: the Redis its job is pushed again to (the worker's --sidekiq)")
+			fs.Secret(&sidekiqURL, "sidekiq", "URL", "", "with --retry, for the record of a Sidekiq job: the Redis its job is pushed again to (the worker's --sidekiq)")
 			fs.CommandLineOnly("completed")
 			fs.CommandLineOnly("retry")
 			return func(ctx context.Context, args []string) error {
@@ -110,6 +110,9 @@ the outside system whether the effect happened, then:
 				}
 				defer pool.Close()
 				defer store.Close()
+				if err := a.checkPrivileges(ctx, "resolve", store, d.schema, idempotency.ResolvePrivileges(), "--grant-to"); err != nil {
+					return err
+				}
 				task, key := args[0], args[1]
 				if completed {
 					if err := store.ResolveCompleted(ctx, task, key, res); err != nil {

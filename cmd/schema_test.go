@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 )
@@ -20,6 +22,42 @@ import (
 func TestUserWorkerRefusesMissingSchema(t *testing.T) {
 	t.Parallel()
 	s := newStack(t)
+	r, start := runUserWorker(t, s.env)
+	line := oneLineError(t, r, 1)
+	for _, want := range []string{`record schema "` + s.schema + `" does not exist`, "onceler migrate --schema " + s.schema, "--migrate"} {
+		if !strings.Contains(line, want) {
+			t.Errorf("stderr %q does not say %q", line, want)
+		}
+	}
+	if took := time.Since(start); took > 15*time.Second {
+		t.Errorf("took %v to refuse", took)
+	}
+}
+
+// A user's own worker binary connected as a role that lacks a privilege on
+// the record exits at start with one line naming it and how to grant it.
+func TestUserWorkerRefusesMissingGrant(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	pool := testenv.Pool(t)
+	role, roleURL := testenv.Role(t, pool)
+	if r := runBin(t, s.env, "migrate", "--grant-to", role); r.code != 0 {
+		t.Fatalf("migrate --grant-to: %s", r.stderr)
+	}
+	testenv.Grant(t, pool, "REVOKE INSERT ON "+s.schema+".events FROM "+pgx.Identifier{role}.Sanitize())
+	r, _ := runUserWorker(t, s.with(map[string]string{"ONCELER_DATABASE_URL": roleURL}))
+	line := oneLineError(t, r, 1)
+	for _, want := range []string{`role "` + role + `" lacks INSERT on TABLE "` + s.schema + `".events`, "'onceler migrate --schema " + s.schema + " --grant-to " + role + "'"} {
+		if !strings.Contains(line, want) {
+			t.Errorf("stderr %q does not say %q", line, want)
+		}
+	}
+}
+
+// runUserWorker builds testdata/userworker (a worker wired with
+// tasks.NewWorker) and runs it with env until it exits, within 30 s.
+func runUserWorker(t *testing.T, env map[string]string) (result, time.Time) {
+	t.Helper()
 	bin := filepath.Join(t.TempDir(), "userworker")
 	args := []string{"build", "-o", bin}
 	if raceEnabled {
@@ -31,7 +69,7 @@ func TestUserWorkerRefusesMissingSchema(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin)
-	cmd.Env = processEnv(s.env)
+	cmd.Env = processEnv(env)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	start := time.Now()
@@ -39,16 +77,7 @@ func TestUserWorkerRefusesMissingSchema(t *testing.T) {
 	if ctx.Err() != nil {
 		t.Fatalf("the worker did not exit within 30s (err %v); stderr:\n%s", err, errOut.String())
 	}
-	r := result{stdout: out.String(), stderr: errOut.String(), err: err, code: cmd.ProcessState.ExitCode()}
-	line := oneLineError(t, r, 1)
-	for _, want := range []string{`record schema "` + s.schema + `" does not exist`, "onceler migrate --schema " + s.schema, "--migrate"} {
-		if !strings.Contains(line, want) {
-			t.Errorf("stderr %q does not say %q", line, want)
-		}
-	}
-	if took := time.Since(start); took > 15*time.Second {
-		t.Errorf("took %v to refuse", took)
-	}
+	return result{stdout: out.String(), stderr: errOut.String(), err: err, code: cmd.ProcessState.ExitCode()}, start
 }
 
 // The worker command checks the record schema after --migrate would have

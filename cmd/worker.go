@@ -96,7 +96,7 @@ first time that point is reached, for crash tests.`,
 			f.db.define(fs)
 			f.broker.define(fs)
 			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume: one that exists is consumed as the application declared it, a missing one is declared as Celery declares it (see --queue-arg, --quorum); each gets a quarantine queue <queue>.quarantine. With --sidekiq: Sidekiq's queues (default: default), in strict order, or weighted when a number follows a name (critical,2,default,1), as Sidekiq's -q critical,2 -q default,1")
-			fs.String(&f.sidekiqURL, "sidekiq", "URL", "", "consume Sidekiq jobs from this Redis (redis://[[user]:password@]host[:port][/db], rediss:// for TLS) instead of Celery messages from RabbitMQ: a job's class is the task's name, its args the arguments (docs/sidekiq.md); no remote control nor events then")
+			fs.Secret(&f.sidekiqURL, "sidekiq", "URL", "", "consume Sidekiq jobs from this Redis (redis://[[user]:password@]host[:port][/db], rediss:// for TLS) instead of Celery messages from RabbitMQ: a job's class is the task's name, its args the arguments (docs/sidekiq.md); no remote control nor events then")
 			fs.Duration(&f.sidekiqBeat, "sidekiq-heartbeat", 5*time.Second, "with --sidekiq, the interval of the process heartbeat Sidekiq's tools read; the heartbeat lives 12 times as long, after which the process counts as dead and another worker recovers the jobs it held")
 			fs.List(&f.queueArgs, "queue-arg", "[QUEUE:]ARG=VALUE", "an argument to declare a missing queue with, for every queue of --queues or, with QUEUE:, for that one; repeat the flag or separate items with commas, e.g. --queue-arg x-max-priority=10. An integer value is sent as an integer, true and false as booleans, anything else (or a value in double quotes) as a string. A queue that exists is consumed as it is, with the arguments the application declared it with (docs/queues.md)")
 			fs.Bool(&f.quorum, "quorum", "declare missing queues as quorum queues (x-queue-type=quorum); a queue that exists is consumed as it is")
@@ -113,7 +113,7 @@ first time that point is reached, for crash tests.`,
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
 			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
 			fs.String(&f.resultSer, "result-serializer", "NAME", "json", "serializer of the results sent to callers, as Celery's result_serializer: json, msgpack or yaml (the callers' result_accept_content must take it)")
-			fs.String(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS), redis+socket:///path (Celery's Redis backend) or django-db+postgresql://user:password@host/db (django-celery-results' tables)")
+			fs.Secret(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS), redis+socket:///path (Celery's Redis backend) or django-db+postgresql://user:password@host/db (django-celery-results' tables)")
 			fs.Duration(&f.resultExp, "result-expires", tasks.DefaultResultExpires, "how long the Redis backend keeps a result, as Celery's result_expires; 0 keeps it until deleted")
 			fs.Bool(&f.resultExt, "result-extended", "store the task's name, args, kwargs, worker, retries and queue with its result, as Celery's result_extended")
 			fs.Bool(&f.trackStarted, "track-started", "report STARTED to the caller when a task starts running, as Celery's task_track_started")
@@ -236,6 +236,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		}
 	}
 	if !f.noRecord {
+		if err := a.checkPrivileges(ctx, "worker", store, f.db.schema, idempotency.WorkerPrivileges(), "--grant-to"); err != nil {
+			return err
+		}
 		if err := checkSchema(ctx, a.prog, store, f.db.schema); err != nil {
 			return err
 		}

@@ -23,11 +23,20 @@ type privatePostgres struct {
 	bin, dir, data string
 	port           int
 	url            string
+	opts           string // more server options (-c name=value ...)
 }
 
 // startPostgres initialises and starts a private PostgreSQL server, stopped
 // and removed when the test ends.
 func startPostgres(t *testing.T) *privatePostgres {
+	t.Helper()
+	return startPostgresWith(t, nil)
+}
+
+// startPostgresWith is startPostgres with setup run after initdb, before
+// the server starts: it may write files in p.dir and returns more server
+// options.
+func startPostgresWith(t *testing.T, setup func(p *privatePostgres) string) *privatePostgres {
 	t.Helper()
 	bins, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
 	if len(bins) == 0 {
@@ -54,6 +63,9 @@ func startPostgres(t *testing.T) *privatePostgres {
 	if out, err := p.command(filepath.Join(p.bin, "initdb"), "-D", p.data, "-A", "trust", "-U", "postgres", "--no-sync").CombinedOutput(); err != nil {
 		t.Fatalf("initdb: %v\n%s", err, out)
 	}
+	if setup != nil {
+		p.opts = setup(p)
+	}
 	if out, err := p.pgctl("start").CombinedOutput(); err != nil {
 		t.Fatalf("pg_ctl start: %v\n%s", err, out)
 	}
@@ -69,7 +81,7 @@ func (p *privatePostgres) command(name string, args ...string) *exec.Cmd {
 }
 
 func (p *privatePostgres) pgctl(args ...string) *exec.Cmd {
-	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=200", p.port, p.dir)
+	opts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=200 %s", p.port, p.dir, p.opts)
 	args = append(args, "-D", p.data, "-w", "-t", "120", "-l", filepath.Join(p.dir, "log"), "-o", opts)
 	return p.command(filepath.Join(p.bin, "pg_ctl"), args...)
 }

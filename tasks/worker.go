@@ -511,16 +511,25 @@ func (w *Worker) crash(point string, j *job) {
 }
 
 // checkSchema refuses to start on a record schema that is missing or older
-// than the binary: every claim would fail and the deliveries would wait.
-// An error that keeps it from looking (the database away) is logged and the
-// worker starts: it waits for the record as it does later.
+// than the binary, or that the role lacks a privilege on: every claim would
+// fail and the deliveries would wait. An error that keeps it from looking
+// (the database away) is logged and the worker starts: it waits for the
+// record as it does later.
 func (w *Worker) checkSchema(ctx context.Context) error {
 	if w.store == nil {
 		return nil
 	}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	err := w.store.CheckSchema(cctx)
+	err := w.store.CheckPrivileges(cctx, idempotency.WorkerPrivileges())
+	var pe *idempotency.PrivilegeError
+	if errors.As(err, &pe) {
+		return fmt.Errorf("tasks: the worker's PostgreSQL role %q lacks %s: grant them with '%s migrate --schema %s --grant-to %s' (or idempotency.Store.Grant) as the schema's owner",
+			pe.Role, pe.Lacks(), w.cfg.Program, pe.Schema, pe.Role)
+	}
+	if err == nil {
+		err = w.store.CheckSchema(cctx)
+	}
 	var se *idempotency.SchemaError
 	switch {
 	case err == nil:

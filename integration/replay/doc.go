@@ -43,6 +43,15 @@
 //	                       after_effect, before_ack, chord_joined) and the task
 //	ONCELER_GRACE, ONCELER_LOG_FORMAT=json
 //
+// To run the workers as a restricted PostgreSQL role (a worker's
+// privileges only, as in production), set Target.WorkerDatabaseURL to a URL
+// naming that role and Target.Prepare to grant it, in each scenario's
+// schema, what 'onceler migrate --grant-to' grants
+// (idempotency.GrantStatements of idempotency.WorkerPrivileges, or
+// Env.Store.Grant) and what its tasks need on their own tables; Command
+// then must not migrate ({"worker"}): the suite migrates as DatabaseURL's
+// role.
+//
 // A worker counts as started when the queue has one more consumer. Every
 // process is killed when the test ends, whatever happened; on failure its
 // log is printed.

@@ -57,6 +57,16 @@ type Config struct {
 	// a redis:// URL; results are then read from Redis (Replies gives the
 	// one stored result of a task id). Default: rpc://, the reply queue.
 	ResultBackend string
+	// WorkerDatabaseURL is the database URL the workers get
+	// (ONCELER_DATABASE_URL), e.g. one naming a role with only a worker's
+	// privileges, on the same database as DatabaseURL. The suite itself
+	// (the schema's creation and migration, Pool, Store, Effects) keeps
+	// DatabaseURL. Default: DatabaseURL.
+	WorkerDatabaseURL string
+	// Prepare runs once the record schema is migrated, before any worker
+	// starts, with the suite's own pool (e.Pool): e.g. to grant the role of
+	// WorkerDatabaseURL its privileges on e.Schema. Nil: nothing.
+	Prepare func(ctx context.Context, e *Env) error
 }
 
 // Env is one test's isolated world: its own queue (and quarantine queue),
@@ -139,6 +149,11 @@ func NewEnv(t testing.TB, cfg Config) *Env {
 		t.Fatalf("migrate record: %v", err)
 	}
 	e.Store = store
+	if cfg.Prepare != nil {
+		if err := cfg.Prepare(ctx, e); err != nil {
+			t.Fatalf("prepare: %v", err)
+		}
+	}
 	e.ReplyTo = testkit.Name("replay_reply")
 	t.Cleanup(e.close)
 	if err := e.openBroker(); err != nil {

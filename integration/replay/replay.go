@@ -64,6 +64,13 @@ type Target struct {
 	ResultBackend string
 	// Scenarios limits the run to these scenarios. Default: all.
 	Scenarios []Scenario
+	// WorkerDatabaseURL and Prepare are Config's: the workers' own database
+	// URL (e.g. a role with only a worker's privileges; the suite migrates
+	// and inspects with its own), and what runs in each scenario's Env once
+	// its record schema is migrated (e.g. the GRANTs of that role on
+	// e.Schema).
+	WorkerDatabaseURL string
+	Prepare           func(ctx context.Context, e *Env) error
 }
 
 // Scenario names one replay scenario; each runs as a subtest of that name.
@@ -160,7 +167,7 @@ func Run(t *testing.T, target Target) {
 		t.Run(string(s), func(t *testing.T) {
 			r := &runner{t: t, tg: target, s: s, prefix: fmt.Sprintf("%s-%s", run, s), start: time.Now()}
 			r.e = NewEnv(t, Config{Binary: target.Binary, Command: target.Command, Env: target.Env, Lease: target.Lease,
-				ResultBackend: target.ResultBackend})
+				ResultBackend: target.ResultBackend, WorkerDatabaseURL: target.WorkerDatabaseURL, Prepare: target.Prepare})
 			if !setup && target.Setup != nil {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()

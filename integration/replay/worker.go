@@ -25,7 +25,8 @@ type WorkerOptions struct {
 	// default 4 and 8.
 	Concurrency, Prefetch int
 	// BrokerURL and DatabaseURL replace the Env's for this worker (e.g. a
-	// proxy in front of the service); the node name is still added to the
+	// proxy in front of the service; DatabaseURL also replaces
+	// Config.WorkerDatabaseURL); the node name is still added to the
 	// database URL as application_name.
 	BrokerURL, DatabaseURL string
 	// Env holds extra environment variables for this worker.
@@ -68,6 +69,9 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 		}
 	}
 	broker, db := e.AMQPURL, e.DatabaseURL
+	if e.cfg.WorkerDatabaseURL != "" {
+		db = e.cfg.WorkerDatabaseURL
+	}
 	if o.BrokerURL != "" {
 		broker = o.BrokerURL
 	}

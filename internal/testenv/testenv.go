@@ -12,7 +12,10 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"net"
+	neturl "net/url"
 	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -167,4 +170,49 @@ func Python(tb testing.TB) string {
 		tb.Skip("python3-celery not installed")
 	}
 	return py
+}
+
+// Role creates a PostgreSQL role of its own for the test (LOGIN, not a
+// superuser, no privileges beyond PUBLIC's) and returns its name and the
+// test database's URL with that role as the user. When the test ends its
+// privileges are revoked (DROP OWNED) and it is dropped.
+func Role(tb testing.TB, p *pgxpool.Pool) (name, url string) {
+	tb.Helper()
+	name = Name("r")
+	ctx := context.Background()
+	id := pgx.Identifier{name}.Sanitize()
+	if _, err := p.Exec(ctx, "CREATE ROLE "+id+" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE"); err != nil {
+		tb.Fatalf("create role: %v", err)
+	}
+	tb.Cleanup(func() {
+		// Concurrent changes of one object's privileges (tests granting
+		// on the same shared tables) may fail with "tuple concurrently
+		// updated": try again.
+		for range 20 {
+			if _, err := p.Exec(context.Background(), "DROP OWNED BY "+id); err == nil {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		_, _ = p.Exec(context.Background(), "DROP ROLE "+id)
+	})
+	cfg := p.Config().ConnConfig
+	u := neturl.URL{Scheme: "postgres", User: neturl.User(name), Host: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))),
+		Path: "/" + cfg.Database, RawQuery: "sslmode=disable"}
+	return name, u.String()
+}
+
+// Grant runs the GRANT (or REVOKE) statement q on p, again while it fails
+// because a concurrent test changed the same object's privileges ("tuple
+// concurrently updated").
+func Grant(tb testing.TB, p *pgxpool.Pool, q string) {
+	tb.Helper()
+	var err error
+	for range 20 {
+		if _, err = p.Exec(context.Background(), q); err == nil {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	tb.Fatalf("%s: %v", q, err)
 }
