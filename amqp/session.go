@@ -38,10 +38,15 @@ type consumeSession struct {
 // session is one connection's life. consumed is how long it consumed, 0
 // if consuming never started; a long enough session resets the backoff.
 func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consumed time.Duration, err error) {
-	conn, err := c.cfg.dial(ctx, "consume")
+	conn, ep, err := c.ep.dial(ctx, "consume")
 	if err != nil {
 		return 0, err
 	}
+	defer func() {
+		if err != nil && ctx.Err() == nil {
+			c.ep.failed(ep) // the next session goes to the next URL
+		}
+	}()
 	s := &consumeSession{
 		c: c, conn: conn, st: &channelState{gen: c.gen.Add(1)},
 		tags: map[string]string{}, merged: make(chan tagged), stop: make(chan struct{}),
@@ -83,7 +88,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	}
 	c.ready.Store(true)
 	started := time.Now()
-	c.log.Info("consuming", zap.Strings("queues", queueNames(s.queues)),
+	c.log.Info("consuming", zap.String("broker", c.ep.shown(ep)), zap.Strings("queues", queueNames(s.queues)),
 		zap.Int("prefetch", s.applied), zap.Bool("global_qos", s.global), zap.Uint64("channel_generation", s.st.gen))
 
 	for {
