@@ -62,6 +62,56 @@ func (c *rabbitCluster) running(t *testing.T, r *privateRabbit) []string {
 	return st.Running
 }
 
+// queuesCtl runs rabbitmq-queues against node r.
+func (r *privateRabbit) queuesCtl(t *testing.T, args ...string) {
+	t.Helper()
+	out, err := runCtl([]string{"runuser", "-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq", "rabbitmq-queues", "-n", r.node}, args...)
+	if err != nil {
+		t.Fatalf("rabbitmq-queues: %v\n%s", err, out)
+	}
+}
+
+// leader returns the node that leads quorum queue q, as r sees it.
+func (c *rabbitCluster) leader(t *testing.T, r *privateRabbit, q string) *privateRabbit {
+	t.Helper()
+	out, err := r.ctl("-q", "list_queues", "name", "leader", "--formatter", "json")
+	if err != nil {
+		t.Fatalf("list_queues: %v\n%s", err, out)
+	}
+	var qs []struct{ Name, Leader string }
+	if err := json.Unmarshal([]byte(out), &qs); err != nil {
+		t.Fatalf("list_queues: %v\n%s", err, out)
+	}
+	for _, x := range qs {
+		if x.Name != q {
+			continue
+		}
+		for _, n := range c.nodes {
+			if n.node == x.Leader {
+				return n
+			}
+		}
+		t.Fatalf("queue %s: leader %q is no node of the cluster", q, x.Leader)
+	}
+	t.Fatalf("queue %s not listed:\n%s", q, out)
+	return nil
+}
+
+// moveLeader moves the leadership of quorum queue q off node r, which
+// declared it (client-local placement): r's member is removed, so that
+// the others elect a leader, then added back as a follower. It returns the
+// new leader.
+func (c *rabbitCluster) moveLeader(t *testing.T, r *privateRabbit, q string) *privateRabbit {
+	t.Helper()
+	r.queuesCtl(t, "delete_member", "-p", "/", q, r.node)
+	var l *privateRabbit
+	if !testkit.Eventually(time.Minute, func() bool { l = c.leader(t, r, q); return l != r }) {
+		t.Fatalf("queue %s: still led by %s", q, r.node)
+	}
+	r.queuesCtl(t, "add_member", "-p", "/", q, r.node)
+	return l
+}
+
 // urls returns the cluster's failover list (Celery's ';'-separated
 // broker_url) beginning with node first, then the others in order.
 func (c *rabbitCluster) urls(first int) string {
@@ -88,9 +138,10 @@ const clusterOpsPerKind = 5000
 // cluster (quorum work queue), each connected first to a different node
 // and given the whole cluster as its failover list. With a fifth of 5,000
 // same-database and 5,000 outside (lookup) operations answered, the node
-// worker A is connected to stops (rabbitmqctl stop_app) and, once A
-// consumes from another node, starts again: every operation takes effect
-// exactly once and every caller is answered; none is lost.
+// worker A is connected to, which also leads the queue, stops (rabbitmqctl
+// stop_app) and, once A consumes from another node, starts again: every
+// operation takes effect exactly once and every caller is answered; none
+// is lost.
 func TestFaultClusterNodeStopped(t *testing.T) {
 	clusterDrain(t, "stop_app")
 }
@@ -117,9 +168,14 @@ func clusterDrain(t *testing.T, fault string) {
 	began := time.Now()
 	cl := startRabbitCluster(t, 3)
 	started := time.Since(began)
-	victim, stable := cl.nodes[0], cl.nodes[2]
+	stable := cl.nodes[2]
 	e := replay.NewEnv(t, replay.Config{Binary: ownBin, AMQPURL: stable.url, Quorum: true})
 	migrate(t, e)
+	// The node that goes away leads the work queue: the queue elects a new
+	// leader while worker A fails over.
+	victim := cl.moveLeader(t, stable, e.Queue)
+	vi := slices.Index(cl.nodes, victim)
+	other := cl.nodes[1-vi]
 	wl := newWorkload(e)
 	wl.ctl = stable.ctl
 	pubStart := time.Now()
@@ -131,13 +187,13 @@ func clusterDrain(t *testing.T, fault string) {
 	published := time.Since(pubStart)
 	total := clusterOpsPerKind * len(clusterKinds)
 	opts := replay.WorkerOptions{Concurrency: 8}
-	opts.BrokerURL = cl.urls(0)
+	opts.BrokerURL = cl.urls(vi)
 	a := e.StartWorker(opts)
-	opts.BrokerURL = cl.urls(1)
+	opts.BrokerURL = cl.urls(1 - vi)
 	b := e.StartWorker(opts)
 	drainStart := time.Now()
-	if !consumingFrom(a, victim) || !consumingFrom(b, cl.nodes[1]) {
-		t.Fatalf("worker A should consume from %s and B from %s:\n%s\n%s", victim.url, cl.nodes[1].url, a.LogTail(2000), b.LogTail(2000))
+	if !consumingFrom(a, victim) || !consumingFrom(b, other) {
+		t.Fatalf("worker A should consume from %s and B from %s:\n%s\n%s", victim.url, other.url, a.LogTail(2000), b.LogTail(2000))
 	}
 	if !testkit.Eventually(5*time.Minute, func() bool { return wl.answered() >= total/5 }) {
 		t.Fatalf("%d of %d answered after 5 minutes", wl.answered(), total)
@@ -166,6 +222,7 @@ func clusterDrain(t *testing.T, fault string) {
 		victim.await(t)
 	}
 	back := time.Since(faultAt)
+	newLeader := cl.leader(t, stable, e.Queue)
 	if running := cl.running(t, stable); len(running) != 3 {
 		t.Errorf("after the restart, cluster_status: running %v, want 3 nodes", running)
 	}
@@ -173,6 +230,12 @@ func clusterDrain(t *testing.T, fault string) {
 		t.Errorf("%d of %d calls answered 10 minutes after the fault", wl.answered(), total)
 	}
 	drained := time.Since(drainStart)
+	if a.Exited() || b.Exited() {
+		t.Errorf("a worker exited: A %s, B %s", a.State(), b.State())
+	}
+	if !strings.Contains(a.Log(), "the next connection attempt goes to the next URL") {
+		t.Errorf("worker A's log does not say it moved on to the next URL:\n%s", a.LogTail(3000))
+	}
 	wl.stopWorkers()
 	byTask := wl.checkByTask(t)
 	var sum tally
@@ -192,9 +255,9 @@ func clusterDrain(t *testing.T, fault string) {
 	if at >= total {
 		t.Errorf("the fault came after every call was answered (%d)", at)
 	}
-	t.Logf("3-node cluster started in %s; %d operations published in %s; %s on %s with %d of %d answered; worker A consuming elsewhere after %s, node back after %s; drained in %s\n%s",
+	t.Logf("3-node cluster started in %s; %d operations published in %s; %s on %s (worker A's node, the queue's leader) with %d of %d answered; worker A consuming elsewhere after %s, node back after %s, queue led by %s; drained in %s\n%s",
 		started.Round(time.Millisecond), total, published.Round(time.Millisecond), fault, victim.node, at, total,
-		failover.Round(time.Millisecond), back.Round(time.Millisecond), drained.Round(time.Millisecond), strings.Join(table, "\n"))
+		failover.Round(time.Millisecond), back.Round(time.Millisecond), newLeader.node, drained.Round(time.Millisecond), strings.Join(table, "\n"))
 }
 
 // consumingFrom waits (a minute at most) until w's log says it consumes
