@@ -223,7 +223,7 @@ func (s *consumeSession) syncQueues() error {
 			if err == nil {
 				s.tags[tag] = st.spec.Name
 				s.queues = append(s.queues, st.spec)
-				s.forward(dch, st.spec.Name, st.spec.isQuorum())
+				s.forward(dch, st.spec.Name, st.spec.isQuorum(), st.spec.DeliveryLimit())
 			}
 		}
 		c.mu.Unlock()

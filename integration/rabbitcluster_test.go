@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -12,6 +13,8 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
+	"github.com/onceler/onceler/tasks"
 )
 
 // rabbitCluster is private RabbitMQ nodes of the test's own joined in one
@@ -297,4 +300,93 @@ func consumingBrokers(w *replay.Worker) []string {
 		}
 	}
 	return out
+}
+
+// TestFaultClusterDeliveryLimit sends a same-database task that kills its
+// worker every time (crash injection after the claim; a new worker started
+// after each death) to a quorum queue declared, as kombu's
+// queue_arguments would, with a delivery limit (x-delivery-limit). RabbitMQ
+// stamps each redelivery with x-delivery-count and drops the message when
+// it returns after the delivery whose count reaches the limit. The worker
+// reads both: it quarantines the message as poison on that last delivery,
+// or past its own MaxAttempts (5) when that comes first, and answers its
+// caller with WorkerLostError; nothing is dropped unanswered, no effect.
+// A quorum queue works on one node: this runs on the shared broker, on a
+// queue of its own.
+func TestFaultClusterDeliveryLimit(t *testing.T) {
+	faultTests(t)
+	const maxAttempts = 5 // the worker's default
+	for _, c := range []struct {
+		name           string
+		limit, crashes int
+		detail         string
+	}{
+		// Deliveries with x-delivery-count 0, 1 and 2 crash; the one with 3
+		// is RabbitMQ's last: quarantined.
+		{"limit_3", 3, 3, "x-delivery-limit 3"},
+		// MaxAttempts comes first: quarantined when delivered more than 5
+		// times (x-delivery-count 6), as without a limit.
+		{"limit_10", 10, maxAttempts + 1, "limit 5"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := replay.NewEnv(t, replay.Config{Binary: ownBin, Quorum: true,
+				QueueArgs: map[string]any{"x-delivery-limit": int32(c.limit)}})
+			migrate(t, e)
+			op := opName(testkit.NewID()[:8], 0)
+			m := e.Message(demo.TaskCredit, testkit.NewID(), args(demo.TaskCredit, op), nil)
+			e.Publish(m)
+			crashes := 0
+			quarantined := func() bool { n, err := e.QueueDepth(e.Quarantine); return err == nil && n > 0 }
+			for {
+				w := e.StartWorker(replay.WorkerOptions{CrashAt: workerhooks.AfterClaim, CrashTask: demo.TaskCredit,
+					Concurrency: 1, Prefetch: 1, NoWait: true})
+				if !testkit.Eventually(30*time.Second, func() bool { return w.Exited() || quarantined() }) {
+					t.Fatalf("worker %s neither crashed nor quarantined the message", w.Name)
+				}
+				if !w.Exited() {
+					break
+				}
+				crashes++
+				if crashes > 2*maxAttempts {
+					t.Fatalf("%d crashes: the poison message loops", crashes)
+				}
+				if crashes > c.limit && !testkit.Eventually(5*time.Second, func() bool {
+					n, err := e.QueueDepth(e.Queue)
+					return quarantined() || err == nil && n > 0
+				}) {
+					t.Fatalf("after %d crashes the queue dropped the message (x-delivery-limit %d) and nothing quarantined it", crashes, c.limit)
+				}
+			}
+			if !e.WaitReplies([]string{m.ID}, 1, 30*time.Second) {
+				t.Errorf("caller not answered: %v", e.Replies(m.ID))
+			}
+			time.Sleep(time.Second)
+			e.StopAll()
+			q, err := e.TakeQuarantined()
+			if err != nil || len(q) != 1 || q[0].Reason != tasks.ReasonPoison || q[0].TaskID != m.ID || !strings.Contains(q[0].Detail, c.detail) {
+				t.Errorf("quarantine %+v (err %v), want the message as poison, detail naming %q", q, err, c.detail)
+			}
+			if reps := e.Replies(m.ID); len(reps) != 1 || reps[0].Status != "FAILURE" || reps[0].ExcType != "WorkerLostError" {
+				t.Errorf("caller got %v, want one FAILURE WorkerLostError", reps)
+			}
+			if n, err := demo.CountLedger(context.Background(), e.Pool, op); err != nil || n != 0 {
+				t.Errorf("%d effects (err %v), want 0", n, err)
+			}
+			if d, err := e.QueueDepth(e.Queue); err != nil || d != 0 {
+				t.Errorf("queue depth %d (err %v)", d, err)
+			}
+			if crashes != c.crashes {
+				t.Errorf("quarantined after %d crashes, want %d (x-delivery-limit %d, MaxAttempts %d)", crashes, c.crashes, c.limit, maxAttempts)
+			}
+			t.Logf("x-delivery-limit %d: quarantined as poison after %d crashes (%s); caller answered %s %s",
+				c.limit, crashes, q0detail(q), e.Replies(m.ID)[0].Status, e.Replies(m.ID)[0].ExcType)
+		})
+	}
+}
+
+func q0detail(q []replay.Quarantined) string {
+	if len(q) == 0 {
+		return "nothing quarantined"
+	}
+	return q[0].Detail
 }
