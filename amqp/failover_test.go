@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 func TestURLListParsing(t *testing.T) {
@@ -182,5 +183,64 @@ func TestFailoverToSecondURL(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// A publisher whose connection is lost, with every URL of a two-URL list
+// down, tries both in turn: a lost session moves the rotation on once.
+func TestPublisherFailoverAlternates(t *testing.T) {
+	t.Parallel()
+	core, logs := observer.New(zapcore.DebugLevel)
+	cfg := testConfig(t)
+	cfg.Logger = zap.New(core)
+	a, b := deadURL(t, "pw"), deadURL(t, "pw")
+	cfg.URL = a + ";" + b
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 2*time.Second)
+	err := p.Publish(ctx, "", "nowhere", textMessage("x"), PublishOptions{})
+	if err == nil {
+		t.Fatal("publish with every URL down succeeded")
+	}
+	var hosts []string
+	for _, e := range logs.FilterMessageSnippet("next URL").All() {
+		for _, f := range e.Context {
+			if f.Key == "failed" {
+				_, rest, _ := strings.Cut(f.String, "@")
+				hosts = append(hosts, strings.TrimSuffix(rest, "//"))
+			}
+		}
+	}
+	if len(hosts) < 4 {
+		t.Fatalf("attempts %v, want at least 4", hosts)
+	}
+	for i, h := range hosts {
+		if want := []string{a, b}[i%2]; !strings.Contains(want, h) {
+			t.Fatalf("attempt %d went to %s, want alternating %s and %s: %v", i, h, a, b, hosts)
+		}
+	}
+}
+
+// A publisher on the first URL of [live, dead] whose connection the broker
+// closes tries the dead URL, then the live one again, and publishes: a
+// lost session moves the rotation on once, not at every retry.
+func TestPublisherFailoverBackToLiveURL(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t)
+	cfg.URL = testenv.AMQPURL(t) + ";" + deadURL(t, "pw")
+	q := testenv.Name("onceler_amqp_failback")
+	cleanupQueue(t, q)
+	p := newPublisher(t, cfg)
+	ctx := ctxTimeout(t, 30*time.Second)
+	must(t, p.Declare(ctx, CeleryQueue(q)), "declare")
+	must(t, p.Publish(ctx, "", q, textMessage("one"), PublishOptions{Mandatory: true}), "publish")
+	pids := testkit.ConnectionPIDs(t, cfg.Name)
+	if len(pids) == 0 {
+		t.Fatal("the publisher's connection is not listed")
+	}
+	testkit.CloseConnections(t, pids)
+	ctx2 := ctxTimeout(t, 10*time.Second)
+	must(t, p.Publish(ctx2, "", q, textMessage("two"), PublishOptions{Mandatory: true}), "publish after the connection was closed")
+	if d := testkit.QueueDepth(t, testenv.AMQPURL(t), q); d != 2 {
+		t.Fatalf("queue depth %d, want 2", d)
 	}
 }

@@ -169,7 +169,10 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 			return nil, nil
 		}
 		if p.cur != nil {
-			p.ep.failed(p.cur.ep) // the next connection goes to the next URL
+			// Lost: the next connection goes to the next URL (once: the
+			// dead session is forgotten, as by drop).
+			p.ep.failed(p.cur.ep)
+			p.cur = nil
 		}
 		p.mu.Unlock()
 		s, err := p.open(ctx)
