@@ -142,6 +142,9 @@ func (s *consumeSession) startConsumers() error {
 		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
 		dch, err := s.st.ch.Consume(q.Name, tag, false, false, false, false, nil)
 		if err != nil {
+			if ae := AccessRefusal("consume", err); ae != nil {
+				return ae
+			}
 			return fmt.Errorf("consume %q: %w", q.Name, err)
 		}
 		s.tags[tag] = q.Name

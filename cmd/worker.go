@@ -323,6 +323,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	// tasks are done; a shutdown command ends Run as a signal does.
 	err = w.Run(ctx)
 	stopHTTP()
+	var ae *amqp.AccessError
+	if errors.As(err, &ae) {
+		return accessError(ae)
+	}
 	if err != nil {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
