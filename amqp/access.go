@@ -115,18 +115,20 @@ func CheckWriteOn(ctx context.Context, ch *amqp091.Channel, exchange string) err
 		amqp091.Publishing{Expiration: "-1", Body: []byte{}})
 	if err == nil {
 		// A synchronous method after the publish: its answer comes after
-		// the broker's verdict on the publish.
-		err = ch.Qos(0, 0, false)
-	}
-	if err == nil {
+		// the broker's verdict on the publish, which closes the channel;
+		// the reason comes on closed (the method itself may fail only with
+		// "channel not open").
+		qerr := ch.Qos(0, 0, false)
 		t := time.NewTimer(accessCheckTimeout)
 		defer t.Stop()
 		select {
 		case e := <-closed:
+			err = qerr
 			if e != nil {
 				err = e
 			}
 		case <-t.C:
+			err = qerr
 		case <-ctx.Done():
 			return ctx.Err()
 		}

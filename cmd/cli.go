@@ -65,6 +65,7 @@ func commands() []*command {
 		repeatsCommand(),
 		purgeCommand(),
 		quarantineCommand(),
+		permissionsCommand(),
 	}
 }
 

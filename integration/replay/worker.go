@@ -78,6 +78,9 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 		}
 	}
 	broker, db := e.AMQPURL, e.DatabaseURL
+	if e.cfg.WorkerBrokerURL != "" {
+		broker = e.cfg.WorkerBrokerURL
+	}
 	if o.BrokerURL != "" {
 		broker = o.BrokerURL
 	}
