@@ -97,7 +97,7 @@ func (b *brokerUser) printed(t *testing.T, args ...string) [3]string {
 }
 
 // shellWords splits a line of words, each plain or in single quotes
-// (with '\'' for a quote), as a POSIX shell does.
+// (with '\” for a quote), as a POSIX shell does.
 func shellWords(t *testing.T, line string) []string {
 	t.Helper()
 	var words []string
