@@ -96,8 +96,9 @@ func (b *brokerUser) printed(t *testing.T, args ...string) [3]string {
 	return [3]string{f[5], f[6], f[7]}
 }
 
-// shellWords splits a line of words, each plain or in single quotes
-// (with '\” for a quote), as a POSIX shell does.
+// shellWords splits a line of words, each plain or in single quotes (a
+// quote inside written as quote, backslash, quote, quote), as a POSIX
+// shell does.
 func shellWords(t *testing.T, line string) []string {
 	t.Helper()
 	var words []string
