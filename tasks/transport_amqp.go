@@ -12,6 +12,7 @@ package tasks
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -65,7 +66,9 @@ func (t *amqpTransport) prepare(ctx context.Context) error {
 			continue
 		}
 		checked[ex] = true
-		if err := t.pub.CheckWrite(ctx, ex); err != nil {
+		// An exchange not declared yet (the consumer declares it) is not
+		// checked.
+		if err := t.pub.CheckWrite(ctx, ex); err != nil && !errors.Is(err, amqp.ErrNotFound) {
 			return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "retries of queue "+q.Name+"'s tasks"))
 		}
 	}
