@@ -204,6 +204,15 @@ func declareError(err error, kind, name, declared string) error {
 	case amqp091.NotFound:
 		return fmt.Errorf("declare %s %q: %w: %s", kind, name, ErrNotFound, ae.Reason)
 	case amqp091.AccessRefused:
+		op := "declare " + kind
+		if kind == "binding of queue" {
+			op = "bind queue"
+		}
+		if declared != "passive" {
+			if acc := AccessRefusal(op, err); acc != nil && acc.Kind != "" {
+				return acc
+			}
+		}
 		return fmt.Errorf("declare %s %q: %w: %s", kind, name, ErrAccessRefused, ae.Reason)
 	}
 	return fmt.Errorf("declare %s %q: %w", kind, name, err)

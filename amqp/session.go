@@ -150,6 +150,11 @@ func (s *consumeSession) startConsumers() error {
 		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
 		dch, err := s.st.ch.Consume(q.Name, tag, false, false, false, false, nil)
 		if err != nil {
+			// A configured queue the user may not read stops the consumer
+			// (IsTopologyError); one added at run time is as before.
+			if ae := AccessRefusal("consume", err); ae != nil && !s.c.added[q.Name] {
+				return ae
+			}
 			return fmt.Errorf("consume %q: %w", q.Name, err)
 		}
 		s.tags[tag] = q.Name

@@ -67,6 +67,7 @@ func commands() []*command {
 		repeatsCommand(),
 		purgeCommand(),
 		quarantineCommand(),
+		permissionsCommand(),
 	}
 }
 

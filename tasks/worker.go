@@ -238,6 +238,15 @@ func (w *Worker) Run(ctx context.Context) error {
 	if err := w.tr.prepare(ctx); err != nil {
 		return err
 	}
+	if w.ctl != nil {
+		// The remote control reconnects on any failure: a permission it
+		// lacks is found here, at start, instead.
+		if err := w.ctl.CheckAccess(ctx); errors.Is(err, amqp.ErrAccessRefused) {
+			return fmt.Errorf("tasks: remote control: %w", err)
+		} else if err != nil {
+			w.log.Warn("remote control: broker check failed; the remote control retries", zap.Error(err))
+		}
+	}
 	// Stopped when Run returns: worker-offline goes once the tasks are done.
 	defer w.runControl(ctx)()
 
