@@ -132,14 +132,17 @@ func shellWords(t *testing.T, line string) []string {
 	return words
 }
 
-// TestReplayRestrictedBrokerUser runs the replay suite's "three times" and
+// TestReplayLeastPrivilege runs the replay suite's "three times" and
 // "killed after the claim" scenarios with workers whose RabbitMQ user has
 // only the permissions 'onceler permissions' prints for them (the
 // scenario's queue and node names are random: the printed expressions
-// get patterns for them): the same outcomes as with guest.
-func TestReplayRestrictedBrokerUser(t *testing.T) {
+// get patterns for them) and whose PostgreSQL role has only what
+// 'onceler migrate --grant-to' grants: the same outcomes as with guest
+// and a superuser.
+func TestReplayLeastPrivilege(t *testing.T) {
 	t.Parallel()
 	b := newBrokerUser(t)
+	roleURL, prepare := workerRole(t)
 	// The suite names its queues replay_<12 hex digits> and its workers
 	// replay<n>_<12 hex digits> (testkit.Name).
 	p := b.printed(t, "--queues", "replay_QUEUEID", "--hostname", "replayNODE")
@@ -155,6 +158,8 @@ func TestReplayRestrictedBrokerUser(t *testing.T) {
 		t.Run(tg.Task, func(t *testing.T) {
 			tg.Scenarios = []replay.Scenario{replay.ScenarioRepeated, replay.ScenarioCrashAfterClaim}
 			tg.AMQPURL, tg.WorkerBrokerURL = b.suiteURL, b.workerURL
+			tg.Command = []string{"worker"} // the role may not migrate
+			tg.WorkerDatabaseURL, tg.Prepare = roleURL, prepare
 			tg.Env = append(tg.Env, "ONCELER_EVENTS=true")
 			replay.Run(t, tg)
 		})
