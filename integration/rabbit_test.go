@@ -25,10 +25,25 @@ type privateRabbit struct {
 	done           chan struct{}
 }
 
+// rabbitConfig is what a private node is started with beyond its
+// listener: extra rabbitmq.conf lines (e.g. "consumer_timeout = 5000"),
+// and an advanced.config (Erlang terms) for settings rabbitmq.conf has no
+// key for.
+type rabbitConfig struct {
+	conf     []string
+	advanced string
+}
+
 // startRabbit starts a private RabbitMQ node, stopped and removed when the
 // test ends. It needs rabbitmq-server and root (to run it as the rabbitmq
 // user, who owns the Erlang cookie).
 func startRabbit(t *testing.T) *privateRabbit {
+	t.Helper()
+	return startRabbitWith(t, rabbitConfig{})
+}
+
+// startRabbitWith is startRabbit with settings of the test's own.
+func startRabbitWith(t *testing.T, rc rabbitConfig) *privateRabbit {
 	t.Helper()
 	const server = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 	if _, err := os.Stat(server); err != nil || os.Geteuid() != 0 {
@@ -44,9 +59,18 @@ func startRabbit(t *testing.T) *privateRabbit {
 	port, dist := freePort(t), freePort(t)
 	r := &privateRabbit{node: testenv.Name("onceler_fault") + "@localhost", dir: dir, done: make(chan struct{}),
 		url: fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)}
+	conf := fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n", port)
+	for _, line := range rc.conf {
+		conf += line + "\n"
+	}
+	advanced := rc.advanced
+	if advanced == "" {
+		advanced = "[]."
+	}
 	files := map[string]string{
-		"rabbitmq.conf": fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n", port),
-		"plugins":       "[].\n",
+		"rabbitmq.conf":   conf,
+		"advanced.config": advanced + "\n",
+		"plugins":         "[].\n",
 	}
 	for name, content := range files {
 		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
@@ -66,6 +90,7 @@ func startRabbit(t *testing.T) *privateRabbit {
 		"RABBITMQ_MNESIA_BASE="+filepath.Join(dir, "mnesia"), "RABBITMQ_LOG_BASE="+filepath.Join(dir, "log"),
 		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(dir, "plugins"),
 		"RABBITMQ_CONFIG_FILE="+filepath.Join(dir, "rabbitmq.conf"),
+		"RABBITMQ_ADVANCED_CONFIG_FILE="+filepath.Join(dir, "advanced.config"),
 		"RABBITMQ_PID_FILE="+filepath.Join(dir, "pid"), server)
 	r.cmd.Stdout, r.cmd.Stderr = log, log
 	if err := r.cmd.Start(); err != nil {
