@@ -44,6 +44,16 @@ func answeredOnce(t *testing.T, e *replay.Env, ids []string) {
 	}
 }
 
+// logLine returns the first line of log that holds msg, "" if none.
+func logLine(log, msg string) string {
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, msg) {
+			return line
+		}
+	}
+	return ""
+}
+
 // queueCount returns the messages of queue on the private node, ready and
 // unacknowledged (delivered to a consumer, not yet acknowledged).
 func (r *privateRabbit) queueCount(t *testing.T, queue string) (ready, unacked int) {
@@ -113,13 +123,18 @@ func TestFaultConsumerTimeout(t *testing.T) {
 		tl.ops, tl.ops-tl.duplicates-tl.lost, tl.duplicates, tl.lost, tl.calls, tl.answered, time.Since(start).Round(time.Second))
 }
 
+// alarmFor is how long TestFaultMemoryAlarm holds the alarm: longer than
+// the worker's bound on one publish (30 s), which a blocked publish must
+// wait out rather than give up and send again.
+const alarmFor = 40 * time.Second
+
 // TestFaultMemoryAlarm sets a memory alarm on a private node
 // (set_vm_memory_high_watermark 0.0000001) before the worker starts
 // consuming a batch of plain tasks (same-database and lookup), a task that
 // asks for one retry and a two-step chain. The alarm blocks every
 // connection that publishes: the worker runs tasks, but their results, the
 // retry and the chain's next step wait for their confirms, and no delivery
-// is acknowledged meanwhile. 20 s later the alarm clears: every caller is
+// is acknowledged meanwhile. 40 s later (alarmFor) the alarm clears: every caller is
 // answered once, every effect happened once, the retry ran to its end and
 // the chain's step ran once.
 func TestFaultMemoryAlarm(t *testing.T) {
@@ -158,7 +173,7 @@ func TestFaultMemoryAlarm(t *testing.T) {
 	w := e.StartWorker(replay.WorkerOptions{})
 	// While the alarm holds: tasks run (their records complete), nothing
 	// is answered, nothing acknowledged.
-	time.Sleep(time.Until(alarmed.Add(20 * time.Second)))
+	time.Sleep(time.Until(alarmed.Add(alarmFor)))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	completed := 0
@@ -178,8 +193,9 @@ func TestFaultMemoryAlarm(t *testing.T) {
 	if completed == 0 || unacked == 0 {
 		t.Errorf("%d operations completed, %d deliveries held, while the alarm held: want the worker to have run tasks", completed, unacked)
 	}
-	if !strings.Contains(w.Log(), "broker blocks publishing") {
-		t.Errorf("the worker did not log that the broker blocks publishing")
+	blocked := logLine(w.Log(), "broker blocks publishing")
+	if !strings.Contains(blocked, "low on memory") {
+		t.Errorf("the worker did not log that the broker blocks publishing, and why: %q", blocked)
 	}
 	t.Logf("alarm held %s: %d operations completed, %d ready + %d unacknowledged of %d sent, %d answered",
 		time.Since(alarmed).Round(time.Second), completed, ready, unacked, sent, replies)
@@ -207,7 +223,7 @@ func TestFaultMemoryAlarm(t *testing.T) {
 	if err != nil || rec.Status != idempotency.StatusCompleted || json.Unmarshal(rec.Result, &res) != nil || res.Attempts != 2 || retries != 1 {
 		t.Errorf("retried task: record %v %s (err %v), %d RETRY replies; want completed after 2 attempts, one RETRY", rec.Status, rec.Result, err, retries)
 	}
-	if !strings.Contains(w.Log(), "broker unblocked publishing") {
+	if logLine(w.Log(), "broker unblocked publishing") == "" {
 		t.Errorf("the worker did not log that the broker unblocked publishing")
 	}
 	t.Logf("operations %d (and a retried task), effects once %d, duplicates %d, lost %d, calls %d answered %d; drained in %s after the alarm; took %s",

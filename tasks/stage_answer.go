@@ -219,12 +219,14 @@ const opTimeout = 30 * time.Second
 // reply_to, names), in bytes.
 const maxShortString = 255
 
-// publish publishes with a confirm, bounded by opTimeout. A publish cut
-// short by the end of the grace period leaves the delivery unacknowledged:
-// its redelivery is answered from the record.
+// publish publishes with a confirm, bounded by opTimeout, which does not
+// run out while the broker blocks publishing (a resource alarm): a
+// result, a workflow step or a retry waits out the alarm rather than be
+// sent again after it. A publish cut short by the end of the grace period
+// leaves the delivery unacknowledged: its redelivery is answered from the
+// record.
 func (w *Worker) publish(ctx context.Context, exchange, key string, p *celeryproto.Publishing, o amqp.PublishOptions) error {
-	ctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
+	o.Timeout = opTimeout
 	return w.pub.Publish(ctx, exchange, key, p, o)
 }
 
