@@ -164,9 +164,10 @@
 // broker blocks the connection (resource alarm) Publish waits, bounded by
 // its context; PublishOptions.Timeout is a bound that does not run while
 // the block lasts, so that a publish the broker has not read yet is not
-// given up and sent again as a second copy. Publishing to a named exchange checks once per connection,
-// on a side channel, that the exchange exists (ErrNotFound otherwise), since
-// a publish to a missing exchange would close the shared channel.
+// given up and sent again as a second copy. Publishing to a named exchange
+// checks once per connection, on a side channel, that the exchange exists
+// (ErrNotFound otherwise), since a publish to a missing exchange would
+// close the shared channel.
 //
 // Publisher.Inspect walks a queue with basic.get for operator tools: list,
 // move (republish, then Remove) or drop quarantined messages.
