@@ -83,6 +83,12 @@
 //   - TestFaultClusterDeliveryLimit: a quorum queue with x-delivery-limit
 //     and a task that kills its worker each time: quarantined as poison on
 //     the broker's last delivery, its caller answered.
+//   - TestFaultConsumerTimeout: tasks longer than RabbitMQ's
+//     consumer_timeout (5 s): the broker closes the worker's channel; each
+//     effect once, each caller one result, one warning naming the setting.
+//   - TestFaultMemoryAlarm: a 40 s memory alarm (set_vm_memory_high_watermark)
+//     over plain tasks, a retry and a chain: nothing answered or
+//     acknowledged while it holds, everything answered once after it.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a
