@@ -1,0 +1,113 @@
+package cmd
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/internal/testenv"
+)
+
+// TestDatabaseURLFileWithTwoLinesKeepsPasswordOut: a secret file holding
+// its URL twice (a second line pasted by mistake, or an old and a new
+// one) is taken whole, newline included; the error that follows must
+// still not show the password. readSecrets trims only the trailing
+// newline, and describeDB then names the "database" x\npostgres://u:PW@...
+func TestDatabaseURLFileWithTwoLinesKeepsPasswordOut(t *testing.T) {
+	t.Parallel()
+	const pw = "Two-Line-Pw-5d1e"
+	line := "postgres://u:" + pw + "@127.0.0.1:1/x"
+	path := writeSecret(t, "db", line+"\n"+line+"\n")
+	for _, args := range [][]string{{"records"}, {"purge", "--older-than", "1d", "--dry-run"}} {
+		r := runIn(t, map[string]string{"ONCELER_DATABASE_URL_FILE": path}, args...)
+		if r.err == nil {
+			t.Fatalf("%v: no error", args)
+		}
+		if out := r.err.Error() + r.stderr; strings.Contains(out, pw) {
+			t.Errorf("%v: the error holds the password of the file's second line: %s", args, out)
+		}
+	}
+}
+
+// TestDjangoBackendFileWithTwoLinesKeepsPasswordOut: the same file
+// mistake with --result-backend-file (django-db): the worker starts, and
+// its start log line about the backend must not show the password.
+func TestDjangoBackendFileWithTwoLinesKeepsPasswordOut(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	const pw = "Django-Two-Line-Pw-8c2f"
+	u, err := url.Parse(testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.UserPassword(u.User.Username(), pw) // trust auth: sent to no one
+	u.RawQuery = ""
+	line := "django-db+" + u.String()
+	env := s.with(map[string]string{"ONCELER_RESULT_BACKEND_FILE": writeSecret(t, "rb", line+"\n"+line+"\n")})
+	w := startWorker(t, env)
+	w.stop()
+	if logs := w.stderr.String(); strings.Contains(logs, pw) {
+		t.Errorf("the worker's log holds the django-db backend's password:\n%s", logs)
+	}
+}
+
+// TestDjangoBackendPrivilegesCheckedAtStart: a worker whose django-db
+// backend (same database, the worker's role) may read
+// django_celery_results_taskresult but not write it is told so at start,
+// not per message: docs/security.md lists INSERT and UPDATE as needed, and
+// the backend's start ping reads the table only, logs it healthy ("result
+// backend") and every result then fails ("permission denied").
+func TestDjangoBackendPrivilegesCheckedAtStart(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	pool := testenv.Pool(t)
+	ctx := context.Background()
+	djSchema := testenv.Schema(t, pool)
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+djSchema+`.django_celery_results_taskresult (
+    id serial PRIMARY KEY, task_id varchar(255) UNIQUE NOT NULL, status varchar(50) NOT NULL,
+    content_type varchar(128) NOT NULL, content_encoding varchar(64) NOT NULL, result text,
+    date_done timestamptz NOT NULL, traceback text, meta text, task_args text, task_kwargs text,
+    task_name varchar(255), worker varchar(100), date_created timestamptz NOT NULL,
+    periodic_task_name varchar(255))`); err != nil {
+		t.Fatal(err)
+	}
+	role, roleURL := testenv.Role(t, pool)
+	r := pgx.Identifier{role}.Sanitize()
+	if res := runBin(t, s.env, "migrate", "--grant-to", role); res.code != 0 {
+		t.Fatalf("migrate --grant-to: %s", res.stderr)
+	}
+	testenv.Grant(t, pool, "GRANT USAGE ON SCHEMA "+djSchema+" TO "+r)
+	testenv.Grant(t, pool, "GRANT SELECT ON "+djSchema+".django_celery_results_taskresult TO "+r)
+	bu, err := url.Parse(roleURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := bu.Query()
+	q.Set("search_path", djSchema)
+	bu.RawQuery = q.Encode()
+	env := s.with(map[string]string{"ONCELER_DATABASE_URL": roleURL, "ONCELER_RESULT_BACKEND": "django-db+" + bu.String()})
+	w := start(t, "worker", env, binary, "worker")
+	w.waitLog("consuming", 60*time.Second)
+	startLog := w.stderr.String()
+	s.sendTasks(t, time.Second, call{demo.TaskAdd, []any{1, 2}})
+	w.waitLog("permission denied", 60*time.Second) // the worker is killed at cleanup
+	if !strings.Contains(startLog, "result backend does not answer yet") {
+		t.Errorf("the worker started with a django-db backend its role cannot write (no warning at start), and each result then fails: %s",
+			firstLineWith(w.stderr.String(), "permission denied"))
+	}
+}
+
+// firstLineWith returns the first line of logs that holds s.
+func firstLineWith(logs, s string) string {
+	for _, l := range strings.Split(logs, "\n") {
+		if strings.Contains(l, s) {
+			return l
+		}
+	}
+	return ""
+}
