@@ -100,3 +100,54 @@ func TestCheckPrivilegesAcceptsColumnGrants(t *testing.T) {
 		t.Fatalf("the role did the worker's work, yet the start check refuses it: %v", err)
 	}
 }
+
+// TestCheckPrivilegesAcceptsSequenceUpdate: nextval, which the worker's
+// event inserts call on events_id_seq, needs USAGE or UPDATE on the
+// sequence. A role that has UPDATE on it instead of USAGE (granted by
+// hand, or through the predefined role pg_write_all_data, which gives
+// UPDATE on every sequence and no USAGE) writes the repeats log, yet the
+// start check demands USAGE and refuses it.
+func TestCheckPrivilegesAcceptsSequenceUpdate(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"update on the sequence", "pg_write_all_data"} {
+		t.Run(strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			e := newEnv(t, idempotency.BatchConfig{Disabled: true})
+			s, role := roleStore(t, e, idempotency.BatchConfig{Disabled: true})
+			r := pgx.Identifier{role}.Sanitize()
+			if how == "pg_write_all_data" {
+				testenv.Grant(t, e.pool, "GRANT pg_read_all_data, pg_write_all_data TO "+r)
+			} else {
+				var privs []idempotency.Privilege
+				for _, p := range idempotency.WorkerPrivileges() {
+					if p.Kind != idempotency.KindSequence {
+						privs = append(privs, p)
+					}
+				}
+				if err := e.store.Grant(ctx, role, privs); err != nil {
+					t.Fatal(err)
+				}
+				testenv.Grant(t, e.pool, "GRANT UPDATE ON SEQUENCE "+e.schema+".events_id_seq TO "+r)
+			}
+			// The role writes events: a duplicate claim and a failure.
+			p := params("t", "k")
+			c := mustClaim(t, s, p, idempotency.OutcomeFirst)
+			if _, err := s.Complete(ctx, p.Ref(c.Token), []byte(`1`)); err != nil {
+				t.Fatal(err)
+			}
+			mustClaim(t, s, p, idempotency.OutcomeCompleted)
+			p = params("t", "f")
+			c = mustClaim(t, s, p, idempotency.OutcomeFirst)
+			if err := s.Fail(ctx, p.Ref(c.Token), "boom"); err != nil {
+				t.Fatal(err)
+			}
+			if n := e.count(t, "SELECT count(*) FROM "+e.schema+".events"); n != 2 {
+				t.Fatalf("%d events written, want 2", n)
+			}
+			if err := s.CheckPrivileges(ctx, idempotency.WorkerPrivileges()); err != nil {
+				t.Fatalf("the role wrote the events, yet the start check refuses it: %v", err)
+			}
+		})
+	}
+}
