@@ -2,6 +2,7 @@ package cmd
 
 import (
 	"context"
+	"fmt"
 	"net/url"
 	"strings"
 	"testing"
@@ -110,4 +111,21 @@ func firstLineWith(logs, s string) string {
 		}
 	}
 	return ""
+}
+
+// TestBlankDatabaseURLFileIsEmpty: a secret file holding only blanks (a
+// template that rendered an unset value as " \n") is as empty as one
+// holding "\n": it must be the usage error naming the path, not a
+// --database-url of " ", which pgx reads as no setting at all and the
+// command then connects to the libpq defaults (another database than the
+// file was meant to name).
+func TestBlankDatabaseURLFileIsEmpty(t *testing.T) {
+	t.Parallel()
+	for _, content := range []string{" \n", "\t\r\n"} {
+		path := writeSecret(t, "db", content)
+		r := runIn(t, map[string]string{"ONCELER_DATABASE_URL_FILE": path}, "records")
+		if ExitCode(r.err) != 2 || !strings.Contains(fmt.Sprint(r.err), "--database-url-file "+path+" is empty") {
+			t.Errorf("file %q: %v (exit %d), want the usage error %q", content, r.err, ExitCode(r.err), "--database-url-file "+path+" is empty")
+		}
+	}
 }
