@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceler/onceler/demo"
+	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 )
 
@@ -127,5 +128,28 @@ func TestBlankDatabaseURLFileIsEmpty(t *testing.T) {
 		if ExitCode(r.err) != 2 || !strings.Contains(fmt.Sprint(r.err), "--database-url-file "+path+" is empty") {
 			t.Errorf("file %q: %v (exit %d), want the usage error %q", content, r.err, ExitCode(r.err), "--database-url-file "+path+" is empty")
 		}
+	}
+}
+
+// TestPurgeAsRoleWithDocumentedPrivileges: 'onceler purge' run as a role
+// holding what docs/security.md lists for it ("USAGE, SELECT and DELETE on
+// records, events, attempts", idempotency.PurgePrivileges, what purge
+// checks at start) passes the start check and must then purge. It fails
+// after the check instead: the purge selects the records FOR UPDATE,
+// which needs UPDATE on records too.
+func TestPurgeAsRoleWithDocumentedPrivileges(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	pool := testenv.Pool(t)
+	role, roleURL := testenv.Role(t, pool)
+	if r := runBin(t, s.env, "migrate"); r.code != 0 {
+		t.Fatalf("migrate: %s", r.stderr)
+	}
+	for _, q := range idempotency.GrantStatements(s.schema, role, idempotency.PurgePrivileges()) {
+		testenv.Grant(t, pool, q)
+	}
+	r := runBin(t, s.with(map[string]string{"ONCELER_DATABASE_URL": roleURL}), "purge", "--older-than", "1d")
+	if r.code != 0 {
+		t.Errorf("purge as a role with the purge privileges: exit %d: %s", r.code, strings.TrimSpace(r.stderr))
 	}
 }
