@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
@@ -149,5 +150,37 @@ func TestCheckPrivilegesAcceptsSequenceUpdate(t *testing.T) {
 				t.Fatalf("the role wrote the events, yet the start check refuses it: %v", err)
 			}
 		})
+	}
+}
+
+// TestMigrateAsOwnerOfExistingSchema: docs/security.md says the role that
+// runs migrate "needs CREATE on the database, or to own the schema already
+// there". A DBA creates the schema for the owner role (CREATE SCHEMA ...
+// AUTHORIZATION owner), without CREATE on the database; Migrate as that
+// owner must then create the tables. It fails on its CREATE SCHEMA IF NOT
+// EXISTS, which PostgreSQL checks against the database's CREATE privilege
+// before it looks whether the schema exists.
+func TestMigrateAsOwnerOfExistingSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testenv.Pool(t)
+	schema := testenv.Schema(t, pool)
+	owner, url := testenv.Role(t, pool)
+	testenv.Grant(t, pool, "ALTER SCHEMA "+pgx.Identifier{schema}.Sanitize()+" OWNER TO "+pgx.Identifier{owner}.Sanitize())
+	op, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(op.Close)
+	s, err := idempotency.New(op, idempotency.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	if err := s.Migrate(ctx); err != nil {
+		t.Fatalf("Migrate as the owner of the schema already there: %v", err)
+	}
+	if err := s.CheckSchema(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
