@@ -153,3 +153,46 @@ func TestPurgeAsRoleWithDocumentedPrivileges(t *testing.T) {
 		t.Errorf("purge as a role with the purge privileges: exit %d: %s", r.code, strings.TrimSpace(r.stderr))
 	}
 }
+
+// TestConcurrentMigrateGrantTo: 'onceler migrate' says it is "safe to run
+// again and from several machines at once" (each replica's init step
+// running 'migrate --grant-to worker', say). The grants run after the
+// migration's advisory lock is released, and PostgreSQL refuses concurrent
+// GRANTs on one object ("tuple concurrently updated"), so some of the
+// migrates exit with an error.
+func TestConcurrentMigrateGrantTo(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	pool := testenv.Pool(t)
+	role, _ := testenv.Role(t, pool)
+	if r := runIn(t, s.env, "migrate"); r.err != nil {
+		t.Fatalf("migrate: %v", r.err)
+	}
+	const procs, rounds = 8, 20
+	errs := make(chan error, procs*rounds)
+	done := make(chan struct{})
+	for range procs {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for range rounds {
+				if r := runIn(t, s.env, "migrate", "--grant-to", role); r.err != nil {
+					errs <- r.err
+				}
+			}
+		}()
+	}
+	for range procs {
+		<-done
+	}
+	close(errs)
+	n, first := 0, error(nil)
+	for err := range errs {
+		if first == nil {
+			first = err
+		}
+		n++
+	}
+	if n > 0 {
+		t.Errorf("%d of %d concurrent 'migrate --grant-to' failed; first: %v", n, procs*rounds, first)
+	}
+}
