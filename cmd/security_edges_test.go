@@ -196,3 +196,99 @@ func TestConcurrentMigrateGrantTo(t *testing.T) {
 		t.Errorf("%d of %d concurrent 'migrate --grant-to' failed; first: %v", n, procs*rounds, first)
 	}
 }
+
+// TestPrivilegeHintWorksForRoleWithSpace: the line that refuses a role
+// lacking a grant says which command grants it ("run 'onceler migrate
+// --schema S --grant-to ROLE'"). For a role whose name holds a space (a
+// name PostgreSQL allows, and GrantStatements quotes), the command as
+// printed, run by a shell, must grant that role; the role name is printed
+// unquoted, so the shell splits it and migrate refuses the rest as an
+// unexpected argument.
+func TestPrivilegeHintWorksForRoleWithSpace(t *testing.T) {
+	t.Parallel()
+	s := newStack(t)
+	pool := testenv.Pool(t)
+	role := "Ops Team " + testenv.Name("r")
+	id := pgx.Identifier{role}.Sanitize()
+	testenv.Grant(t, pool, "CREATE ROLE "+id+" LOGIN")
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP OWNED BY "+id)
+		_, _ = pool.Exec(context.Background(), "DROP ROLE "+id)
+	})
+	if r := runBin(t, s.env, "migrate"); r.code != 0 {
+		t.Fatalf("migrate: %s", r.stderr)
+	}
+	u, err := url.Parse(testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	asRole := s.with(map[string]string{"ONCELER_DATABASE_URL": u.String()})
+	line := oneLineError(t, runBin(t, asRole, "records"), 1)
+	_, hint, _ := strings.Cut(line, "run '")
+	hint, _, ok := strings.Cut(hint, "' as the schema's owner")
+	if !ok {
+		t.Fatalf("no command in the line: %s", line)
+	}
+	args := shellWords(t, hint)
+	if len(args) < 2 || args[0] != "onceler" {
+		t.Fatalf("hint %q", hint)
+	}
+	if r := runBin(t, s.env, args[1:]...); r.code != 0 {
+		t.Fatalf("the hint's command %q, run as a shell runs it: exit %d: %s", hint, r.code, strings.TrimSpace(r.stderr))
+	}
+	if r := runBin(t, asRole, "records"); r.code != 0 {
+		t.Fatalf("records after the hint's grant: %s", r.stderr)
+	}
+}
+
+// shellWords splits s as a POSIX shell does for words with single or
+// double quotes and backslashes (no expansions).
+func shellWords(t *testing.T, s string) []string {
+	t.Helper()
+	var out []string
+	var cur strings.Builder
+	in, quote := false, byte(0)
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case quote == '\'':
+			if c == '\'' {
+				quote = 0
+			} else {
+				cur.WriteByte(c)
+			}
+		case quote == '"':
+			if c == '"' {
+				quote = 0
+			} else if c == '\\' && i+1 < len(s) {
+				i++
+				cur.WriteByte(s[i])
+			} else {
+				cur.WriteByte(c)
+			}
+		case c == '\'' || c == '"':
+			quote, in = c, true
+		case c == '\\' && i+1 < len(s):
+			i++
+			cur.WriteByte(s[i])
+			in = true
+		case c == ' ' || c == '\t':
+			if in {
+				out = append(out, cur.String())
+				cur.Reset()
+				in = false
+			}
+		default:
+			cur.WriteByte(c)
+			in = true
+		}
+	}
+	if quote != 0 {
+		t.Fatalf("unterminated quote in %q", s)
+	}
+	if in {
+		out = append(out, cur.String())
+	}
+	return out
+}
