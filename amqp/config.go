@@ -28,12 +28,24 @@ const (
 )
 
 // Config says how to reach the broker. The zero value of every field but URL
-// has a working default.
+// (or URLs) has a working default.
 type Config struct {
 	// URL is the broker address: amqp:// or amqps://, and Celery's pyamqp://.
 	// The Celery spelling "amqp://host:5672//" names vhost "/", as do a
-	// trailing "/" and no path at all; "/%2f" works too.
+	// trailing "/" and no path at all; "/%2f" works too. Several addresses
+	// separated by ';', as in Celery's broker_url, are a failover list: see
+	// URLs.
 	URL string
+	// URLs is the failover list in the Go API, for nodes of one RabbitMQ
+	// cluster: each connection attempt goes to one URL, the first attempt to
+	// the first URL; after a failed attempt, or the loss of a connection, the
+	// next attempt goes to the next URL, round robin, after the usual
+	// backoff (MinBackoff, MaxBackoff). A connection stays on the URL it
+	// reached: failover, not load balancing. Blanks around each URL and
+	// empty elements are ignored. Give URL or URLs, not both. TLS applies to
+	// the amqps:// URLs of a list; the broker's certificate is verified
+	// against each URL's host unless TLS.ServerName is set.
+	URLs []string
 	// TLS gives the files for an amqps:// URL. Setting any of them for an
 	// amqp:// URL is an error: it would silently not be used.
 	TLS TLSConfig
@@ -149,7 +161,7 @@ func normalizeURL(raw string) (string, amqp091.URI, error) {
 		s = "amqps://" + strings.TrimPrefix(s, "pyamqps://")
 	}
 	if strings.Contains(s, ";") {
-		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: a list of URLs (failover) is not supported: give one", ErrConfig, RedactURL(s))
+		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: one URL expected here, not a list", ErrConfig, RedactURL(s))
 	}
 	if scheme, _, ok := strings.Cut(s, "://"); !ok || !strings.EqualFold(scheme, "amqp") && !strings.EqualFold(scheme, "amqps") {
 		// amqp091 reads "amqp:user:pw@host" (no "//") as a URL without a
@@ -171,25 +183,38 @@ func normalizeURL(raw string) (string, amqp091.URI, error) {
 // and publisher use for c.URL: TLS 1.2 or later, the broker verified against
 // TLS.CAFile (default the system roots) under TLS.ServerName (default the
 // URL's host), and the client certificate of TLS.CertFile and TLS.KeyFile.
-// It is nil for an amqp:// URL without TLS files. Errors wrap ErrConfig: an
-// unparsable URL, TLS files for an amqp:// URL, unreadable files, a
-// certificate without its key. Give it to other connections to the same
-// broker (e.g. control.Config.TLS) so that they present the same client
-// certificate.
+// It is nil when no URL is amqps:// and no TLS file is given. For a
+// failover list (URLs, or URL with ';') without TLS.ServerName, ServerName
+// is left empty, and amqp091 verifies each amqps:// URL's own host (on a
+// clone per connection: it sets ServerName in the config it is given).
+// Errors wrap ErrConfig: an unparsable URL, TLS files with no amqps://
+// URL, unreadable files, a certificate without its key. Give it to other
+// connections to the same broker (e.g. control.Config.TLS) so that they
+// present the same client certificate.
 func (c Config) TLSClientConfig() (*tls.Config, error) {
-	_, uri, err := normalizeURL(c.URL)
+	eps, err := c.endpoints()
 	if err != nil {
 		return nil, err
 	}
-	return c.tlsConfig(uri)
+	var tc *tls.Config
+	for _, e := range eps {
+		if e.uri.Scheme == "amqps" {
+			if tc, err = c.tlsConfig(e.uri); err != nil {
+				return nil, err
+			}
+			break
+		}
+	}
+	if tc != nil && len(eps) > 1 && c.TLS.ServerName == "" {
+		tc.ServerName = ""
+	}
+	return tc, nil
 }
 
-// tlsConfig builds the client TLS configuration for uri.
+// tlsConfig builds the client TLS configuration for uri: nil for amqp://
+// (endpoints refuses TLS files when no URL is amqps://).
 func (c Config) tlsConfig(uri amqp091.URI) (*tls.Config, error) {
 	if uri.Scheme != "amqps" {
-		if !c.TLS.empty() {
-			return nil, fmt.Errorf("%w: TLS files given for a non-TLS URL (use amqps://)", ErrConfig)
-		}
 		return nil, nil
 	}
 	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.TLS.ServerName}
@@ -220,13 +245,10 @@ func (c Config) tlsConfig(uri amqp091.URI) (*tls.Config, error) {
 	return tc, nil
 }
 
-// dial opens one connection, bounded by ctx and DialTimeout. role is
-// appended to the connection name.
-func (c Config) dial(ctx context.Context, role string) (*amqp091.Connection, error) {
-	raw, uri, err := normalizeURL(c.URL)
-	if err != nil {
-		return nil, err
-	}
+// dialEndpoint opens one connection to e, bounded by ctx and DialTimeout.
+// role is appended to the connection name.
+func (c Config) dialEndpoint(ctx context.Context, e endpoint, role string) (*amqp091.Connection, error) {
+	raw, uri := e.raw, e.uri
 	tc, err := c.tlsConfig(uri)
 	if err != nil {
 		return nil, err

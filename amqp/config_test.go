@@ -91,7 +91,7 @@ func TestTLSConfigErrors(t *testing.T) {
 		{URL: "amqps://h//", TLS: TLSConfig{CertFile: notPEM, KeyFile: notPEM}},  // bad pair
 	}
 	for i, c := range cases {
-		_, err := c.withDefaults().dial(context.Background(), "test")
+		_, _, err := newFailover(c.withDefaults(), zap.NewNop()).dial(context.Background(), "test")
 		if !errors.Is(err, ErrConfig) {
 			t.Errorf("case %d: dial = %v, want ErrConfig", i, err)
 		}

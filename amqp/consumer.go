@@ -47,6 +47,7 @@ type Consumer struct {
 	cfg Config
 	cc  ConsumerConfig
 	log *zap.Logger
+	ep  *failover
 
 	// mu guards the fields below and serializes RPCs (basic.qos) on the live
 	// channel, since amqp091 does not allow concurrent RPCs on one channel.
@@ -90,8 +91,9 @@ func NewConsumer(cfg Config, cc ConsumerConfig) *Consumer {
 		cc.Tag = cfg.Name
 	}
 	cc.Queues = append([]QueueSpec(nil), cc.Queues...)
+	log := cfg.Logger.Named("amqp.consumer")
 	return &Consumer{
-		cfg: cfg, cc: cc, log: cfg.Logger.Named("amqp.consumer"),
+		cfg: cfg, cc: cc, log: log, ep: newFailover(cfg, log),
 		prefetch: cc.Prefetch, requested: cc.Prefetch, qosChanged: make(chan struct{}, 1), topo: make(chan topoReq),
 	}
 }

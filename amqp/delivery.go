@@ -23,6 +23,11 @@ type Delivery struct {
 	// before: a quorum queue's x-delivery-count header on a redelivery, else
 	// 0 (see newDelivery for why a producer's header is not trusted).
 	DeliveryCount int
+	// DeliveryLimit is the x-delivery-limit argument of a quorum queue, as
+	// found when consuming started (see QueueSpec.DeliveryLimit); 0 when it
+	// has none. RabbitMQ drops the message (or dead-letters it) when it
+	// returns after the delivery whose DeliveryCount equals the limit.
+	DeliveryLimit int
 	// MessageID is the AMQP message_id property, empty if unset.
 	MessageID string
 

@@ -169,7 +169,10 @@
 // # URLs and secrets
 //
 // Config.URL takes Celery's spellings: amqp://, pyamqp://, amqps://, and
-// "amqp://host:5672//" for vhost "/". The password never appears in logs or
-// errors: RedactURL masks it, and URL parse errors, which quote the URL, are
-// not passed on.
+// "amqp://host:5672//" for vhost "/". Several URLs separated by ';' (or
+// Config.URLs) are a failover list for the nodes of one cluster: each
+// Consumer and Publisher connects to one URL at a time and moves on to the
+// next after a failed attempt or a lost connection. The password never
+// appears in logs or errors: RedactURL masks it (each URL of a list), and
+// URL parse errors, which quote the URL, are not passed on.
 package amqp

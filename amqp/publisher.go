@@ -31,6 +31,7 @@ type PublishOptions struct {
 type Publisher struct {
 	cfg Config
 	log *zap.Logger
+	ep  *failover
 
 	// connecting is a context-aware lock held while dialing.
 	connecting chan struct{}
@@ -50,9 +51,11 @@ type Publisher struct {
 // NewPublisher returns a Publisher; it connects on first use.
 func NewPublisher(cfg Config) *Publisher {
 	cfg = cfg.withDefaults()
+	log := cfg.Logger.Named("amqp.publisher")
 	return &Publisher{
 		cfg:        cfg,
-		log:        cfg.Logger.Named("amqp.publisher"),
+		log:        log,
+		ep:         newFailover(cfg, log),
 		connecting: make(chan struct{}, 1),
 		isolated:   make(chan struct{}, 1),
 		backoff:    backoff{min: cfg.MinBackoff, max: cfg.MaxBackoff},
@@ -165,6 +168,12 @@ func (p *Publisher) connect(ctx context.Context) (*pubSession, error) {
 			p.mu.Unlock()
 			return nil, nil
 		}
+		if p.cur != nil {
+			// Lost: the next connection goes to the next URL (once: the
+			// dead session is forgotten, as by drop).
+			p.ep.failed(p.cur.ep)
+			p.cur = nil
+		}
 		p.mu.Unlock()
 		s, err := p.open(ctx)
 		if err == nil {
@@ -216,7 +225,7 @@ func (p *Publisher) refusedFirst(err error) bool {
 
 // open dials one connection and starts its watcher.
 func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
-	conn, err := p.cfg.dial(ctx, "publish")
+	conn, ep, err := p.ep.dial(ctx, "publish")
 	if err != nil {
 		return nil, err
 	}
@@ -233,6 +242,7 @@ func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 		conn:  conn,
 		ch:    ch,
 		gen:   p.gen.Add(1),
+		ep:    ep,
 		dead:  make(chan struct{}),
 		byID:  make(map[string]*mandatoryWait),
 		byTag: make(map[uint64]*mandatoryWait),
@@ -258,7 +268,7 @@ func (p *Publisher) open(ctx context.Context) (*pubSession, error) {
 		defer p.wg.Done()
 		s.watch(w, p.log)
 	}()
-	p.log.Info("publisher connected", zap.Uint64("generation", s.gen))
+	p.log.Info("publisher connected", zap.String("broker", p.ep.shown(ep)), zap.Uint64("generation", s.gen))
 	return s, nil
 }
 
@@ -268,6 +278,7 @@ func (p *Publisher) drop(s *pubSession) {
 	p.mu.Lock()
 	if p.cur == s {
 		p.cur = nil
+		p.ep.failed(s.ep)
 	}
 	p.mu.Unlock()
 }

@@ -21,6 +21,7 @@ type pubSession struct {
 	conn *amqp091.Connection
 	ch   *amqp091.Channel
 	gen  uint64
+	ep   int // the index of its URL in the failover list
 	// dead is closed when the connection or channel is gone.
 	dead    chan struct{}
 	deadErr error // set before dead is closed

@@ -82,7 +82,7 @@ func (c *Consumer) AddQueue(q QueueSpec) error {
 func (c *Consumer) probe(q QueueSpec) (queueState, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.DialTimeout)
 	defer cancel()
-	conn, err := c.cfg.dial(ctx, "declare")
+	conn, _, err := c.ep.dial(ctx, "declare")
 	if err != nil {
 		return queueState{}, fmt.Errorf("%w: %w", ErrNotConsuming, err)
 	}
@@ -223,7 +223,7 @@ func (s *consumeSession) syncQueues() error {
 			if err == nil {
 				s.tags[tag] = st.spec.Name
 				s.queues = append(s.queues, st.spec)
-				s.forward(dch, st.spec.Name, st.spec.isQuorum())
+				s.forward(dch, st.spec.Name, st.spec.isQuorum(), st.spec.DeliveryLimit())
 			}
 		}
 		c.mu.Unlock()

@@ -16,6 +16,7 @@ type tagged struct {
 	m      amqp091.Delivery
 	queue  string
 	quorum bool
+	limit  int // the queue's delivery limit, 0 if none
 }
 
 // consumeSession is one connection's consumers, owned by Run's goroutine.
@@ -38,10 +39,15 @@ type consumeSession struct {
 // session is one connection's life. consumed is how long it consumed, 0
 // if consuming never started; a long enough session resets the backoff.
 func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consumed time.Duration, err error) {
-	conn, err := c.cfg.dial(ctx, "consume")
+	conn, ep, err := c.ep.dial(ctx, "consume")
 	if err != nil {
 		return 0, err
 	}
+	defer func() {
+		if err != nil && ctx.Err() == nil {
+			c.ep.failed(ep) // the next session goes to the next URL
+		}
+	}()
 	s := &consumeSession{
 		c: c, conn: conn, st: &channelState{gen: c.gen.Add(1)},
 		tags: map[string]string{}, merged: make(chan tagged), stop: make(chan struct{}),
@@ -83,7 +89,7 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 	}
 	c.ready.Store(true)
 	started := time.Now()
-	c.log.Info("consuming", zap.Strings("queues", queueNames(s.queues)),
+	c.log.Info("consuming", zap.String("broker", c.ep.shown(ep)), zap.Strings("queues", queueNames(s.queues)),
 		zap.Int("prefetch", s.applied), zap.Bool("global_qos", s.global), zap.Uint64("channel_generation", s.st.gen))
 
 	for {
@@ -93,7 +99,9 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 			return time.Since(started), nil
 		case t := <-s.merged:
 			s.st.outstanding.Add(1)
-			handle(newDelivery(&t.m, t.queue, t.quorum, s.st))
+			d := newDelivery(&t.m, t.queue, t.quorum, s.st)
+			d.DeliveryLimit = t.limit
+			handle(d)
 		case req := <-c.topo:
 			req.done <- s.syncQueues()
 		case <-c.qosChanged:
@@ -145,7 +153,7 @@ func (s *consumeSession) startConsumers() error {
 			return fmt.Errorf("consume %q: %w", q.Name, err)
 		}
 		s.tags[tag] = q.Name
-		s.forward(dch, q.Name, q.isQuorum())
+		s.forward(dch, q.Name, q.isQuorum(), q.DeliveryLimit())
 	}
 	return nil
 }
@@ -176,13 +184,13 @@ func (s *consumeSession) restartConsumers() error {
 
 // forward copies one consumer's deliveries into merged until the consumer
 // ends (cancel or channel close) or the session stops.
-func (s *consumeSession) forward(dch <-chan amqp091.Delivery, queue string, quorum bool) {
+func (s *consumeSession) forward(dch <-chan amqp091.Delivery, queue string, quorum bool, limit int) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		for m := range dch {
 			select {
-			case s.merged <- tagged{m: m, queue: queue, quorum: quorum}:
+			case s.merged <- tagged{m: m, queue: queue, quorum: quorum, limit: limit}:
 			case <-s.stop:
 				return
 			}

@@ -82,6 +82,18 @@ func (q QueueSpec) MaxPriority() int {
 	return int(n)
 }
 
+// DeliveryLimit returns the x-delivery-limit argument of a quorum queue
+// (the broker drops or dead-letters a message returned more often), 0
+// when it has none or is no quorum queue. A limit set by a policy
+// (delivery-limit) is not among a queue's arguments: it is not seen here.
+func (q QueueSpec) DeliveryLimit() int {
+	if !q.isQuorum() {
+		return 0
+	}
+	n, _ := intArg(q.Args["x-delivery-limit"])
+	return int(max(n, 0))
+}
+
 // resolved fills in kombu's defaults.
 func (q QueueSpec) resolved() QueueSpec {
 	if q.Exchange == "" {

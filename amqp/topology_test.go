@@ -330,3 +330,22 @@ func TestProducerDeliveryCountNotTrusted(t *testing.T) {
 		}
 	}
 }
+
+func TestQueueSpecDeliveryLimit(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		q    QueueSpec
+		want int
+	}{
+		{QueueSpec{Quorum: true, Args: map[string]any{"x-delivery-limit": int32(3)}}, 3},
+		{QueueSpec{Args: map[string]any{"x-queue-type": "quorum", "x-delivery-limit": int64(20)}}, 20},
+		{QueueSpec{Args: map[string]any{"x-delivery-limit": int32(3)}}, 0}, // a classic queue has none
+		{QueueSpec{Quorum: true}, 0},
+		{QueueSpec{Quorum: true, Args: map[string]any{"x-delivery-limit": "3"}}, 0},
+		{QueueSpec{Quorum: true, Args: map[string]any{"x-delivery-limit": int32(-1)}}, 0},
+	} {
+		if got := c.q.DeliveryLimit(); got != c.want {
+			t.Errorf("%+v: DeliveryLimit %d, want %d", c.q, got, c.want)
+		}
+	}
+}

@@ -114,7 +114,7 @@ func TestMalformedURLsHideTheirPassword(t *testing.T) {
 		"amqp:guest:secretpw@127.0.0.1:5672//",
 		"amqp:/guest:secretpw@127.0.0.1:5672//",
 		"guest:secretpw@127.0.0.1",
-		"amqp://guest:secretpw@127.0.0.1:5672//;amqp://guest:secretpw@127.0.0.2//",
+		"amqp://guest:secretpw@127.0.0.1:5672//;amqp:guest:secretpw@127.0.0.2//", // the second of a list
 	} {
 		r := runBin(t, map[string]string{"ONCELER_BROKER_URL": url}, "quarantine", "list")
 		line := oneLineError(t, r, 2)
@@ -162,6 +162,30 @@ func TestUnreachableBrokerIsOneLineWithTheRedactedURL(t *testing.T) {
 			!strings.Contains(line, "check --broker-url (ONCELER_BROKER_URL)") || strings.Contains(line, "secret") {
 			t.Fatalf("%v: %q", args, line)
 		}
+	}
+}
+
+// A broker URL list (Celery's ';'): a command whose first URL is down
+// connects to the next; when all are down, the error names them all,
+// redacted.
+func TestBrokerURLListFailsOver(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Pool(t)
+	schema := testenv.Schema(t, pool)
+	env := map[string]string{
+		"ONCELER_DATABASE_URL": testenv.DatabaseURL(t),
+		"ONCELER_SCHEMA":       schema,
+		"ONCELER_BROKER_URL":   "amqp://guest:secret@127.0.0.1:1// ; " + testenv.AMQPURL(t),
+		"ONCELER_QUEUES":       testenv.Name("q"),
+	}
+	if r := runBin(t, env, "quarantine", "list"); r.code != 0 {
+		t.Fatalf("quarantine list over the second URL: exit %d\n%s", r.code, r.stderr)
+	}
+	env["ONCELER_BROKER_URL"] = "amqp://guest:secret@127.0.0.1:1//;amqp://guest:secret@127.0.0.1:2//"
+	line := oneLineError(t, runBin(t, env, "quarantine", "list"), 1)
+	if !strings.Contains(line, "cannot reach RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1//;amqp://guest:xxxxx@127.0.0.1:2//") ||
+		strings.Contains(line, "secret") {
+		t.Fatalf("all URLs down: %q", line)
 	}
 }
 

@@ -22,7 +22,9 @@ type brokerFlags struct {
 
 func (b *brokerFlags) define(fs *flagSet) {
 	fs.Secret(&b.url, "broker-url", "URL", DefaultBrokerURL,
-		"RabbitMQ URL (amqp://, amqps://; Celery's amqp://host// and pyamqp:// spellings accepted)")
+		"RabbitMQ URL (amqp://, amqps://; Celery's amqp://host// and pyamqp:// spellings accepted); "+
+			"several separated by ';', as Celery's broker_url, are a failover list for the nodes of one cluster: "+
+			"after a failed attempt or a lost connection the next attempt goes to the next URL")
 	fs.String(&b.caFile, "broker-ca-file", "FILE", "", "CA bundle (PEM) that verifies an amqps:// broker; default the system roots")
 	fs.String(&b.certFile, "broker-cert-file", "FILE", "", "client certificate (PEM) for mutual TLS with the broker")
 	fs.String(&b.keyFile, "broker-key-file", "FILE", "", "client key (PEM) for mutual TLS with the broker")

@@ -31,7 +31,9 @@ const (
 // Config configures a Controller. Zero values take the documented defaults.
 type Config struct {
 	// URL is the broker, amqp:// or amqps:// (pyamqp:// and a Celery-style
-	// "//" vhost are accepted). Required.
+	// "//" vhost are accepted); several separated by ';' are a failover
+	// list, as amqp.Config.URL's: after a failed attempt or a lost
+	// connection the next attempt goes to the next URL. Required.
 	URL string
 	// TLS is the client TLS configuration for an amqps:// URL (CA, client
 	// certificate). Nil: the system roots, no client certificate.

@@ -60,9 +60,15 @@ type Controller struct {
 	failed    atomic.Int64
 	commands  atomic.Int64
 	connected atomic.Bool
-	sessions  atomic.Int64 // connections established
+	// connectedTo is the URL (redacted) of the last connection opened.
+	connectedTo atomic.Pointer[string]
+	sessions    atomic.Int64 // connections established
 
 	mem memSamples // memsample's samples, for memdump
+
+	// urlAt is the index, in the failover list of Config.URL, of the URL
+	// the next connection attempt goes to (Run's goroutine only).
+	urlAt int
 
 	mu       sync.Mutex
 	declared map[string]bool // reply exchanges declared on the current session
@@ -173,6 +179,7 @@ func (c *Controller) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
+		c.urlAt++ // failover: the next attempt goes to the next URL of the list
 		c.log.Warn("control connection lost; reconnecting", zap.Error(err), zap.Duration("backoff", backoff))
 		t := time.NewTimer(backoff + rand.N(backoff/2+1))
 		select {
@@ -203,14 +210,18 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 		}
 	})
 	defer stop()
-	url, err := amqp.DialURL(c.cfg.URL)
+	urls, err := amqp.DialURLs(c.cfg.URL)
 	if err != nil {
 		return nil, fmt.Errorf("control: %w", err)
 	}
+	url := urls[c.urlAt%len(urls)]
+	shown := amqp.RedactURL(url)
 	conn, err := amqp091.DialConfig(url, amqp091.Config{
-		Properties:      props,
-		Heartbeat:       controlHeartbeat,
-		TLSClientConfig: c.cfg.TLS,
+		Properties: props,
+		Heartbeat:  controlHeartbeat,
+		// amqp091 sets ServerName in the config it is given: a clone per
+		// connection, so that each URL of a list is verified as itself.
+		TLSClientConfig: c.cfg.TLS.Clone(),
 		Dial: func(network, addr string) (net.Conn, error) {
 			var d net.Dialer
 			nc, err := d.DialContext(dctx, network, addr)
@@ -227,12 +238,13 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 		},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("control: dial %s: %w", amqp.RedactURL(c.cfg.URL), err)
+		return nil, fmt.Errorf("control: dial %s: %w", shown, err)
 	}
 	if !stop() {
 		_ = conn.Close()
-		return nil, fmt.Errorf("control: dial %s: %w", amqp.RedactURL(c.cfg.URL), dctx.Err())
+		return nil, fmt.Errorf("control: dial %s: %w", shown, dctx.Err())
 	}
+	c.connectedTo.Store(&shown)
 	return conn, nil
 }
 
@@ -259,7 +271,7 @@ func (c *Controller) session(ctx context.Context, conn *amqp091.Connection, onli
 	c.connected.Store(true)
 	c.sessions.Add(1)
 	defer c.evCh.Store(nil)
-	c.log.Info("control connected", zap.String("broker", amqp.RedactURL(c.cfg.URL)), zap.String("queue", c.queueName()))
+	c.log.Info("control connected", zap.String("broker", *c.connectedTo.Load()), zap.String("queue", c.queueName()))
 
 	if !*online {
 		c.sendWorkerEvent("worker-online")

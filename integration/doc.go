@@ -74,6 +74,15 @@
 //   - TestFaultBrokerRestart: rabbitmqctl stop_app, start_app.
 //   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate,
 //     each in the middle of 1,000 operations.
+//   - TestFaultClusterNodeStopped, TestFaultClusterNodeKilled: a 3-node
+//     RabbitMQ cluster of their own (rabbitCluster), a quorum work queue,
+//     two workers with the cluster's URL list; the node of one worker,
+//     which leads the queue, is stopped (stop_app) or its VM killed
+//     (kill -9), then started again, in the middle of 5,000 same-database
+//     and 5,000 lookup operations; they print a table of what they found.
+//   - TestFaultClusterDeliveryLimit: a quorum queue with x-delivery-limit
+//     and a task that kills its worker each time: quarantined as poison on
+//     the broker's last delivery, its caller answered.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a

@@ -7,7 +7,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -21,14 +23,32 @@ import (
 // connections and stop and start it without disturbing anyone else.
 type privateRabbit struct {
 	node, dir, url string
+	port, dist     int
 	cmd            *exec.Cmd
 	done           chan struct{}
+}
+
+// rabbitOptions are the settings of a private node beyond the defaults.
+type rabbitOptions struct {
+	// conf holds extra rabbitmq.conf lines.
+	conf string
 }
 
 // startRabbit starts a private RabbitMQ node, stopped and removed when the
 // test ends. It needs rabbitmq-server and root (to run it as the rabbitmq
 // user, who owns the Erlang cookie).
 func startRabbit(t *testing.T) *privateRabbit {
+	t.Helper()
+	r := newRabbit(t, rabbitOptions{})
+	r.await(t)
+	return r
+}
+
+// newRabbit starts a private RabbitMQ node without waiting for it (see
+// await), stopped and removed when the test ends. Every node runs as the
+// rabbitmq user with its home /var/lib/rabbitmq, so all share that user's
+// Erlang cookie: they may form a cluster (see startRabbitCluster).
+func newRabbit(t *testing.T, o rabbitOptions) *privateRabbit {
 	t.Helper()
 	const server = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 	if _, err := os.Stat(server); err != nil || os.Geteuid() != 0 {
@@ -42,10 +62,10 @@ func startRabbit(t *testing.T) *privateRabbit {
 		t.Fatal(err)
 	}
 	port, dist := freePort(t), freePort(t)
-	r := &privateRabbit{node: testenv.Name("onceler_fault") + "@localhost", dir: dir, done: make(chan struct{}),
+	r := &privateRabbit{node: testenv.Name("onceler_fault") + "@localhost", dir: dir, port: port, dist: dist,
 		url: fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)}
 	files := map[string]string{
-		"rabbitmq.conf": fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n", port),
+		"rabbitmq.conf": fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n%s", port, o.conf),
 		"plugins":       "[].\n",
 	}
 	for name, content := range files {
@@ -56,25 +76,7 @@ func startRabbit(t *testing.T) *privateRabbit {
 	if out, err := exec.Command("chown", "-R", "rabbitmq", dir).CombinedOutput(); err != nil {
 		t.Fatalf("chown: %v\n%s", err, out)
 	}
-	log, err := os.Create(filepath.Join(dir, "server.out"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer log.Close()
-	r.cmd = exec.Command("runuser", "-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq",
-		"RABBITMQ_NODENAME="+r.node, fmt.Sprintf("RABBITMQ_DIST_PORT=%d", dist),
-		"RABBITMQ_MNESIA_BASE="+filepath.Join(dir, "mnesia"), "RABBITMQ_LOG_BASE="+filepath.Join(dir, "log"),
-		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(dir, "plugins"),
-		"RABBITMQ_CONFIG_FILE="+filepath.Join(dir, "rabbitmq.conf"),
-		"RABBITMQ_PID_FILE="+filepath.Join(dir, "pid"), server)
-	r.cmd.Stdout, r.cmd.Stderr = log, log
-	if err := r.cmd.Start(); err != nil {
-		t.Fatalf("start rabbitmq-server: %v", err)
-	}
-	go func() {
-		_ = r.cmd.Wait()
-		close(r.done)
-	}()
+	r.launch(t)
 	t.Cleanup(func() {
 		_, _ = r.ctl("stop")
 		select {
@@ -85,12 +87,69 @@ func startRabbit(t *testing.T) *privateRabbit {
 		}
 		_ = os.RemoveAll(dir)
 	})
-	if out, err := r.ctl("wait", filepath.Join(dir, "pid"), "--timeout", "120"); err != nil {
-		b, _ := os.ReadFile(filepath.Join(dir, "server.out"))
-		t.Fatalf("private RabbitMQ node did not start: %v\n%s\n%s", err, out, b)
+	return r
+}
+
+// launch starts the node's server process (again, after kill).
+func (r *privateRabbit) launch(t *testing.T) {
+	t.Helper()
+	log, err := os.OpenFile(filepath.Join(r.dir, "server.out"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer log.Close()
+	cmd := exec.Command("runuser", "-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq",
+		"RABBITMQ_NODENAME="+r.node, fmt.Sprintf("RABBITMQ_DIST_PORT=%d", r.dist),
+		"RABBITMQ_MNESIA_BASE="+filepath.Join(r.dir, "mnesia"), "RABBITMQ_LOG_BASE="+filepath.Join(r.dir, "log"),
+		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(r.dir, "plugins"),
+		"RABBITMQ_CONFIG_FILE="+filepath.Join(r.dir, "rabbitmq.conf"),
+		"RABBITMQ_PID_FILE="+r.pidFile(), "/usr/lib/rabbitmq/bin/rabbitmq-server")
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start rabbitmq-server: %v", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(done)
+	}()
+	r.cmd, r.done = cmd, done
+}
+
+func (r *privateRabbit) pidFile() string { return filepath.Join(r.dir, "pid") }
+
+// await waits until the node runs and answers AMQP.
+func (r *privateRabbit) await(t *testing.T) {
+	t.Helper()
+	if out, err := r.ctl("wait", r.pidFile(), "--timeout", "120"); err != nil {
+		b, _ := os.ReadFile(filepath.Join(r.dir, "server.out"))
+		t.Fatalf("private RabbitMQ node %s did not start: %v\n%s\n%s", r.node, err, out, b)
 	}
 	r.waitAMQP(t)
-	return r
+}
+
+// kill ends the node's Erlang VM with SIGKILL (no shutdown: as a crash or
+// an OOM kill does) and waits for its server process to end; it returns the
+// VM's OS pid.
+func (r *privateRabbit) kill(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile(r.pidFile())
+	if err != nil {
+		t.Fatalf("pid file of %s: %v", r.node, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 1 {
+		t.Fatalf("pid file of %s: %q", r.node, b)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatalf("kill -9 %d (%s): %v", pid, r.node, err)
+	}
+	select {
+	case <-r.done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("server process of %s still running 30 s after kill -9 of its VM (pid %d)", r.node, pid)
+	}
+	return pid
 }
 
 // ctl runs rabbitmqctl against the private node.

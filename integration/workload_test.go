@@ -243,6 +243,9 @@ type tally struct {
 	// outsideUnknown counts the outsideFailed operations whose outside
 	// system did commit the effect (once) though the task saw an error.
 	outsideUnknown int
+	// effects counts the effects found (rows of the operations' effect
+	// tables), for the closing tables.
+	effects int
 }
 
 func (tl tally) String() string {
@@ -260,6 +263,7 @@ func (tl *tally) add(o tally) {
 	tl.retried += o.retried
 	tl.outsideFailed += o.outsideFailed
 	tl.outsideUnknown += o.outsideUnknown
+	tl.effects += o.effects
 }
 
 // outsideFailure reports whether every caller of o was told that the
@@ -343,6 +347,7 @@ func (w *workload) checkByTask(t *testing.T) map[string]*tally {
 		if err != nil {
 			t.Fatalf("effects of %s: %v", o.op, err)
 		}
+		tl.effects += n
 		rec, err := w.e.Store.Get(ctx, o.task, o.op)
 		if err != nil {
 			tl.lost++

@@ -25,7 +25,9 @@ import (
 // Config configures a Worker. Zero values take the documented defaults.
 type Config struct {
 	// Broker is the RabbitMQ connection configuration. The worker opens one
-	// connection for consuming and one for publishing (results, quarantine).
+	// connection for consuming and one for publishing (results, quarantine),
+	// and one for the remote control. A failover list (Broker.URLs, or URL
+	// with ';') serves all three: each moves on to the next URL on its own.
 	Broker amqp.Config
 	// Queues are the queues consumed. Default: amqp.CeleryQueue("celery").
 	// A queue that exists is consumed as it is, with the arguments its
@@ -121,7 +123,8 @@ type Config struct {
 	// queues: x-delivery-count) or one operation claimed by redeliveries (the
 	// record's attempt count; same-database tasks: redeliveries counted with
 	// idempotency CountAttempt) before the message is quarantined as poison.
-	// Default 5.
+	// Default 5. A quorum queue's x-delivery-limit, when lower, quarantines
+	// sooner: on the last delivery the broker makes.
 	MaxAttempts int
 	// Observer receives task events (task-received, task-started, ...),
 	// besides the worker's remote control when task events are on. It must

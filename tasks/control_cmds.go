@@ -348,7 +348,7 @@ func (w *Worker) Settings(withDefaults bool) map[string]any {
 		value, by any // by: Celery's default
 	}
 	all := []setting{
-		{"broker_url", amqp.RedactURL(cfg.Broker.URL), nil},
+		{"broker_url", amqp.RedactURL(brokerURL(cfg.Broker)), nil},
 		{"broker_heartbeat", broker["heartbeat"], 120.0},
 		{"broker_connection_timeout", broker["connect_timeout"], 4.0},
 		{"result_backend", redactBackend(backend), nil},
@@ -393,7 +393,7 @@ func (w *Worker) brokerInfo() map[string]any {
 	if dialTimeout <= 0 {
 		dialTimeout = 30 * time.Second
 	}
-	return control.BrokerInfo(w.cfg.Broker.URL, heartbeat, dialTimeout)
+	return control.BrokerInfo(brokerURL(w.cfg.Broker), heartbeat, dialTimeout)
 }
 
 // slotGate bounds the tasks running at once to its limit: a task goroutine

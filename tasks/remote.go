@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"strings"
 
 	"go.uber.org/zap"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/control"
 )
@@ -44,7 +46,7 @@ func controlConfig(cfg *Config) (control.Config, error) {
 		return control.Config{}, err
 	}
 	return control.Config{
-		URL:         cfg.Broker.URL,
+		URL:         brokerURL(cfg.Broker),
 		TLS:         tc,
 		NodeName:    cfg.Hostname,
 		TaskEvents:  cfg.TaskEvents,
@@ -54,6 +56,10 @@ func controlConfig(cfg *Config) (control.Config, error) {
 		Logger:      cfg.Logger.Named("control"),
 	}, nil
 }
+
+// brokerURL is the broker's failover list (Config.URLs, or URL) in
+// Celery's spelling: the URLs separated by ';'.
+func brokerURL(c amqp.Config) string { return strings.Join(c.Addresses(), ";") }
 
 // shutdown is the remote shutdown command: Run stops as when its context
 // is cancelled.

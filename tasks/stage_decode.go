@@ -16,7 +16,8 @@ import (
 )
 
 // decode decodes j's delivery through the memory budget (w.dec) and checks
-// its transport's delivery count against Config.MaxAttempts. It answers the
+// its transport's delivery count against Config.MaxAttempts and the
+// transport's own delivery limit (a quorum queue's x-delivery-limit). It answers the
 // delivery (a FAILURE when its caller can be named, then quarantine) and
 // returns false when the delivery goes no further.
 func (w *Worker) decode(ctx context.Context, j *job) bool {
@@ -30,6 +31,12 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 	w.mu.Unlock()
 	if n := j.d.deliveryCount(); n > w.cfg.MaxAttempts {
 		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", n, w.cfg.MaxAttempts))
+		return false
+	} else if lim := j.d.deliveryLimit(); lim > 0 && n >= lim {
+		// The broker's last delivery: should it fail too, the queue would
+		// drop the message (or dead-letter it), and its caller would never
+		// hear. Quarantined instead, with its caller answered.
+		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times: the queue's delivery limit (x-delivery-limit %d) drops it after this delivery", n, lim))
 		return false
 	}
 	return true

@@ -85,6 +85,10 @@ type delivery interface {
 	// before, by its own count; 0 when it keeps none (the worker then
 	// counts redeliveries itself where it must: dbfault.go).
 	deliveryCount() int
+	// deliveryLimit is the transport's own bound on deliveryCount: past a
+	// delivery whose count reaches it, the transport drops or dead-letters
+	// the message (a quorum queue's x-delivery-limit); 0 when none.
+	deliveryLimit() int
 	// stale reports whether the delivery can no longer be settled: the
 	// transport has it back and delivers it again.
 	stale() bool

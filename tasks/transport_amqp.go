@@ -120,6 +120,10 @@ func (a *amqpDelivery) redelivered() bool { return a.d.Redelivered }
 // 0 (amqp.Delivery.DeliveryCount).
 func (a *amqpDelivery) deliveryCount() int { return a.d.DeliveryCount }
 
+// deliveryLimit is the quorum queue's x-delivery-limit, 0 if none
+// (amqp.Delivery.DeliveryLimit).
+func (a *amqpDelivery) deliveryLimit() int { return a.d.DeliveryLimit }
+
 // stale reports whether the delivery's channel is gone.
 func (a *amqpDelivery) stale() bool { return a.d.Stale() }
 

@@ -357,6 +357,7 @@ func (d *sidekiqDelivery[J]) wire() *celeryproto.Delivery { return d.w }
 func (d *sidekiqDelivery[J]) origin() origin              { return origin{Queue: d.v.Queue} }
 func (d *sidekiqDelivery[J]) redelivered() bool           { return d.v.Recovered || d.fetches != 1 }
 func (d *sidekiqDelivery[J]) deliveryCount() int          { return max(d.fetches-1, 0) }
+func (d *sidekiqDelivery[J]) deliveryLimit() int          { return 0 }
 func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load() }
 
 // settle runs op, a client call that takes the job out of the working

@@ -50,6 +50,10 @@ type Config struct {
 	// queue_arguments={"x-queue-type": "quorum"}) and starts the workers
 	// with ONCELER_QUORUM=true.
 	Quorum bool
+	// QueueArgs are further arguments the queue is declared with, as kombu's
+	// Queue(queue_arguments=...) gives them (e.g. x-delivery-limit); the
+	// workers find them on the queue.
+	QueueArgs map[string]any
 	// DurableReplies declares the reply queue durable, so that results
 	// survive a broker restart (Celery's own reply queue does not).
 	DurableReplies bool
@@ -229,9 +233,12 @@ func (e *Env) openBroker() error {
 	if err := ch.ExchangeDeclare(e.Queue, "direct", true, false, false, false, nil); err != nil {
 		return fmt.Errorf("declare exchange: %w", err)
 	}
-	var qargs amqp091.Table
+	qargs := amqp091.Table{}
 	if e.cfg.Quorum {
-		qargs = amqp091.Table{"x-queue-type": "quorum"}
+		qargs["x-queue-type"] = "quorum"
+	}
+	for k, v := range e.cfg.QueueArgs {
+		qargs[k] = v
 	}
 	if _, err := ch.QueueDeclare(e.Queue, true, false, false, false, qargs); err != nil {
 		return fmt.Errorf("declare queue: %w", err)
