@@ -37,8 +37,9 @@ func TestDatabaseURLFileWithTwoLinesKeepsPasswordOut(t *testing.T) {
 }
 
 // TestDjangoBackendFileWithTwoLinesKeepsPasswordOut: the same file
-// mistake with --result-backend-file (django-db): the worker starts, and
-// its start log line about the backend must not show the password.
+// mistake with --result-backend-file (django-db): the worker refuses to
+// start (a secret file holds one line; more is the usage error naming the
+// path), and what it prints must not show the password.
 func TestDjangoBackendFileWithTwoLinesKeepsPasswordOut(t *testing.T) {
 	t.Parallel()
 	s := newStack(t)
@@ -50,11 +51,14 @@ func TestDjangoBackendFileWithTwoLinesKeepsPasswordOut(t *testing.T) {
 	u.User = url.UserPassword(u.User.Username(), pw) // trust auth: sent to no one
 	u.RawQuery = ""
 	line := "django-db+" + u.String()
-	env := s.with(map[string]string{"ONCELER_RESULT_BACKEND_FILE": writeSecret(t, "rb", line+"\n"+line+"\n")})
-	w := startWorker(t, env)
-	w.stop()
-	if logs := w.stderr.String(); strings.Contains(logs, pw) {
+	path := writeSecret(t, "rb", line+"\n"+line+"\n")
+	env := s.with(map[string]string{"ONCELER_RESULT_BACKEND_FILE": path})
+	r := runBin(t, env, "worker", "--migrate")
+	if logs := r.stdout + r.stderr; strings.Contains(logs, pw) {
 		t.Errorf("the worker's log holds the django-db backend's password:\n%s", logs)
+	}
+	if line := oneLineError(t, r, 2); !strings.Contains(line, "--result-backend-file "+path+" holds more than one line") {
+		t.Errorf("the worker's line %q does not name the file holding more than one line", line)
 	}
 }
 
