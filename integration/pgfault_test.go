@@ -81,30 +81,56 @@ func TestFaultPostgresFailover(t *testing.T) {
 		resumed.Sub(promoted).Round(time.Millisecond), closingTable(t, wl, byTask, nil))
 }
 
-// TestFaultPostgresAsyncFailover shows what asynchronous replication costs:
-// the same primary and standby with synchronous_standby_names empty. A
-// first batch of operations completes and reaches the standby. Then the
-// network between the two is cut (the standby's replication connection is
-// black-holed) and a second batch completes: the primary commits without
-// waiting, every caller is answered SUCCESS and every message acked. The
-// primary crashes and the standby is promoted: the second batch's commits
-// are gone. Then every operation is called again (new task ids).
+// TestFaultPostgresAsyncFailover shows what asynchronous replication costs,
+// and TestFaultPostgresFailoverPartitioned that a synchronous standby does
+// not charge it: partitionFailover with synchronous_standby_names empty.
 //
 // What it asserts, each operation by its batch and mode:
-//   - first batch: record and effects intact; the second call is answered
-//     from the record, no second effect;
-//   - second batch, demo.ledger.credit (same database): after the failover
-//     no record and no ledger entry, though its caller was told SUCCESS
-//     (the effect went with the commit: lost until called again); the
-//     second call finds no record and runs it: one entry, as it must be;
+//   - first batch (replicated before the cut): record and effects intact;
+//     the second call is answered from the record, no second effect;
+//   - second batch, demo.ledger.credit (same database): every caller was
+//     told SUCCESS and its message acked, yet after the failover there is
+//     no record and no ledger entry (the effect went with the commit: lost
+//     until the operation is called again); the second call finds no
+//     record and runs it: one entry, as it must be;
 //   - second batch, replay.notify (outside, its system in another
 //     database): the outside call happened and stays; the record of it went
 //     with the commit; the second call finds no record and calls again: two
-//     effects, a duplicate the record exists to prevent.
+//     effects, a duplicate the record exists to prevent;
+//   - replay.slow (outside, policy retry) claimed before the cut and
+//     completed after it: its caller answered, its message acked, its
+//     outside call made; after the failover its record is a stale claim
+//     (the claim reached the standby, the completion did not); the second
+//     call takes the claim over by its policy and calls again: two effects.
 func TestFaultPostgresAsyncFailover(t *testing.T) {
 	faultTests(t)
-	pg := startReplicated(t, false)
-	outsideURL := testkit.Postgres.URL(t) // the outside system: apart from the database that fails over
+	partitionFailover(t, false)
+}
+
+// TestFaultPostgresFailoverPartitioned is TestFaultPostgresAsyncFailover's
+// scenario with a synchronous standby: while the standby is cut off, the
+// primary's commits wait for it, so no operation of the second batch is
+// answered or acknowledged; after the crash and the promotion the workers
+// do them on the new primary: each effect once (outside ones too), every
+// caller answered, and the second calls answered from the record.
+func TestFaultPostgresFailoverPartitioned(t *testing.T) {
+	faultTests(t)
+	partitionFailover(t, true)
+}
+
+// partitionFailover: a primary and a standby (synchronous when sync), two
+// workers whose database URL lists both, the outside system of
+// replay.notify and replay.slow in another database (the shared test
+// database). A first batch of 200 operations (demo.ledger.credit and
+// replay.notify) completes and reaches the standby; six replay.slow (4 s)
+// are claimed and their claims reach the standby. Then the network between
+// primary and standby is cut (the standby's replication connection
+// black-holed) and a second batch of 200 is sent. The primary crashes (-m immediate) and the standby is promoted.
+// Then every operation is called again (new task ids).
+func partitionFailover(t *testing.T, sync bool) {
+	const slowOps = 6
+	pg := startReplicated(t, sync)
+	outsideURL := testkit.Postgres.URL(t)
 	e := replay.NewEnv(t, replay.Config{Binary: ownBin, DatabaseURL: pg.url,
 		Env: []string{"ONCELER_OUTSIDE_DATABASE_URL=" + outsideURL}})
 	migrate(t, e)
@@ -129,6 +155,17 @@ func TestFaultPostgresAsyncFailover(t *testing.T) {
 		}
 		return n
 	}
+	answered := func(ops []*operation) int {
+		n := 0
+		for _, o := range ops {
+			for _, m := range o.msgs {
+				if len(final(e.Replies(m.ID))) > 0 {
+					n++
+				}
+			}
+		}
+		return n
+	}
 	wl := newWorkload(e)
 	const batch = 200
 	send := func(prefix string) []*operation {
@@ -141,43 +178,7 @@ func TestFaultPostgresAsyncFailover(t *testing.T) {
 			wl.send(task, wl.op(prefix, i))
 			ops = append(ops, wl.ops[len(wl.ops)-1])
 		}
-		if !wl.wait(2 * time.Minute) {
-			t.Fatalf("%d of %d calls answered", wl.answered(), len(wl.ids()))
-		}
 		return ops
-	}
-	first := send("async-first")
-	pg.waitCaughtUp(t)
-	pg.link.on.Store(true) // the partition: the standby receives nothing more
-	second := send("async-second")
-	primaryLSN := pg.queryPrimary(t, `SELECT pg_current_wal_lsn()::text`)
-	standbyLSN := queryOne(t, pg.standby.url, `SELECT pg_last_wal_receive_lsn()::text`)
-	pg.primary.stop(t, "immediate")
-	pg.link.close()
-	pg.promote(t)
-	e.Pool.Reset() // the harness's connections to the old primary are dead
-
-	// What the new primary has of each batch, before anyone calls again.
-	type found struct{ records, claimed, effects, answered int }
-	look := func(ops []*operation) found {
-		var f found
-		for _, o := range ops {
-			f.effects += count(o)
-			if len(final(e.Replies(o.msgs[0].ID))) > 0 {
-				f.answered++
-			}
-			rec, err := e.Store.Get(ctx, o.task, o.op)
-			switch {
-			case err == nil:
-				f.records++
-				if rec.Status == idempotency.StatusClaimed {
-					f.claimed++
-				}
-			case !errors.Is(err, idempotency.ErrNotFound):
-				t.Fatalf("record of %s: %v", o.op, err)
-			}
-		}
-		return f
 	}
 	byMode := func(ops []*operation, task string) []*operation {
 		var out []*operation
@@ -188,25 +189,114 @@ func TestFaultPostgresAsyncFailover(t *testing.T) {
 		}
 		return out
 	}
+	first := send("part-first")
+	if !wl.wait(2 * time.Minute) {
+		t.Fatalf("%d of %d calls answered", wl.answered(), len(wl.ids()))
+	}
+	pg.waitCaughtUp(t)
+	// Outside operations in flight at the cut: replay.slow sleeps 4 s, then
+	// calls the outside system. The cut comes once the standby has their
+	// claims.
+	var slow []*operation
+	for i := range slowOps {
+		o := &operation{task: "replay.slow", op: wl.op("part-slow", i)}
+		m := e.Message(o.task, testkit.NewID(), []any{o.op, 4}, nil)
+		o.msgs = append(o.msgs, m)
+		wl.by[o.op], wl.ops = o, append(wl.ops, o)
+		slow = append(slow, o)
+		e.Publish(m)
+	}
+	claims := `SELECT count(*)::text FROM ` + pgx.Identifier{e.Schema, "records"}.Sanitize() + ` WHERE task = 'replay.slow'`
+	if !testkit.Eventually(time.Minute, func() bool { return queryOne(t, pg.standby.url, claims) == strconv.Itoa(slowOps) }) {
+		t.Fatalf("the standby has %s of %d replay.slow claims", queryOne(t, pg.standby.url, claims), slowOps)
+	}
+	pg.link.on.Store(true) // the partition: the standby receives nothing more
+	second := send("part-second")
+	if sync {
+		// Commits wait for the standby: nothing of the second batch is
+		// answered, nothing acknowledged.
+		time.Sleep(6 * time.Second)
+		if n := answered(second) + answered(slow); n != 0 {
+			t.Errorf("%d calls answered while the synchronous standby was cut off, want 0", n)
+		}
+		if n, err := queueMessages(wl); err != nil || n != batch+slowOps {
+			t.Errorf("queue holds %d messages (err %v) while the synchronous standby was cut off, want the second batch and the slow ones (%d)", n, err, batch+slowOps)
+		}
+	} else if !wl.wait(2 * time.Minute) {
+		t.Fatalf("%d of %d calls answered", wl.answered(), len(wl.ids()))
+	}
+	primaryLSN := pg.queryPrimary(t, `SELECT pg_current_wal_lsn()::text`)
+	standbyLSN := queryOne(t, pg.standby.url, `SELECT pg_last_wal_receive_lsn()::text`)
 	credits2, notifies2 := byMode(second, demo.TaskCredit), byMode(second, "replay.notify")
-	before := map[string]found{
-		"first": look(first), "second credit": look(credits2), "second notify": look(notifies2),
+	atCrash := []int{answered(credits2), answered(notifies2), answered(slow)}
+	pg.primary.stop(t, "immediate")
+	pg.link.close()
+	pg.promote(t)
+	e.Pool.Reset() // the harness's connections to the old primary are dead
+	if sync && !wl.wait(2*time.Minute) {
+		t.Fatalf("%d of %d calls answered after the failover", wl.answered(), len(wl.ids()))
 	}
-	if f := before["first"]; f.records != batch || f.claimed != 0 || f.effects != batch || f.answered != batch {
-		t.Errorf("first batch after the failover: %+v, want %d records completed, %d effects, %d answered", f, batch, batch, batch)
+
+	// What the new primary has of each batch, before anyone calls again.
+	type found struct{ records, completed, effects, answered int }
+	look := func(ops []*operation) found {
+		f := found{answered: answered(ops)}
+		for _, o := range ops {
+			f.effects += count(o)
+			rec, err := e.Store.Get(ctx, o.task, o.op)
+			switch {
+			case err == nil:
+				f.records++
+				if rec.Status == idempotency.StatusCompleted {
+					f.completed++
+				}
+			case !errors.Is(err, idempotency.ErrNotFound):
+				t.Fatalf("record of %s: %v", o.op, err)
+			}
+		}
+		return f
 	}
-	// The partition makes the loss certain: none of the second batch's
-	// commits reached the standby.
-	if f := before["second credit"]; f.records != 0 || f.effects != 0 || f.answered != len(credits2) {
-		t.Errorf("second batch credits after the failover: %+v, want no record, no ledger entry, every caller answered (SUCCESS)", f)
+	f1, fc, fn, fs := look(first), look(credits2), look(notifies2), look(slow)
+	if f1 != (found{batch, batch, batch, batch}) {
+		t.Errorf("first batch after the failover: %+v, want %d records completed, %d effects, %d answered", f1, batch, batch, batch)
 	}
-	if f := before["second notify"]; f.records != 0 || f.effects != len(notifies2) || f.answered != len(notifies2) {
-		t.Errorf("second batch notify after the failover: %+v, want no record, every outside call kept (%d), every caller answered", f, len(notifies2))
+	half := batch / 2
+	if sync {
+		// Nothing was lost: what the primary had not replicated it had not
+		// answered either, and the workers did it again on the new primary.
+		if fc != (found{half, half, half, half}) || fn != (found{half, half, half, half}) {
+			t.Errorf("second batch after the failover: credit %+v, notify %+v; want each %d records completed, %d effects, %d answered", fc, fn, half, half, half)
+		}
+		if fs != (found{slowOps, slowOps, slowOps, slowOps}) {
+			t.Errorf("slow operations after the failover: %+v, want %d records completed, %d effects, %d answered", fs, slowOps, slowOps, slowOps)
+		}
+	} else {
+		// The cut makes the loss certain: none of the second batch's
+		// commits reached the standby.
+		if fc != (found{0, 0, 0, half}) {
+			t.Errorf("second batch credits after the failover: %+v, want no record, no ledger entry, every caller answered (SUCCESS)", fc)
+		}
+		if fn != (found{0, 0, half, half}) {
+			t.Errorf("second batch notify after the failover: %+v, want no record, every outside call kept (%d), every caller answered", fn, half)
+		}
+		// Their claims reached the standby, their completions did not:
+		// stale claims, their outside calls made, their callers answered.
+		if fs != (found{slowOps, 0, slowOps, slowOps}) {
+			t.Errorf("slow operations after the failover: %+v, want %d records left claimed, %d outside calls, every caller answered", fs, slowOps, slowOps)
+		}
+		if n, err := e.StaleClaims(ctx); err != nil || n != slowOps {
+			t.Errorf("stale claims after the failover: %d (err %v), want the %d slow operations'", n, err, slowOps)
+		}
 	}
 
 	// Every operation called again.
 	for _, o := range append(append([]*operation(nil), first...), second...) {
 		wl.send(o.task, o.op)
+	}
+	for _, o := range slow {
+		m := e.Message(o.task, testkit.NewID(), []any{o.op, 4}, nil) // the same arguments
+		o.msgs = append(o.msgs, m)
+		e.Publish(m)
 	}
 	if !wl.wait(2 * time.Minute) {
 		t.Fatalf("%d of %d calls answered after the failover", wl.answered(), len(wl.ids()))
@@ -228,9 +318,18 @@ func TestFaultPostgresAsyncFailover(t *testing.T) {
 	fo, ft, fx := effectsAfter(first)
 	co, ct, cx := effectsAfter(credits2)
 	no, nt, nx := effectsAfter(notifies2)
-	if fo != batch || co != len(credits2) || nt != len(notifies2) || ft+fx+ct+cx+no+nx != 0 {
-		t.Errorf("effects after the second calls: first batch %d once, %d twice, %d other; second credits %d once, %d twice, %d other; second notify %d once, %d twice, %d other",
-			fo, ft, fx, co, ct, cx, no, nt, nx)
+	so, st, sx := effectsAfter(slow)
+	wantNotifyTwice := half
+	if sync {
+		wantNotifyTwice = 0
+	}
+	wantSlowTwice := slowOps
+	if sync {
+		wantSlowTwice = 0
+	}
+	if fo != batch || co != half || nt != wantNotifyTwice || no != half-wantNotifyTwice || st != wantSlowTwice || so != slowOps-wantSlowTwice || ft+fx+ct+cx+nx+sx != 0 {
+		t.Errorf("effects after the second calls: first batch %d once, %d twice, %d other; second credits %d once, %d twice, %d other; second notify %d once, %d twice, %d other; slow %d once, %d twice, %d other",
+			fo, ft, fx, co, ct, cx, no, nt, nx, so, st, sx)
 	}
 	for _, o := range wl.ops {
 		for _, m := range o.msgs {
@@ -241,31 +340,43 @@ func TestFaultPostgresAsyncFailover(t *testing.T) {
 			}
 		}
 	}
+	if n := answered(wl.ops); n != len(wl.ids()) {
+		t.Errorf("%d of %d calls answered", n, len(wl.ids()))
+	}
 	if n, err := e.StaleClaims(ctx); err != nil || n != 0 {
 		t.Errorf("stale claims: %d (err %v), want 0", n, err)
 	}
 	if n, err := e.QueueDepth(e.Queue); err != nil || n != 0 {
 		t.Errorf("queue: %d messages left (err %v), want 0", n, err)
 	}
+	mode := "asynchronous"
+	if sync {
+		mode = "synchronous"
+	}
 	var b strings.Builder
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "batch\toperations\tanswered SUCCESS\trecords after failover\teffects after failover\teffects after 2nd call\tduplicates\tlost until called again")
-	fmt.Fprintf(tw, "first (replicated)\t%d\t%d\t%d\t%d\t%d\t%d\t%d\n", batch, before["first"].answered, before["first"].records, before["first"].effects, fo+2*ft, ft, 0)
-	fmt.Fprintf(tw, "second, same-database (credit)\t%d\t%d\t%d\t%d\t%d\t%d\t%d\n", len(credits2), before["second credit"].answered, before["second credit"].records, before["second credit"].effects, co+2*ct, ct, len(credits2)-before["second credit"].effects)
-	fmt.Fprintf(tw, "second, outside (notify, retry)\t%d\t%d\t%d\t%d\t%d\t%d\t%d\n", len(notifies2), before["second notify"].answered, before["second notify"].records, before["second notify"].effects, no+2*nt, nt, 0)
+	fmt.Fprintln(tw, "batch\toperations\tanswered before crash\trecords after failover (completed)\teffects after failover\teffects after 2nd call\tduplicates\tlost until called again")
+	row := func(name string, n, ans int, f found, ones, twos int) {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d (%d)\t%d\t%d\t%d\t%d\n", name, n, ans, f.records, f.completed, f.effects, ones+2*twos, twos, max(0, f.answered-f.effects))
+	}
+	row("first (replicated)", batch, batch, f1, fo, ft)
+	row("second, same-database (credit)", half, atCrash[0], fc, co, ct)
+	row("second, outside (notify, retry)", half, atCrash[1], fn, no, nt)
+	row("in flight at the cut, outside (slow, retry)", slowOps, atCrash[2], fs, so, st)
 	_ = tw.Flush()
-	t.Logf("asynchronous standby cut off at WAL %s while the primary went on to %s; primary crashed, standby promoted; every operation then called again:\n%s", standbyLSN, primaryLSN, b.String())
+	t.Logf("%s standby cut off at WAL %s while the primary went on to %s; %d of the second batch's %d callers answered when the primary crashed; standby promoted; every operation then called again:\n%s",
+		mode, standbyLSN, primaryLSN, atCrash[0]+atCrash[1], batch, b.String())
 }
 
 // TestFaultPostgresOutage stops PostgreSQL (a private server, pg_ctl stop
-// -m fast) for two minutes under load: a backlog of 3,000 operations for
+// -m fast) for two minutes under load: a backlog of 5,000 operations for
 // two onceler workers. During the outage no message is acknowledged (the
 // queue keeps every unanswered call, ready or unacknowledged), no caller is
 // answered and /readyz answers 503; once the database is back, everything
 // drains, each effect once, every caller answered.
 func TestFaultPostgresOutage(t *testing.T) {
 	faultTests(t)
-	const ops, outage = 3000, 2 * time.Minute
+	const ops, outage = 5000, 2 * time.Minute
 	pg := startPostgres(t)
 	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--migrate"}, DatabaseURL: pg.url})
 	migrate(t, e)
