@@ -74,6 +74,22 @@
 //   - TestFaultBrokerRestart: rabbitmqctl stop_app, start_app.
 //   - TestFaultPostgresRestart: pg_ctl restart -m fast and -m immediate,
 //     each in the middle of 1,000 operations.
+//   - TestFaultPostgresFailover: a primary and a synchronous standby
+//     (pg_basebackup -R, synchronous_standby_names), workers with a
+//     two-host URL (target_session_attrs=read-write); the primary stopped
+//     -m immediate in the middle of 1,000 operations and the standby
+//     promoted: the workers follow without a restart, nothing lost or done
+//     twice; prints how long the workers took to resume.
+//   - TestFaultPostgresFailoverPartitioned, TestFaultPostgresAsyncFailover:
+//     the standby cut off (its replication connection black-holed), more
+//     operations sent, the primary crashed, the standby promoted:
+//     synchronous, nothing answered during the cut and nothing lost;
+//     asynchronous, the completions answered during the cut are lost
+//     (same-database effects gone, outside ones repeated when called again,
+//     stale claims): the cost, counted every run.
+//   - TestFaultPostgresOutage: PostgreSQL stopped for two minutes under a
+//     backlog of 5,000 operations: nothing acknowledged or answered,
+//     /readyz 503, then everything drains once.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a
