@@ -380,6 +380,17 @@ func TestFaultPostgresOutage(t *testing.T) {
 	pg := startPostgres(t)
 	e := replay.NewEnv(t, replay.Config{Binary: oncelerBin, Command: []string{"worker", "--migrate"}, DatabaseURL: pg.url})
 	migrate(t, e)
+	// The backlog first, then the workers.
+	wl := newWorkload(e)
+	wl.outsideDown = true // the simulated outside systems live in the stopped database
+	kinds := []string{demo.TaskCredit, demo.TaskCharge, demo.TaskCredit, demo.TaskEmail}
+	for i := range ops {
+		task := kinds[i%len(kinds)]
+		if i%100 == 7 {
+			task = demo.TaskSleep
+		}
+		wl.send(task, wl.op("outage", i))
+	}
 	addrs := []string{freeAddr(t), freeAddr(t)}
 	for _, a := range addrs {
 		e.StartWorker(replay.WorkerOptions{Env: []string{"ONCELER_HTTP_ADDR=" + a}})
@@ -397,16 +408,6 @@ func TestFaultPostgresOutage(t *testing.T) {
 		if !testkit.Eventually(30*time.Second, func() bool { return readyz(a) == http.StatusOK }) {
 			t.Fatalf("/readyz of %s: %d before the outage, want 200", a, readyz(a))
 		}
-	}
-	wl := newWorkload(e)
-	wl.outsideDown = true // the simulated outside systems live in the stopped database
-	kinds := []string{demo.TaskCredit, demo.TaskCharge, demo.TaskCredit, demo.TaskEmail}
-	for i := range ops {
-		task := kinds[i%len(kinds)]
-		if i%100 == 7 {
-			task = demo.TaskSleep
-		}
-		wl.send(task, wl.op("outage", i))
 	}
 	testkit.Eventually(time.Minute, func() bool { return wl.answered() >= ops/10 })
 	pg.stop(t, "fast")
@@ -426,14 +427,14 @@ func TestFaultPostgresOutage(t *testing.T) {
 	for time.Since(stopped) < outage {
 		time.Sleep(2 * time.Second)
 		samples++
-		ready := true
+		allNotReady := true
 		for _, a := range addrs {
 			if s := readyz(a); s != http.StatusServiceUnavailable {
-				ready = false
+				allNotReady = false
 				t.Errorf("%s into the outage: /readyz of %s answered %d, want 503", time.Since(stopped).Round(time.Second), a, s)
 			}
 		}
-		if ready {
+		if allNotReady {
 			notReady++
 		}
 		if n := wl.answered(); n != answered {
@@ -465,8 +466,8 @@ func TestFaultPostgresOutage(t *testing.T) {
 	if tl.ops != ops || tl.lost != 0 || tl.duplicates != 0 || tl.held != 0 || tl.answered != tl.calls {
 		t.Errorf("%s: want %d operations, none lost, none done twice, none held, every caller answered", tl, ops)
 	}
-	t.Logf("PostgreSQL stopped for %s with %d of %d answered and %d messages in the queue; /readyz 503 at all %d samples; nothing answered or acknowledged; drained in %s after it came back\n%s",
-		outage, answered, ops, queued, samples, drained.Round(time.Second), closingTable(t, wl, byTask, nil))
+	t.Logf("PostgreSQL stopped for %s with %d of %d answered and %d messages in the queue; /readyz 503 at %d of %d samples (every 2 s); calls answered and messages queued unchanged throughout; drained in %s after it came back\n%s",
+		outage, answered, ops, queued, notReady, samples, drained.Round(time.Second), closingTable(t, wl, byTask, nil))
 	if notReady != samples {
 		t.Errorf("/readyz 503 at %d of %d samples", notReady, samples)
 	}
