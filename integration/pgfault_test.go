@@ -128,7 +128,7 @@ func TestFaultPostgresFailoverPartitioned(t *testing.T) {
 // black-holed) and a second batch of 200 is sent. The primary crashes (-m immediate) and the standby is promoted.
 // Then every operation is called again (new task ids).
 func partitionFailover(t *testing.T, sync bool) {
-	const slowOps = 6
+	const slowOps, runningOps = 4, 2
 	pg := startReplicated(t, sync)
 	outsideURL := testkit.Postgres.URL(t)
 	e := replay.NewEnv(t, replay.Config{Binary: ownBin, DatabaseURL: pg.url,
@@ -197,38 +197,51 @@ func partitionFailover(t *testing.T, sync bool) {
 	// Outside operations in flight at the cut: replay.slow sleeps 4 s, then
 	// calls the outside system. The cut comes once the standby has their
 	// claims.
-	var slow []*operation
-	for i := range slowOps {
-		o := &operation{task: "replay.slow", op: wl.op("part-slow", i)}
-		m := e.Message(o.task, testkit.NewID(), []any{o.op, 4}, nil)
+	seconds := map[*operation]int{}
+	sendSlow := func(op string, secs int) *operation {
+		o := &operation{task: "replay.slow", op: op}
+		m := e.Message(o.task, testkit.NewID(), []any{o.op, secs}, nil)
 		o.msgs = append(o.msgs, m)
 		wl.by[o.op], wl.ops = o, append(wl.ops, o)
-		slow = append(slow, o)
+		seconds[o] = secs
 		e.Publish(m)
+		return o
+	}
+	var slow, running []*operation
+	for i := range slowOps {
+		slow = append(slow, sendSlow(wl.op("part-slow", i), 4))
 	}
 	claims := `SELECT count(*)::text FROM ` + pgx.Identifier{e.Schema, "records"}.Sanitize() + ` WHERE task = 'replay.slow'`
 	if !testkit.Eventually(time.Minute, func() bool { return queryOne(t, pg.standby.url, claims) == strconv.Itoa(slowOps) }) {
 		t.Fatalf("the standby has %s of %d replay.slow claims", queryOne(t, pg.standby.url, claims), slowOps)
 	}
 	pg.link.on.Store(true) // the partition: the standby receives nothing more
+	// Outside operations claimed after the cut, still running (15 s) when
+	// the primary crashes.
+	for i := range runningOps {
+		running = append(running, sendSlow(wl.op("part-running", i), 15))
+	}
 	second := send("part-second")
 	if sync {
 		// Commits wait for the standby: nothing of the second batch is
 		// answered, nothing acknowledged.
 		time.Sleep(6 * time.Second)
-		if n := answered(second) + answered(slow); n != 0 {
+		if n := answered(second) + answered(slow) + answered(running); n != 0 {
 			t.Errorf("%d calls answered while the synchronous standby was cut off, want 0", n)
 		}
-		if n, err := queueMessages(wl); err != nil || n != batch+slowOps {
-			t.Errorf("queue holds %d messages (err %v) while the synchronous standby was cut off, want the second batch and the slow ones (%d)", n, err, batch+slowOps)
+		if n, err := queueMessages(wl); err != nil || n != batch+slowOps+runningOps {
+			t.Errorf("queue holds %d messages (err %v) while the synchronous standby was cut off, want every call since the cut (%d)", n, err, batch+slowOps+runningOps)
 		}
-	} else if !wl.wait(2 * time.Minute) {
-		t.Fatalf("%d of %d calls answered", wl.answered(), len(wl.ids()))
+	} else if !testkit.Eventually(2*time.Minute, func() bool { return answered(second)+answered(slow) == batch+slowOps }) {
+		t.Fatalf("%d of %d calls answered", answered(second)+answered(slow), batch+slowOps)
+	}
+	if n := answered(running); n != 0 {
+		t.Fatalf("%d of the %d operations meant to run across the crash already answered: the second batch took too long", n, runningOps)
 	}
 	primaryLSN := pg.queryPrimary(t, `SELECT pg_current_wal_lsn()::text`)
 	standbyLSN := queryOne(t, pg.standby.url, `SELECT pg_last_wal_receive_lsn()::text`)
 	credits2, notifies2 := byMode(second, demo.TaskCredit), byMode(second, "replay.notify")
-	atCrash := []int{answered(credits2), answered(notifies2), answered(slow)}
+	atCrash := []int{answered(credits2), answered(notifies2), answered(slow), answered(running)}
 	pg.primary.stop(t, "immediate")
 	pg.link.close()
 	pg.promote(t)
@@ -257,6 +270,7 @@ func partitionFailover(t *testing.T, sync bool) {
 		return f
 	}
 	f1, fc, fn, fs := look(first), look(credits2), look(notifies2), look(slow)
+	fr := look(running) // asynchronous: before they wake, their claims gone with the primary
 	if f1 != (found{batch, batch, batch, batch}) {
 		t.Errorf("first batch after the failover: %+v, want %d records completed, %d effects, %d answered", f1, batch, batch, batch)
 	}
@@ -269,6 +283,9 @@ func partitionFailover(t *testing.T, sync bool) {
 		}
 		if fs != (found{slowOps, slowOps, slowOps, slowOps}) {
 			t.Errorf("slow operations after the failover: %+v, want %d records completed, %d effects, %d answered", fs, slowOps, slowOps, slowOps)
+		}
+		if fr != (found{runningOps, runningOps, runningOps, runningOps}) {
+			t.Errorf("operations claimed during the cut, after the failover: %+v, want %d records completed, %d effects, %d answered", fr, runningOps, runningOps, runningOps)
 		}
 	} else {
 		// The cut makes the loss certain: none of the second batch's
@@ -287,14 +304,24 @@ func partitionFailover(t *testing.T, sync bool) {
 		if n, err := e.StaleClaims(ctx); err != nil || n != slowOps {
 			t.Errorf("stale claims after the failover: %d (err %v), want the %d slow operations'", n, err, slowOps)
 		}
+		// Claimed during the cut and still running: no record at all.
+		if fr != (found{}) {
+			t.Errorf("operations claimed during the cut, after the failover: %+v, want no record, no effect yet, not answered", fr)
+		}
+		// Their lease renewals on the new primary find no claim: the
+		// tasks are stopped before their outside calls (lease lost), and
+		// the deliveries claimed and run again: one outside call each.
+		if !testkit.Eventually(time.Minute, func() bool { return answered(running) == runningOps }) {
+			t.Fatalf("%d of the %d operations claimed during the cut answered after the failover", answered(running), runningOps)
+		}
 	}
 
 	// Every operation called again.
 	for _, o := range append(append([]*operation(nil), first...), second...) {
 		wl.send(o.task, o.op)
 	}
-	for _, o := range slow {
-		m := e.Message(o.task, testkit.NewID(), []any{o.op, 4}, nil) // the same arguments
+	for _, o := range append(append([]*operation(nil), slow...), running...) {
+		m := e.Message(o.task, testkit.NewID(), []any{o.op, seconds[o]}, nil) // the same arguments
 		o.msgs = append(o.msgs, m)
 		e.Publish(m)
 	}
@@ -319,6 +346,7 @@ func partitionFailover(t *testing.T, sync bool) {
 	co, ct, cx := effectsAfter(credits2)
 	no, nt, nx := effectsAfter(notifies2)
 	so, st, sx := effectsAfter(slow)
+	ro, rt, rx := effectsAfter(running)
 	wantNotifyTwice := half
 	if sync {
 		wantNotifyTwice = 0
@@ -327,9 +355,10 @@ func partitionFailover(t *testing.T, sync bool) {
 	if sync {
 		wantSlowTwice = 0
 	}
-	if fo != batch || co != half || nt != wantNotifyTwice || no != half-wantNotifyTwice || st != wantSlowTwice || so != slowOps-wantSlowTwice || ft+fx+ct+cx+nx+sx != 0 {
-		t.Errorf("effects after the second calls: first batch %d once, %d twice, %d other; second credits %d once, %d twice, %d other; second notify %d once, %d twice, %d other; slow %d once, %d twice, %d other",
-			fo, ft, fx, co, ct, cx, no, nt, nx, so, st, sx)
+	if fo != batch || co != half || nt != wantNotifyTwice || no != half-wantNotifyTwice || st != wantSlowTwice || so != slowOps-wantSlowTwice ||
+		ro != runningOps || ft+fx+ct+cx+nx+sx+rt+rx != 0 {
+		t.Errorf("effects after the second calls: first batch %d once, %d twice, %d other; second credits %d once, %d twice, %d other; second notify %d once, %d twice, %d other; slow %d once, %d twice, %d other; running at the crash %d once, %d twice, %d other",
+			fo, ft, fx, co, ct, cx, no, nt, nx, so, st, sx, ro, rt, rx)
 	}
 	for _, o := range wl.ops {
 		for _, m := range o.msgs {
@@ -363,6 +392,7 @@ func partitionFailover(t *testing.T, sync bool) {
 	row("second, same-database (credit)", half, atCrash[0], fc, co, ct)
 	row("second, outside (notify, retry)", half, atCrash[1], fn, no, nt)
 	row("in flight at the cut, outside (slow, retry)", slowOps, atCrash[2], fs, so, st)
+	row("claimed during the cut, running at the crash (slow)", runningOps, atCrash[3], fr, ro, rt)
 	_ = tw.Flush()
 	t.Logf("%s standby cut off at WAL %s while the primary went on to %s; %d of the second batch's %d callers answered when the primary crashed; standby promoted; every operation then called again:\n%s",
 		mode, standbyLSN, primaryLSN, atCrash[0]+atCrash[1], batch, b.String())
