@@ -101,7 +101,11 @@ func TestFaultPostgresFailover(t *testing.T) {
 //     completed after it: its caller answered, its message acked, its
 //     outside call made; after the failover its record is a stale claim
 //     (the claim reached the standby, the completion did not); the second
-//     call takes the claim over by its policy and calls again: two effects.
+//     call takes the claim over by its policy and calls again: two effects;
+//   - replay.slow claimed during the cut and still running at the crash: no
+//     record after the failover; its lease renewal finds no claim and stops
+//     it before its outside call; the delivery is claimed and run again on
+//     the new primary: one effect.
 func TestFaultPostgresAsyncFailover(t *testing.T) {
 	faultTests(t)
 	partitionFailover(t, false)
@@ -122,11 +126,12 @@ func TestFaultPostgresFailoverPartitioned(t *testing.T) {
 // workers whose database URL lists both, the outside system of
 // replay.notify and replay.slow in another database (the shared test
 // database). A first batch of 200 operations (demo.ledger.credit and
-// replay.notify) completes and reaches the standby; six replay.slow (4 s)
+// replay.notify) completes and reaches the standby; four replay.slow (4 s)
 // are claimed and their claims reach the standby. Then the network between
 // primary and standby is cut (the standby's replication connection
-// black-holed) and a second batch of 200 is sent. The primary crashes (-m immediate) and the standby is promoted.
-// Then every operation is called again (new task ids).
+// black-holed), two replay.slow of 15 s and a second batch of 200 are sent.
+// The primary crashes (-m immediate) while the 15 s ones still run, and the
+// standby is promoted. Then every operation is called again (new task ids).
 func partitionFailover(t *testing.T, sync bool) {
 	const slowOps, runningOps = 4, 2
 	pg := startReplicated(t, sync)
