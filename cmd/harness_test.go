@@ -2,12 +2,10 @@ package cmd
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -53,31 +51,13 @@ func (s *stack) with(extra map[string]string) map[string]string {
 	return env
 }
 
-// syncBuffer is a bytes.Buffer safe for a process writing and a test reading.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
-}
-
 // proc is a started process of the onceler binary or of Python.
 type proc struct {
 	t      *testing.T
 	name   string
 	cmd    *exec.Cmd
-	stdout syncBuffer
-	stderr syncBuffer
+	stdout testkit.Buffer
+	stderr testkit.Buffer
 	done   chan struct{}
 	err    error
 }

@@ -7,12 +7,12 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/testenv"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // TestPythonWorkerExpiresRevokedFromHello: a Python Celery worker whose
@@ -32,7 +32,7 @@ func TestPythonWorkerExpiresRevokedFromHello(t *testing.T) {
 	cmd := exec.CommandContext(ctx, n.py, "-m", "celery", "-A", "app", "worker", "-n", pyNode,
 		"-Q", n.queue+"_py", "--pool=solo", "--loglevel=info")
 	cmd.Dir, cmd.Env = "testdata", append(n.env(), "ONCELER_PY_REVOKE_EXPIRES=20")
-	log := &lockedBuffer{}
+	log := &testkit.Buffer{}
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -110,23 +110,4 @@ func TestHelloMergesByAge(t *testing.T) {
 	if c.Revoked().Contains("young") || !c.Revoked().Contains("plain") {
 		t.Errorf("31 s later: %v", c.Revoked().IDs())
 	}
-}
-
-// lockedBuffer is a strings.Builder for a process's output that the test
-// may read while the process runs.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
