@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
@@ -118,5 +119,55 @@ with amqp.Connection("%s:%d" % (u.hostname, u.port or 5672), userid=u.username, 
 		}
 		t.Fatalf("retried task answered %q (%v), want RETRY then SUCCESS; the worker started with the printed permissions and met, at run time:\n%s\npython:\n%s",
 			statuses, perr, refused, out.String())
+	}
+}
+
+// TestTopicPermissionsOnEventsLetTheWorkerStart: an operator who also
+// limits the routing keys the user may publish to celeryev (rabbitmqctl
+// set_topic_permissions) to those Celery's events use, worker.* and
+// task.*, gives the worker all it publishes there. The start-up write
+// check publishes to celeryev with the routing key
+// "onceler.access-check", which RabbitMQ refuses by the topic permission:
+// want the worker to start and answer a ping, not exit at start over a
+// routing key it never uses.
+func TestTopicPermissionsOnEventsLetTheWorkerStart(t *testing.T) {
+	t.Parallel()
+	py := testenv.Python(t)
+	b := newBrokerUser(t)
+	pool := testenv.Pool(t)
+	queue, node := testkit.Name("q"), testkit.Name("n")
+	b.grant(t, b.printed(t, "--queues", queue, "--hostname", node+"@%h"))
+	rabbitmqctl(t, "set_topic_permissions", "-p", b.vhost, b.user, "celeryev", `^(worker|task)\.`, `^(worker|task)\.`)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cmd := exec.CommandContext(ctx, oncelerBin, "worker", "--migrate", "--queues", queue, "--hostname", node+"@%h", "--events")
+	cmd.Env = []string{"PATH=/usr/bin:/bin", "ONCELER_BROKER_URL=" + b.workerURL, "ONCELER_DATABASE_URL=" + testenv.DatabaseURL(t),
+		"ONCELER_SCHEMA=" + testenv.Schema(t, pool)}
+	log := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		out, err := exec.Command(py, "-c", pingPy, b.suiteURL, node).CombinedOutput()
+		if err == nil && strings.Contains(string(out), "pong") {
+			return
+		}
+		select {
+		case <-done:
+			lines := strings.Split(strings.TrimSpace(log.String()), "\n")
+			t.Fatalf("the worker, with the printed permissions and celeryev's topic permissions limited to worker.* and task.*, exited %d at start:\n%s",
+				cmd.ProcessState.ExitCode(), lines[len(lines)-1])
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no pong from %s: %v %s\nworker log:\n%s", node, err, out, log.String())
+		}
+		time.Sleep(500 * time.Millisecond)
 	}
 }
