@@ -171,3 +171,32 @@ func TestTopicPermissionsOnEventsLetTheWorkerStart(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 	}
 }
+
+// TestDeadLetterQueueArgRefusalNamesWritePermission: a worker declaring
+// its queue with --queue-arg x-dead-letter-exchange=<dlx> needs, besides
+// configure on the queue, write on the dead-letter exchange (RabbitMQ
+// checks it on queue.declare), which 'onceler permissions --queues q'
+// does not print. The worker stops at start; its line must name the
+// permission RabbitMQ refused: write on exchange <dlx>.
+func TestDeadLetterQueueArgRefusalNamesWritePermission(t *testing.T) {
+	t.Parallel()
+	b := newBrokerUser(t)
+	pool := testenv.Pool(t)
+	queue, node, dlx := testkit.Name("q"), testkit.Name("n"), testkit.Name("dlx")
+	b.grant(t, b.printed(t, "--queues", queue, "--hostname", node+"@%h"))
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, oncelerBin, "worker", "--migrate", "--queues", queue, "--hostname", node+"@%h",
+		"--queue-arg", "x-dead-letter-exchange="+dlx, "--log-level", "error")
+	cmd.Env = []string{"PATH=/usr/bin:/bin", "ONCELER_BROKER_URL=" + b.workerURL, "ONCELER_DATABASE_URL=" + testenv.DatabaseURL(t),
+		"ONCELER_SCHEMA=" + testenv.Schema(t, pool)}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	_ = cmd.Run()
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	last := lines[len(lines)-1]
+	want := `onceler: RabbitMQ refused user "` + b.user + `" write access to exchange '` + dlx + `'`
+	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 1 || !strings.HasPrefix(last, want) {
+		t.Fatalf("exit %v, last line:\n%s\nwant exit 1 and a line starting %q", cmd.ProcessState, last, want)
+	}
+}
