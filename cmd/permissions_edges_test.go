@@ -66,3 +66,21 @@ func TestPermissionsTakesWorkersBrokerURLList(t *testing.T) {
 		t.Fatalf("printed:\n%s", r.stdout)
 	}
 }
+
+// TestPermissionsTakesWorkersQueueArg: a worker run with --queue-arg
+// x-dead-letter-exchange=dlx declares its queue with it, for which
+// RabbitMQ wants write on the exchange dlx (and read on the queue).
+// 'onceler permissions', run with the worker's flags, must take the flag
+// and give that write.
+func TestPermissionsTakesWorkersQueueArg(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"ONCELER_BROKER_URL": "amqp://w:secret@127.0.0.1:5672/v"}
+	r := runIn(t, env, "permissions", "--queues", "q1", "--queue-arg", "x-dead-letter-exchange=dlx")
+	if r.err != nil {
+		t.Fatalf("onceler permissions with the worker's --queue-arg: %v", r.err)
+	}
+	p := printedSetPermissions(t, r.stdout)
+	if !regexp.MustCompile(p[1]).MatchString("dlx") {
+		t.Fatalf("write %s does not match the dead-letter exchange dlx", p[1])
+	}
+}
