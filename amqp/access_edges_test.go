@@ -9,7 +9,7 @@ import (
 // TestAccessRefusalOfTopicNamesUserAndVhost: RabbitMQ's 403 for a topic
 // permission (set_topic_permissions) names the routing key, the
 // exchange, the vhost and the user; the AccessError must keep the user
-// and the vhost (the start-up line otherwise reads user "" in vhost ”).
+// and the vhost (the start-up line otherwise names an empty user and vhost).
 // The text is RabbitMQ 3.10's answer to the start-up write check.
 func TestAccessRefusalOfTopicNamesUserAndVhost(t *testing.T) {
 	t.Parallel()
