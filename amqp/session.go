@@ -109,6 +109,9 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 				return time.Since(started), err
 			}
 		case e := <-chClosed:
+			if isConsumerTimeout(e) {
+				return time.Since(started), fmt.Errorf("channel closed: %w: %w", ErrConsumerTimeout, e)
+			}
 			return time.Since(started), fmt.Errorf("channel closed: %w", errOrClosed(e))
 		case e := <-connClosed:
 			return time.Since(started), fmt.Errorf("connection closed: %w", errOrClosed(e))

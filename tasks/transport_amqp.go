@@ -118,10 +118,10 @@ func (t *amqpTransport) addQueue(ctx context.Context, q amqp.QueueSpec) error {
 	return nil
 }
 
-// publish publishes with a confirm, bounded by opTimeout.
+// publish publishes with a confirm, bounded by opTimeout except while the
+// broker blocks publishing (Worker.publish).
 func (t *amqpTransport) publish(ctx context.Context, exchange, key string, p *celeryproto.Publishing, o amqp.PublishOptions) error {
-	ctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
+	o.Timeout = opTimeout
 	return t.pub.Publish(ctx, exchange, key, p, o)
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/shellquote"
 )
 
 // Worker consumes Celery task messages and runs the registered tasks, each
@@ -534,7 +535,7 @@ func (w *Worker) checkSchema(ctx context.Context) error {
 	var pe *idempotency.PrivilegeError
 	if errors.As(err, &pe) {
 		return fmt.Errorf("tasks: the worker's PostgreSQL role %q lacks %s: grant them with '%s migrate --schema %s --grant-to %s' (or idempotency.Store.Grant) as the schema's owner",
-			pe.Role, pe.Lacks(), w.cfg.Program, pe.Schema, pe.Role)
+			pe.Role, pe.Lacks(), shellquote.Quote(w.cfg.Program), shellquote.Quote(pe.Schema), shellquote.Quote(pe.Role))
 	}
 	if err == nil {
 		err = w.store.CheckSchema(cctx)
