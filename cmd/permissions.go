@@ -19,8 +19,9 @@ func permissionsCommand() *command {
 		long: `Prints the rabbitmqctl commands that create the vhost and user of
 --broker-url and give the user the permissions a worker with the same
 --queues, --queue-arg, --quorum, --hostname and --no-control needs, and no
-others: run it with the worker's flags or environment. Nothing is sent to the broker; the password
-is never printed.
+others: run it with the worker's flags or environment (a broker URL list
+names one user and vhost). Nothing is sent to the broker; the password is
+never printed.
 
 configure: declare the queues, their quarantine queues and the queues'
            exchanges, the node's mailbox (<node>.celery.pidbox), celeryev,
