@@ -17,8 +17,12 @@ import (
 // (and deleting) takes configure on the queue or exchange; binding takes
 // write on the queue and read on the exchange; publishing takes write on
 // the exchange (the default exchange is amq.default); consuming and
-// getting take read on the queue. errors.Is(err, ErrAccessRefused) is true
-// for it.
+// getting take read on the queue. Declaring a queue with a dead-letter
+// exchange (x-dead-letter-exchange) takes write on that exchange too. A
+// topic permission (rabbitmqctl set_topic_permissions) limits the routing
+// keys the user may publish with to a topic exchange: its refusal names
+// the exchange and the routing key (Topic). errors.Is(err,
+// ErrAccessRefused) is true for it.
 type AccessError struct {
 	// Op is what was being done: "declare queue", "declare exchange",
 	// "bind queue", "publish", "consume", "get".
@@ -29,6 +33,9 @@ type AccessError struct {
 	// and the user as the broker's answer names them (empty when it does
 	// not).
 	Kind, Name, VHost, User string
+	// Topic is the routing key refused by a topic permission (Kind is
+	// then "exchange"), else empty.
+	Topic string
 	// For says what the worker needed the operation for, when the caller
 	// set it, e.g. "remote control".
 	For string
@@ -43,6 +50,10 @@ func (e *AccessError) Error() string {
 	}
 	if e.Kind == "" {
 		return fmt.Sprintf("RabbitMQ refused %s permission (%s): %s", e.Permission, op, e.Reason)
+	}
+	if e.Topic != "" {
+		return fmt.Sprintf("RabbitMQ refused user %q %s access to %s '%s' in vhost '%s' for routing key '%s' (%s): %s",
+			e.User, e.Permission, e.Kind, e.Name, e.VHost, e.Topic, op, e.Reason)
 	}
 	return fmt.Sprintf("RabbitMQ refused user %q %s access to %s '%s' in vhost '%s' (%s): %s",
 		e.User, e.Permission, e.Kind, e.Name, e.VHost, op, e.Reason)
@@ -65,6 +76,11 @@ func (e *AccessError) Is(target error) bool { return target == ErrAccessRefused 
 // "ACCESS_REFUSED - access to queue 'q' in vhost 'v' refused for user 'u'".
 var refusedAccess = regexp.MustCompile(`access to (queue|exchange) '(.*)' in vhost '(.*)' refused for user '(.*)'`)
 
+// refusedTopic matches RabbitMQ's 403 text for a topic permission, e.g.
+// "ACCESS_REFUSED - access to topic 'k' in exchange 'x' in vhost 'v'
+// refused for user 'u'".
+var refusedTopic = regexp.MustCompile(`access to topic '(.*)' in exchange '(.*)' in vhost '(.*)' refused for user '(.*)'`)
+
 // AccessRefusal returns err as an *AccessError when it is the broker's 403
 // answer to op ("declare queue", "declare exchange", "bind queue",
 // "publish", "consume", "get"), else nil.
@@ -78,10 +94,16 @@ func AccessRefusal(op string, err error) *AccessError {
 		return nil
 	}
 	e := &AccessError{Op: op, Reason: be.Reason}
-	if m := refusedAccess.FindStringSubmatch(be.Reason); m != nil {
+	if m := refusedTopic.FindStringSubmatch(be.Reason); m != nil {
+		e.Kind, e.Topic, e.Name, e.VHost, e.User = "exchange", m[1], m[2], m[3], m[4]
+	} else if m := refusedAccess.FindStringSubmatch(be.Reason); m != nil {
 		e.Kind, e.Name, e.VHost, e.User = m[1], m[2], m[3], m[4]
 	}
 	switch {
+	case op == "declare queue" && e.Kind == "exchange":
+		// a queue's declare names an exchange only for its dead-letter
+		// exchange, on which it checks write
+		e.Permission = "write"
 	case strings.HasPrefix(op, "declare"), strings.HasPrefix(op, "delete"):
 		e.Permission = "configure"
 	case strings.HasPrefix(op, "bind"):
@@ -104,14 +126,17 @@ func AccessRefusal(op string, err error) *AccessError {
 const accessCheckTimeout = 10 * time.Second
 
 // CheckWriteOn checks, on ch, that the user may publish to exchange (""
-// is the default exchange), without sending a message: it publishes one
+// is the default exchange) with routingKey, without sending a message: a
+// routing key the worker publishes with there, so that a topic permission
+// that lets the worker's messages through lets the check through. It
+// publishes one
 // with an invalid expiration, which RabbitMQ checks after the write
 // permission and refuses (406) before routing, and reads the answer, which
 // closes ch. A refused permission is an *AccessError; a missing exchange
 // wraps ErrNotFound. The caller gives a channel of its own.
-func CheckWriteOn(ctx context.Context, ch *amqp091.Channel, exchange string) error {
+func CheckWriteOn(ctx context.Context, ch *amqp091.Channel, exchange, routingKey string) error {
 	closed := ch.NotifyClose(make(chan *amqp091.Error, 1))
-	err := ch.PublishWithContext(ctx, exchange, "onceler.access-check", false, false,
+	err := ch.PublishWithContext(ctx, exchange, routingKey, false, false,
 		amqp091.Publishing{Expiration: "-1", Body: []byte{}})
 	if err == nil {
 		// A synchronous method after the publish: its answer comes after
@@ -161,11 +186,11 @@ func exchangeName(exchange string) string {
 }
 
 // CheckWrite checks that the user may publish to exchange ("" or
-// DefaultExchange is the broker's default exchange), without sending a
-// message (see CheckWriteOn), on a channel of its own.
-func (p *Publisher) CheckWrite(ctx context.Context, exchange string) error {
+// DefaultExchange is the broker's default exchange) with routingKey,
+// without sending a message (see CheckWriteOn), on a channel of its own.
+func (p *Publisher) CheckWrite(ctx context.Context, exchange, routingKey string) error {
 	if exchange == DefaultExchange {
 		exchange = ""
 	}
-	return p.withChannel(ctx, func(ch *amqp091.Channel) error { return CheckWriteOn(ctx, ch, exchange) })
+	return p.withChannel(ctx, func(ch *amqp091.Channel) error { return CheckWriteOn(ctx, ch, exchange, routingKey) })
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/onceler/onceler/amqp"
@@ -17,17 +18,19 @@ func permissionsCommand() *command {
 		summary: "print the rabbitmqctl lines that give a worker's RabbitMQ user what it needs, and no more",
 		long: `Prints the rabbitmqctl commands that create the vhost and user of
 --broker-url and give the user the permissions a worker with the same
---queues, --hostname and --no-control needs, and no others: run it with the
-worker's flags or environment. Nothing is sent to the broker; the password
-is never printed.
+--queues, --queue-arg, --quorum, --hostname and --no-control needs, and no
+others: run it with the worker's flags or environment (a broker URL list
+names one user and vhost). Nothing is sent to the broker; the password is
+never printed.
 
 configure: declare the queues, their quarantine queues and the queues'
            exchanges, the node's mailbox (<node>.celery.pidbox), celeryev,
            celery.pidbox, reply.celery.pidbox
 write:     bind the queues and the mailbox; publish to amq.default
-           (results, republished and quarantined copies), the queues'
-           exchanges (retries), celeryev (events), reply.celery.pidbox
-           (remote control replies), and --send-to
+           (results, retries, republished and quarantined copies),
+           celeryev (events), reply.celery.pidbox (remote control
+           replies), and --send-to; declare a queue with a dead-letter
+           exchange (--queue-arg x-dead-letter-exchange=X: write on X)
 read:      consume the queues and the mailbox; bind from the queues'
            exchanges and celery.pidbox
 
@@ -37,12 +40,16 @@ A worker whose user lacks one of them stops at start, naming it
 			var (
 				b         brokerFlags
 				queues    string
+				queueArgs []string
+				quorum    bool
 				hostname  string
 				sendTo    string
 				noControl bool
 			)
 			b.define(fs)
 			fs.String(&queues, "queues", "LIST", "celery", "comma-separated queues the worker consumes, as the worker's --queues")
+			fs.List(&queueArgs, "queue-arg", "[QUEUE:]ARG=VALUE", "an argument the worker declares a missing queue with, as the worker's --queue-arg: x-dead-letter-exchange=X needs write on X")
+			fs.Bool(&quorum, "quorum", "the worker declares missing queues as quorum queues, as its --quorum (no other permission)")
 			fs.String(&hostname, "hostname", "NAME", control.DefaultNodeName, "the worker's node name pattern, as its --hostname: %h, %n and %d match any host, %p any process id")
 			fs.String(&sendTo, "send-to", "LIST", "", "comma-separated exchanges the worker's tasks publish workflow steps to besides their own queues' (a chain's step routed to another application's queue: the exchange is the queue's name), given write permission")
 			fs.Bool(&noControl, "no-control", "the worker runs with --no-control: no remote control nor events, so no mailbox, celeryev nor celery.pidbox")
@@ -54,6 +61,16 @@ A worker whose user lacks one of them stops at start, naming it
 				if len(names) == 0 {
 					return usagef("permissions", "--queues names no queue")
 				}
+				qargs, err := parseQueueArgs("permissions", queueArgs, names)
+				if err != nil {
+					return err
+				}
+				for _, q := range names {
+					// as the worker's check; a quorum queue needs no other permission
+					if t, ok := qargs[q]["x-queue-type"]; ok && quorum && t != "quorum" {
+						return usagef("permissions", "--quorum and --queue-arg x-queue-type=%v disagree for queue %s", t, q)
+					}
+				}
 				node, err := nodeRegexp(hostname)
 				if err != nil {
 					return usagef("permissions", "invalid --hostname %q: %v", hostname, err)
@@ -62,7 +79,7 @@ A worker whose user lacks one of them stops at start, naming it
 				if err != nil {
 					return usagef("permissions", "%s", oneLine(err))
 				}
-				p := brokerPermissions(names, splitList(sendTo), node, !noControl)
+				p := brokerPermissions(names, append(splitList(sendTo), deadLetterExchanges(names, qargs)...), node, !noControl)
 				fmt.Fprintf(a.stdout, "rabbitmqctl add_vhost %s\n", shellQuote(u.Vhost))
 				fmt.Fprintf(a.stdout, "rabbitmqctl add_user %s 'PASSWORD'\n", shellQuote(u.Username))
 				fmt.Fprintf(a.stdout, "rabbitmqctl set_permissions -p %s %s %s %s %s\n", shellQuote(u.Vhost), shellQuote(u.Username),
@@ -106,6 +123,25 @@ func brokerPermissions(queues, sendTo []string, node string, withControl bool) p
 	return permissions{configure: anchor(configure), write: anchor(write), read: anchor(read)}
 }
 
+// deadLetterExchanges are the x-dead-letter-exchange arguments of the
+// queues (args as parseQueueArgs reads them), in queue order, without
+// repeats and the default exchange (""): RabbitMQ checks write on a
+// queue's dead-letter exchange when it declares the queue.
+func deadLetterExchanges(queues []string, args map[string]map[string]any) []string {
+	var out []string
+	for _, q := range queues {
+		ex, ok := args[q]["x-dead-letter-exchange"]
+		if !ok {
+			continue
+		}
+		name := fmt.Sprint(ex)
+		if name != "" && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
 // nodeRegexp is a regular expression matching the node names of the
 // pattern (control.NodeName's substitutions, and "@%h" added to a name
 // without '@'): any host for %h, %n and %d, any process id for %p and %i.
@@ -113,14 +149,14 @@ func nodeRegexp(pattern string) (string, error) {
 	if pattern == "" {
 		pattern = control.DefaultNodeName
 	}
-	if !strings.Contains(strings.ReplaceAll(pattern, "%%", ""), "@") {
-		pattern += "@%h" // as control.NodeName: a name without a host gets this one's
-	}
 	var b strings.Builder
+	at := false // a literal '@' in the name (no substitution gives one)
 	for i := 0; i < len(pattern); i++ {
 		c := pattern[i]
 		if c != '%' || i+1 == len(pattern) {
+			// a last '%' stays as it is, as control.NodeName keeps it
 			b.WriteString(regexp.QuoteMeta(string(c)))
+			at = at || c == '@'
 			continue
 		}
 		i++
@@ -139,20 +175,39 @@ func nodeRegexp(pattern string) (string, error) {
 			return "", fmt.Errorf("unknown substitution %%%c", pattern[i])
 		}
 	}
+	if !at {
+		b.WriteString(`@.+`) // as control.NodeName: a name without a host gets this one's
+	}
 	return b.String(), nil
 }
 
-// brokerURI is the broker URL parsed (Celery's spellings accepted).
+// brokerURI is the broker URL parsed (Celery's spellings accepted). A
+// failover list (URLs separated by ';', as the worker takes) must name
+// the same user and vhost in each URL: the first is returned.
 func brokerURI(raw string) (amqp091.URI, error) {
-	s, err := amqp.DialURL(raw)
+	list, err := amqp.DialURLs(raw)
 	if err != nil {
 		return amqp091.URI{}, err
 	}
-	u, err := amqp091.ParseURI(s)
-	if err != nil {
-		return amqp091.URI{}, fmt.Errorf("broker URL %s: %s", amqp.RedactURL(raw), "cannot be parsed")
+	if len(list) == 0 {
+		return amqp091.URI{}, fmt.Errorf("%w: empty broker URL", amqp.ErrConfig)
 	}
-	return u, nil
+	var first amqp091.URI
+	for i, s := range list {
+		u, err := amqp091.ParseURI(s)
+		if err != nil {
+			return amqp091.URI{}, fmt.Errorf("broker URL %s: %s", amqp.RedactURL(s), "cannot be parsed")
+		}
+		if i == 0 {
+			first = u
+			continue
+		}
+		if u.Username != first.Username || u.Vhost != first.Vhost {
+			return amqp091.URI{}, fmt.Errorf("broker URL list: %s names another user or vhost than %s: give the URLs of one cluster, with one user and vhost",
+				amqp.RedactURL(s), amqp.RedactURL(list[0]))
+		}
+	}
+	return first, nil
 }
 
 // splitList is a comma-separated list's items, trimmed, without empty

@@ -24,7 +24,7 @@ func (f *workerFlags) queueSpecs() ([]amqp.QueueSpec, error) {
 	if len(names) == 0 {
 		return nil, usagef("worker", "--queues names no queue")
 	}
-	args, err := parseQueueArgs(f.queueArgs, names)
+	args, err := parseQueueArgs("worker", f.queueArgs, names)
 	if err != nil {
 		return nil, err
 	}
@@ -48,12 +48,12 @@ var (
 	queueArgItem = regexp.MustCompile(`^([^=]*):[A-Za-z0-9._-]+=`)
 )
 
-// parseQueueArgs reads the --queue-arg items ([QUEUE:]ARG=VALUE) into
+// parseQueueArgs reads the --queue-arg items of command cmd ([QUEUE:]ARG=VALUE) into
 // arguments by queue; a later item wins. An item is for one queue when it
 // begins with the name of one of names and ':' (the longest such name),
 // else for every queue of names: a queue name may hold ':' and '=', and so
 // may a value.
-func parseQueueArgs(items, names []string) (map[string]map[string]any, error) {
+func parseQueueArgs(cmd string, items, names []string) (map[string]map[string]any, error) {
 	out := map[string]map[string]any{}
 	for _, item := range items {
 		targets, rest := names, item
@@ -69,9 +69,9 @@ func parseQueueArgs(items, names []string) (map[string]map[string]any, error) {
 		m := argItem.FindStringSubmatch(rest)
 		if m == nil {
 			if qm := queueArgItem.FindStringSubmatch(item); qm != nil {
-				return nil, usagef("worker", "invalid --queue-arg %q: queue %q is not among --queues", item, qm[1])
+				return nil, usagef(cmd, "invalid --queue-arg %q: queue %q is not among --queues", item, qm[1])
 			}
-			return nil, usagef("worker", "invalid --queue-arg %q: use ARG=VALUE or QUEUE:ARG=VALUE, e.g. x-max-priority=10", item)
+			return nil, usagef(cmd, "invalid --queue-arg %q: use ARG=VALUE or QUEUE:ARG=VALUE, e.g. x-max-priority=10", item)
 		}
 		for _, q := range targets {
 			if out[q] == nil {

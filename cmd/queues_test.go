@@ -239,7 +239,7 @@ func TestWorkerRefusedQueueArg(t *testing.T) {
 
 func TestParseQueueArgs(t *testing.T) {
 	t.Parallel()
-	got, err := parseQueueArgs([]string{"x-max-priority=10", "a:x-message-ttl=60000", "b=c:x-dead-letter-exchange=dl:x",
+	got, err := parseQueueArgs("worker", []string{"x-max-priority=10", "a:x-message-ttl=60000", "b=c:x-dead-letter-exchange=dl:x",
 		"x-single-active-consumer=true", `a:x-dead-letter-routing-key="42"`, "a:x-max-priority=3", "x-overflow=reject-publish"},
 		[]string{"a", "b=c"})
 	if err != nil {
@@ -255,7 +255,7 @@ func TestParseQueueArgs(t *testing.T) {
 		t.Fatalf("parseQueueArgs = %v\nwant %v", got, want)
 	}
 	for _, bad := range []string{"novalue", "=1", "c:x-max-priority=1"} {
-		if _, err := parseQueueArgs([]string{bad}, []string{"a"}); err == nil {
+		if _, err := parseQueueArgs("worker", []string{bad}, []string{"a"}); err == nil {
 			t.Errorf("parseQueueArgs(%q) accepted", bad)
 		}
 	}
@@ -308,7 +308,7 @@ func TestEdgeQueueArgValueWithColonAndEquals(t *testing.T) {
 		"orders:x-dead-letter-routing-key=tenant:a=b": {"orders": {"x-dead-letter-routing-key": "tenant:a=b"}},
 		`orders:x-dead-letter-exchange="dlx:v=2"`:     {"orders": {"x-dead-letter-exchange": "dlx:v=2"}},
 	} {
-		got, err := parseQueueArgs([]string{item}, names)
+		got, err := parseQueueArgs("worker", []string{item}, names)
 		if err != nil || !reflect.DeepEqual(got, want) {
 			t.Errorf("parseQueueArgs(%q) = %v, %v; want %v", item, got, err, want)
 		}

@@ -427,7 +427,10 @@ func serveHTTP(ctx context.Context, ln net.Listener, metrics *prometheus.Registr
 		}
 		_, _ = w.Write([]byte("ready\n"))
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Timeouts bound what a client that opens connections and stays
+	// silent, or reads slowly, can hold.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+		WriteTimeout: 30 * time.Second, IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

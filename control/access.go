@@ -7,6 +7,7 @@ import (
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
 	"github.com/onceler/onceler/amqp"
+	"github.com/onceler/onceler/celeryproto"
 )
 
 // CheckAccess does, once, what Run does on every connection that the
@@ -16,7 +17,8 @@ import (
 // mailbox queue (configure), binds the queue (write on it, read on
 // celery.pidbox), gets from it (read; a message got is given back), and
 // checks publishing to celeryev and reply.celery.pidbox without sending
-// a message (write). A refusal is an *amqp.AccessError; any other failure
+// a message (write; on celeryev with the heartbeat's routing key,
+// worker.heartbeat). A refusal is an *amqp.AccessError; any other failure
 // (the broker unreachable) is returned as it is, for Run to retry.
 func (c *Controller) CheckAccess(ctx context.Context) error {
 	conn, err := c.dial(ctx)
@@ -51,8 +53,18 @@ func (c *Controller) CheckAccess(ctx context.Context) error {
 			}
 			return err
 		}},
-		{"publish", EventExchange, "events", func(ch *amqp091.Channel) error { return amqp.CheckWriteOn(ctx, ch, EventExchange) }},
-		{"publish", ReplyExchange, "remote control replies", func(ch *amqp091.Channel) error { return amqp.CheckWriteOn(ctx, ch, ReplyExchange) }},
+		// With the routing key of the heartbeat, which the worker always
+		// sends: a topic permission on celeryev that lets the worker's
+		// events through lets the check through.
+		{"publish", EventExchange, "events", func(ch *amqp091.Channel) error {
+			return amqp.CheckWriteOn(ctx, ch, EventExchange, celeryproto.EventRoutingKey("worker-heartbeat"))
+		}},
+		// A reply's routing key is the asking client's own (a uuid); the
+		// exchange is a direct one, to which topic permissions do not
+		// apply.
+		{"publish", ReplyExchange, "remote control replies", func(ch *amqp091.Channel) error {
+			return amqp.CheckWriteOn(ctx, ch, ReplyExchange, c.cfg.NodeName)
+		}},
 	}
 	for _, s := range steps {
 		ch, err := conn.Channel()

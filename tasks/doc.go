@@ -151,7 +151,8 @@
 //  1. releases the claim (outside mode: idempotency Release, so the retried
 //     message claims the operation again as a first claim, not a duplicate;
 //     same-database mode: the transaction is rolled back, nothing is kept);
-//  2. republishes the message with a confirm: same task id, retries+1,
+//  2. republishes the message with a confirm, to the queue it came from
+//     through the default exchange: same task id, retries+1,
 //     eta = now + countdown, everything else (args, chain, callbacks,
 //     errbacks, time limits, expires, reply_to, headers) copied;
 //  3. sends RETRY to the caller, then acknowledges.

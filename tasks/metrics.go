@@ -95,16 +95,8 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections}
 	if lapsed != nil {
 		m.lapsed = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: ns, Name: "claims_lapsed",
-			Help: "Claims in the record whose lease has lapsed without an outcome (read at each scrape; NaN when the record does not answer)."},
-			func() float64 {
-				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-				defer cancel()
-				n, err := lapsed(ctx)
-				if err != nil {
-					return math.NaN()
-				}
-				return float64(n)
-			})
+			Help: "Claims in the record whose lease has lapsed without an outcome (read at a scrape, at most once a second; NaN when the record does not answer)."},
+			(&cachedCount{count: lapsed, ttl: lapsedCacheTTL}).value)
 		cs = append(cs, m.lapsed)
 	}
 	for _, c := range cs {
@@ -178,4 +170,36 @@ func (w *Worker) taskMetricsOf(h *handler) *taskMetrics {
 	m[h] = t
 	w.tm.Store(&m)
 	return t
+}
+
+// lapsedCacheTTL is how long a count of lapsed claims answers scrapes
+// before the record is asked again.
+const lapsedCacheTTL = time.Second
+
+// cachedCount is a count read from the record, asked at most once per ttl
+// and by one scrape at a time (the others wait for its answer): scrapes,
+// however many, make at most one query a ttl.
+type cachedCount struct {
+	count func(context.Context) (int64, error)
+	ttl   time.Duration
+
+	mu sync.Mutex
+	at time.Time // when v was read; zero before the first read
+	v  float64   // NaN when the record did not answer
+}
+
+func (c *cachedCount) value() float64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.at.IsZero() && time.Since(c.at) < c.ttl {
+		return c.v
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	n, err := c.count(ctx)
+	c.v, c.at = float64(n), time.Now()
+	if err != nil {
+		c.v = math.NaN()
+	}
+	return c.v
 }

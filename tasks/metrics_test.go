@@ -1,8 +1,13 @@
 package tasks
 
 import (
+	"context"
+	"errors"
+	"math"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -93,5 +98,49 @@ func TestResultReprShortcuts(t *testing.T) {
 		if got, want := resultRepr([]byte(res)), celeryproto.Repr(v); got != want {
 			t.Errorf("resultRepr(%q) = %q, want %q", res, got, want)
 		}
+	}
+}
+
+// TestLapsedClaimsCountedOnceASecond: scrapes, however many and however
+// close, ask the record for the lapsed claims at most once per
+// lapsedCacheTTL, one at a time, and a failed count reads NaN until the
+// next one.
+func TestLapsedClaimsCountedOnceASecond(t *testing.T) {
+	t.Parallel()
+	var calls, running, overlap atomic.Int64
+	fail := atomic.Bool{}
+	c := &cachedCount{ttl: time.Second, count: func(context.Context) (int64, error) {
+		if running.Add(1) > 1 {
+			overlap.Add(1)
+		}
+		defer running.Add(-1)
+		time.Sleep(20 * time.Millisecond)
+		if fail.Load() {
+			return 0, errors.New("record away")
+		}
+		return calls.Add(1), nil
+	}}
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if v := c.value(); v != 1 {
+				t.Errorf("value %v, want 1 (the first count)", v)
+			}
+		}()
+	}
+	wg.Wait()
+	if calls.Load() != 1 || overlap.Load() != 0 {
+		t.Fatalf("%d counts (%d overlapping) for 50 scrapes within the TTL, want 1", calls.Load(), overlap.Load())
+	}
+	time.Sleep(1100 * time.Millisecond)
+	if v := c.value(); v != 2 {
+		t.Fatalf("after the TTL: %v, want 2 (counted again)", v)
+	}
+	fail.Store(true)
+	time.Sleep(1100 * time.Millisecond)
+	if v := c.value(); !math.IsNaN(v) {
+		t.Fatalf("failed count: %v, want NaN", v)
 	}
 }

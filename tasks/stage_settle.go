@@ -224,8 +224,11 @@ func (w *Worker) heldCopy(j *job) []byte {
 
 // DecodeHeld reads the message kept in a held record (idempotency
 // Record.Message, or what ResolveRetry returns) back into what to publish
-// to replay it: the exchange and routing key it came by, and the message.
-// Header values come back as JSON gives them (numbers as float64).
+// to replay it: the default exchange ("") and the queue it was consumed
+// from as the routing key, as the worker's own copies go, whatever
+// exchange it came by (the exchange and routing key it came by when no
+// queue is kept); and the message. Header values come back as JSON gives
+// them (numbers as float64).
 func DecodeHeld(b []byte) (exchange, routingKey string, p *celeryproto.Publishing, err error) {
 	var h heldMessage
 	if err := json.Unmarshal(b, &h); err != nil {
@@ -234,9 +237,8 @@ func DecodeHeld(b []byte) (exchange, routingKey string, p *celeryproto.Publishin
 	if h.Publishing == nil {
 		return "", "", nil, fmt.Errorf("decode held message: no message")
 	}
-	rk := h.RoutingKey
-	if h.Exchange == "" && h.Queue != "" {
-		rk = h.Queue
+	if h.Queue != "" {
+		return "", h.Queue, h.Publishing, nil
 	}
-	return h.Exchange, rk, h.Publishing, nil
+	return h.Exchange, h.RoutingKey, h.Publishing, nil
 }

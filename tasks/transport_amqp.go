@@ -12,7 +12,6 @@ package tasks
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -43,34 +42,24 @@ func newAMQPTransport(cfg *Config, pub *amqp.Publisher) *amqpTransport {
 
 // prepare declares each configured queue's quarantine queue, and checks
 // that the broker lets the worker publish where it will: to the default
-// exchange (results for rpc://, republished and quarantined copies) and to
-// each queue's exchange (Celery retries), so that a missing write
+// exchange, with a queue's name as the routing key (results for rpc://,
+// retries, republished and quarantined copies), so that a missing write
 // permission stops the worker at start (amqp.AccessError) rather than
-// each message that needs it.
+// each message that needs it. Every copy of a delivery goes back to its
+// queue through the default exchange, whatever exchange it came by (the
+// application's, a dead-letter exchange): no write on those is needed.
 func (t *amqpTransport) prepare(ctx context.Context) error {
 	for _, q := range t.queues {
 		if err := t.declareQuarantine(ctx, q.Name); err != nil {
 			return err
 		}
 	}
-	if err := t.pub.CheckWrite(ctx, ""); err != nil {
-		return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "results, republished and quarantined copies"))
+	key := ""
+	if len(t.queues) > 0 {
+		key = t.queues[0].Name
 	}
-	checked := map[string]bool{"": true, amqp.DefaultExchange: true}
-	for _, q := range t.queues {
-		ex := q.Exchange
-		if ex == "" {
-			ex = q.Name
-		}
-		if checked[ex] || q.Passive {
-			continue
-		}
-		checked[ex] = true
-		// An exchange not declared yet (the consumer declares it) is not
-		// checked.
-		if err := t.pub.CheckWrite(ctx, ex); err != nil && !errors.Is(err, amqp.ErrNotFound) {
-			return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "retries of queue "+q.Name+"'s tasks"))
-		}
+	if err := t.pub.CheckWrite(ctx, "", key); err != nil {
+		return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "results, retries, republished and quarantined copies"))
 	}
 	return nil
 }
@@ -176,8 +165,11 @@ func (a *amqpDelivery) republish(ctx context.Context, _ time.Time) error {
 }
 
 // retry publishes next as a new Celery message (protocol 2, the
-// delivery's serializer) by the exchange and routing key the delivery came
-// with, confirmed.
+// delivery's serializer) to the queue the delivery came from, through the
+// default exchange, confirmed: the queue Celery's retry reaches by the
+// exchange and routing key the message came with, without the write
+// permission on that exchange (the application's own, or a dead-letter
+// exchange the message came by).
 func (a *amqpDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *RetryRequest) error {
 	m := *next
 	m.Headers = withoutBrokerHeaders(m.Headers)
@@ -185,7 +177,7 @@ func (a *amqpDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *
 	if err != nil {
 		return &encodeError{err}
 	}
-	return a.t.publish(ctx, a.d.Exchange, a.d.RoutingKey, pub, amqp.PublishOptions{Mandatory: true})
+	return a.t.publish(ctx, "", a.d.Queue, pub, amqp.PublishOptions{Mandatory: true})
 }
 
 // quarantine publishes a copy to the quarantine queue of the delivery's
