@@ -234,7 +234,7 @@ func deadLetterName(policy string) string {
 // Message is a message as received.
 type Message struct {
 	// Queue is the name of the queue it came from.
-	Queue, QueueURL string
+	Queue, QueueURL         string
 	ID, ReceiptHandle, Body string
 	// Attributes are its message attributes of type String or Number (by
 	// name); Binary ones have their bytes as the value.
