@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
@@ -47,6 +49,9 @@ type Config struct {
 	// Region, when set, overrides the SDK's configured region. With
 	// Endpoint set and no region configured, "us-east-1".
 	Region string
+	// Credentials, when set, are used instead of the SDK's credential
+	// chain.
+	Credentials aws.CredentialsProvider
 	// Logger receives the client's logs (default: none).
 	Logger *zap.Logger
 
@@ -78,6 +83,7 @@ type Queue struct {
 type Client struct {
 	api *sqs.Client
 	log *zap.Logger
+	tr  *http.Transport
 
 	mu   sync.Mutex
 	urls map[string]string // queue name -> URL
@@ -97,6 +103,9 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 	if cfg.Region != "" {
 		opts = append(opts, config.WithRegion(cfg.Region))
 	}
+	if cfg.Credentials != nil {
+		opts = append(opts, config.WithCredentialsProvider(cfg.Credentials))
+	}
 	ac, err := config.LoadDefaultConfig(ctx, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("sqs: load AWS configuration: %w", err)
@@ -107,7 +116,16 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 		}
 		ac.Region = "us-east-1"
 	}
+	// A transport of the client's own (the configuration's: its CA bundle,
+	// timeouts), whose connections Close closes.
+	var tr *http.Transport
+	if bc, ok := ac.HTTPClient.(*awshttp.BuildableClient); ok {
+		tr = bc.GetTransport()
+	} else {
+		tr = awshttp.NewBuildableClient().GetTransport()
+	}
 	api := sqs.NewFromConfig(ac, func(o *sqs.Options) {
+		o.HTTPClient = &http.Client{Transport: tr}
 		if cfg.Endpoint != "" {
 			o.BaseEndpoint = aws.String(cfg.Endpoint)
 		}
@@ -116,7 +134,7 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	c := &Client{api: api, log: log, urls: map[string]string{}, del: make(chan deleteReq, 256), delDone: make(chan struct{})}
+	c := &Client{api: api, log: log, tr: tr, urls: map[string]string{}, del: make(chan deleteReq, 256), delDone: make(chan struct{})}
 	go c.deleter()
 	return c, nil
 }
@@ -125,6 +143,7 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 func (c *Client) Close() error {
 	c.closing.Do(func() { close(c.del) })
 	<-c.delDone
+	c.tr.CloseIdleConnections()
 	return nil
 }
 
