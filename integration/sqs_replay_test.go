@@ -203,10 +203,17 @@ func (r *sqsRun) afterKill() {
 // counts are the test queue's ApproximateNumberOfMessages (SQS: those
 // visible; goaws: all) and ApproximateNumberOfMessagesNotVisible (in
 // flight).
-func (e *sqsEnv) counts() (visible, inFlight int) {
+func (e *sqsEnv) counts() (visible, inFlight int) { return e.countsOf(e.queue) }
+
+// countsOf is counts of the queue named q.
+func (e *sqsEnv) countsOf(q string) (visible, inFlight int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	out, err := e.client.API().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{QueueUrl: aws.String(e.queueURL),
+	u, err := e.client.QueueURL(ctx, q)
+	if err != nil {
+		return -1, -1
+	}
+	out, err := e.client.API().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{QueueUrl: aws.String(u),
 		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameApproximateNumberOfMessages,
 			types.QueueAttributeNameApproximateNumberOfMessagesNotVisible}})
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -147,6 +149,69 @@ func TestSQSQuarantine(t *testing.T) {
 			t.Errorf("%s holds %d, want nothing there", sqsQuarantineOf(e.queue), n)
 		}
 	})
+}
+
+// TestSQSQuarantineCommand: onceler quarantine --sqs lists the quarantined
+// messages of an SQS queue with their reasons (they stay), drops one by its
+// task id and requeues the rest to the queue they came from (a worker
+// quarantines it again: its task is still unknown).
+func TestSQSQuarantineCommand(t *testing.T) {
+	t.Parallel()
+	e := newSQSEnv(t, sqsEnvOptions{NoRedis: true})
+	e.startWorker(sqsWorkerOptions{})
+	e.plain(sqsMessage{Body: "[1]", Attributes: map[string]string{"task": "no.such.task"}},
+		sqsMessage{Body: "{{", Attributes: map[string]string{"task": demo.TaskAdd}})
+	quarantine := sqsQuarantineOf(e.queue)
+	testkit.WaitFor(t, "both quarantined", 60*time.Second, func() bool { return e.depth(quarantine) == 2 && e.idle() })
+	run := func(args ...string) string {
+		t.Helper()
+		cmd := exec.Command(oncelerBin, append([]string{"quarantine", "--sqs", "--sqs-endpoint", e.endpoint, "--queues", e.queue}, args...)...)
+		cmd.Env = append(os.Environ(), testkit.SQSEnv()...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("onceler quarantine %v: %v\n%s", args, err, out)
+		}
+		return string(out)
+	}
+	var listed []struct {
+		TaskID string `json:"task_id"`
+		Task   string `json:"task"`
+		Reason string `json:"reason"`
+		Queue  string `json:"queue"`
+	}
+	if err := json.Unmarshal([]byte(run("list", "--json")), &listed); err != nil || len(listed) != 2 {
+		t.Fatalf("list: %+v (err %v), want 2", listed, err)
+	}
+	reasons := map[string]string{}
+	for _, m := range listed {
+		reasons[m.Task] = m.Reason
+		if m.Queue != e.queue || m.TaskID == "" {
+			t.Errorf("listed %+v: want queue %s and a task id", m, e.queue)
+		}
+	}
+	if reasons["no.such.task"] != tasks.ReasonUnknownTask || reasons[demo.TaskAdd] != tasks.ReasonUndecodable {
+		t.Errorf("reasons %v", reasons)
+	}
+	testkit.WaitFor(t, "the listed messages visible again", 10*time.Second, func() bool {
+		_, inFlight := e.countsOf(quarantine)
+		return inFlight == 0
+	})
+	var undecodable string
+	for _, m := range listed {
+		if m.Reason == tasks.ReasonUndecodable {
+			undecodable = m.TaskID
+		}
+	}
+	if out := run("drop", undecodable); !strings.Contains(out, "dropped 1 of 2") {
+		t.Errorf("drop: %s", out)
+	}
+	if out := run("requeue", "--all"); !strings.Contains(out, "requeued 1 of 1") {
+		t.Errorf("requeue: %s", out)
+	}
+	testkit.WaitFor(t, "the requeued message quarantined again", 30*time.Second, func() bool { return e.depth(quarantine) == 1 && e.idle() })
+	if ms := e.drain(quarantine); len(ms) != 1 || ms[0].Attributes["task"] != "no.such.task" {
+		t.Errorf("quarantine holds %+v, want the unknown task's message", ms)
+	}
 }
 
 func sqsQuarantineCheck(t *testing.T, e *sqsEnv, quarantine string) {

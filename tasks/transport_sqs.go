@@ -664,8 +664,9 @@ func (d *sqsDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *R
 
 // quarantine sends a copy (the body as it came) to the queue's quarantine
 // queue, ours as message attributes beside the message's own, at most
-// sqs.MaxAttributes in all: ours first, then the message's own in name
-// order; those left out are named in HeaderTruncated.
+// sqs.MaxAttributes in all: ours first (and a plain message's task_id and
+// task), then the message's own in name order; those left out are named
+// in HeaderTruncated.
 func (d *sqsDelivery) quarantine(ctx context.Context, ours map[string]any) error {
 	attrs := map[string]string{}
 	keys := make([]string, 0, len(ours))
@@ -675,6 +676,14 @@ func (d *sqsDelivery) quarantine(ctx context.Context, ours map[string]any) error
 	sort.Strings(keys)
 	for _, k := range keys {
 		attrs[k] = clip.String(fmt.Sprint(ours[k]), maxQuarantineValue)
+	}
+	if !d.kombu {
+		// A plain message's task id is its first message id: the copy's
+		// differs ('onceler quarantine' names messages by it).
+		attrs["task_id"] = d.wireID()
+		if task := d.m.Attributes["task"]; task != "" {
+			attrs["task"] = task
+		}
 	}
 	own := make([]string, 0, len(d.m.Attributes))
 	for k := range d.m.Attributes {
