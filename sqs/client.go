@@ -344,9 +344,19 @@ func (c *Client) SetVisibility(ctx context.Context, vs []Visibility) []error {
 	single := c.noVisBatch
 	c.mu.Unlock()
 	if !single {
+		// A batch entry's timeout of 0 is left out of the request by the
+		// SDK (it takes 0 for unset): those go one call each.
 		byQueue := map[string][]int{}
+		var zeros []int
 		for i, v := range vs {
+			if v.Timeout < time.Second {
+				zeros = append(zeros, i)
+				continue
+			}
 			byQueue[v.QueueURL] = append(byQueue[v.QueueURL], i)
+		}
+		for _, i := range zeros {
+			errs[i] = c.setVisibility(ctx, vs[i])
 		}
 		for u, idx := range byQueue {
 			for len(idx) > 0 {
@@ -369,7 +379,12 @@ func (c *Client) SetVisibility(ctx context.Context, vs []Visibility) []error {
 						c.mu.Lock()
 						c.noVisBatch = true
 						c.mu.Unlock()
-						return c.SetVisibility(ctx, vs)
+						for _, idx := range byQueue {
+							for _, i := range idx {
+								errs[i] = c.setVisibility(ctx, vs[i])
+							}
+						}
+						return errs
 					}
 					for _, i := range part {
 						errs[i] = fmt.Errorf("sqs: change visibility: %w", err)
@@ -392,16 +407,22 @@ func (c *Client) SetVisibility(ctx context.Context, vs []Visibility) []error {
 		return errs
 	}
 	for i, v := range vs {
-		_, err := c.api.ChangeMessageVisibility(ctx, &sqs.ChangeMessageVisibilityInput{QueueUrl: aws.String(v.QueueURL),
-			ReceiptHandle: aws.String(v.ReceiptHandle), VisibilityTimeout: int32(v.Timeout / time.Second)})
-		if err != nil {
-			if gone(err) {
-				err = fmt.Errorf("%w: %v", ErrGone, err)
-			}
-			errs[i] = fmt.Errorf("sqs: change visibility: %w", err)
-		}
+		errs[i] = c.setVisibility(ctx, v)
 	}
 	return errs
+}
+
+// setVisibility changes one message's visibility timeout.
+func (c *Client) setVisibility(ctx context.Context, v Visibility) error {
+	_, err := c.api.ChangeMessageVisibility(ctx, &sqs.ChangeMessageVisibilityInput{QueueUrl: aws.String(v.QueueURL),
+		ReceiptHandle: aws.String(v.ReceiptHandle), VisibilityTimeout: int32(v.Timeout / time.Second)})
+	if err != nil {
+		if gone(err) {
+			err = fmt.Errorf("%w: %v", ErrGone, err)
+		}
+		return fmt.Errorf("sqs: change visibility: %w", err)
+	}
+	return nil
 }
 
 // deleteReq is one delete waiting for its batch.
