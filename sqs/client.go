@@ -34,6 +34,9 @@ const (
 	MaxAttributes = 10
 )
 
+// maxConns is the most idle connections a Client keeps to its endpoint.
+const maxConns = 256
+
 // ErrGone is the error (wrapped) of a call on a receipt handle the queue
 // no longer knows as in flight: its visibility timeout ran out (the
 // message is visible again, or was received by someone else), or it was
@@ -124,6 +127,13 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 	} else {
 		tr = awshttp.NewBuildableClient().GetTransport()
 	}
+	// Every connection to the one SQS host is kept for reuse: with the
+	// SDK's 10 per host, the connections of the receives, deletes and
+	// visibility changes under way at once were closed and opened again
+	// all the time, and responses were now and then cut off with "use of
+	// closed network connection" (seen against goaws).
+	tr.MaxIdleConns = max(tr.MaxIdleConns, maxConns)
+	tr.MaxIdleConnsPerHost = maxConns
 	api := sqs.NewFromConfig(ac, func(o *sqs.Options) {
 		o.HTTPClient = &http.Client{Transport: tr}
 		if cfg.Endpoint != "" {
