@@ -16,6 +16,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"go.uber.org/zap"
 
+	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/sqs"
 )
 
@@ -294,5 +295,56 @@ func TestSQSTransportExtendAndDelete(t *testing.T) {
 	tr.mu.Unlock()
 	if held != 0 {
 		t.Errorf("%d deliveries still extended after their acks", held)
+	}
+}
+
+// TestSQSWirePlain: a plain message reads as a Celery message: a list body
+// the positional arguments, an object the keyword ones, the task from the
+// attribute or the queue, the id from task_id or the message id; one that
+// cannot be read reaches the decoder as undecodable.
+func TestSQSWirePlain(t *testing.T) {
+	q := &sqsQueue{Queue: sqs.Queue{Name: "q", Task: "queue.task"}}
+	for _, tc := range []struct {
+		name, body string
+		attrs      map[string]string
+		queueTask  bool
+		task, id   string
+		args, kw   int
+		retries    int
+		key        string
+		bad        bool
+	}{
+		{name: "list", body: `[1, "a", 2.5]`, attrs: map[string]string{"task": "t.x"}, task: "t.x", id: "mid", args: 3},
+		{name: "object", body: `{"a": 1}`, queueTask: true, task: "queue.task", id: "mid", kw: 1},
+		{name: "ids", body: `[]`, attrs: map[string]string{"task": "t.x", "task_id": "tid", "retries": "2", "idempotency_key": "k-1"},
+			task: "t.x", id: "tid", retries: 2, key: "k-1"},
+		{name: "no task", body: `[1]`, bad: true},
+		{name: "not json", body: `[1`, attrs: map[string]string{"task": "t.x"}, bad: true},
+		{name: "scalar", body: `7`, attrs: map[string]string{"task": "t.x"}, bad: true},
+		{name: "bad retries", body: `[]`, attrs: map[string]string{"task": "t.x", "retries": "x"}, bad: true},
+	} {
+		qq := q
+		if !tc.queueTask {
+			qq = &sqsQueue{Queue: sqs.Queue{Name: "q"}}
+		}
+		w, kombu := sqsWire(qq, sqs.Message{ID: "mid", Body: tc.body, Attributes: tc.attrs, ReceiveCount: 2})
+		if kombu || !w.Redelivered {
+			t.Errorf("%s: kombu %v, redelivered %v", tc.name, kombu, w.Redelivered)
+		}
+		m, err := celeryproto.Decode(w)
+		if tc.bad {
+			if err == nil {
+				t.Errorf("%s: decoded %+v, want undecodable", tc.name, m)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		key, _ := m.Headers["idempotency_key"].(string)
+		if m.Task != tc.task || m.ID != tc.id || len(m.Args) != tc.args || len(m.Kwargs) != tc.kw || m.Retries != tc.retries || key != tc.key {
+			t.Errorf("%s: decoded %+v", tc.name, m)
+		}
 	}
 }
