@@ -85,6 +85,10 @@ type sqsTransport struct {
 	pending   []*sqsDelivery
 	readyKick chan struct{}
 	backs     sync.WaitGroup
+	// The extender: started by consume, stopped by close.
+	extendOnce sync.Once
+	stopExtend context.CancelFunc
+	extendDone chan struct{}
 }
 
 func newSQSTransport(cfg *Config, log *zap.Logger) *sqsTransport {
@@ -152,8 +156,8 @@ func sqsQuarantineName(q string) string {
 	return q + "-quarantine"
 }
 
-// consume runs the receivers and the extender until ctx is done, handing
-// the deliveries to receive from this goroutine.
+// consume runs the receivers until ctx is done, handing the deliveries to
+// receive from this goroutine, and starts the extender (stopped by close).
 func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) error {
 	var wg sync.WaitGroup
 	for _, q := range t.queues {
@@ -165,11 +169,17 @@ func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) erro
 			}()
 		}
 	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		t.extend(ctx)
-	}()
+	// The extender runs until close: the messages of tasks still running
+	// in the grace period after consume returns are extended too.
+	t.extendOnce.Do(func() {
+		ectx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		t.stopExtend = cancel
+		t.extendDone = make(chan struct{})
+		go func() {
+			defer close(t.extendDone)
+			t.extend(ectx)
+		}()
+	})
 	for {
 		t.mu.Lock()
 		ready := t.pending
@@ -257,7 +267,7 @@ func (t *sqsTransport) poll(ctx context.Context, q *sqsQueue) {
 
 // extend extends the visibility of the held deliveries' messages every
 // third of their queues' shortest visibility timeout, until ctx is done
-// (and after, while deliveries are held, until close).
+// (close).
 func (t *sqsTransport) extend(ctx context.Context) {
 	every := time.Hour
 	for _, q := range t.queues {
@@ -380,10 +390,14 @@ func (t *sqsTransport) setWindowLimit(n int) error {
 
 func (t *sqsTransport) fixedWindow() bool { return false }
 
-// close waits for the give-backs under way and closes the client (its
-// batched deletes sent first). Messages still in flight become visible
+// close stops the extender, waits for the give-backs under way and closes
+// the client (its batched deletes sent first). Messages still in flight become visible
 // when their visibility timeouts run out.
 func (t *sqsTransport) close() error {
+	if t.stopExtend != nil {
+		t.stopExtend()
+		<-t.extendDone
+	}
 	t.backs.Wait()
 	if t.client == nil {
 		return nil
