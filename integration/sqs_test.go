@@ -13,6 +13,7 @@ import (
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
+	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -304,5 +305,41 @@ func TestSQSFIFO(t *testing.T) {
 		if fmt.Sprint(order) != fmt.Sprint(want[g]) {
 			t.Errorf("group %s written in the order %v, want %v", g, order, want[g])
 		}
+	}
+}
+
+// TestSQSHeldResolve: a worker killed after claiming an email (policy
+// hold) leaves the operation held when its message comes back; onceler
+// resolve --retry releases the record and sends the kept SQS message
+// again, and a worker sends the email once.
+func TestSQSHeldResolve(t *testing.T) {
+	t.Parallel()
+	e := newSQSEnv(t, sqsEnvOptions{NoRedis: true})
+	email := skTargets()[2]
+	op := testkit.Name("held")
+	run := &sqsRun{}
+	w1 := e.startWorker(sqsWorkerOptions{CrashAt: workerhooks.AfterClaim, CrashTask: email.task, Concurrency: 1, Prefetch: 1})
+	e.plain(run.plainMessage(email.task, email.args(op)))
+	if !testkit.Eventually(60*time.Second, w1.exited) || !w1.crashed() {
+		t.Fatalf("armed worker did not crash: %s", w1.logTail(3000))
+	}
+	e.startWorker(sqsWorkerOptions{})
+	ctx := context.Background()
+	testkit.WaitFor(t, "the operation held", 60*time.Second, func() bool {
+		rec, err := e.store.Get(ctx, email.task, op)
+		return err == nil && rec.Status == idempotency.StatusHeld && e.idle()
+	})
+	cmd := exec.Command(oncelerBin, "resolve", "--retry", "--sqs-endpoint", e.endpoint, email.task, op)
+	cmd.Env = append(os.Environ(), append(testkit.SQSEnv(), "ONCELER_DATABASE_URL="+e.dbURL, "ONCELER_SCHEMA="+e.schema)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "sent again to SQS queue "+e.queue) {
+		t.Fatalf("onceler resolve --retry: %v: %s", err, out)
+	}
+	testkit.WaitFor(t, "the operation completed", 60*time.Second, func() bool {
+		rec, err := e.store.Get(ctx, email.task, op)
+		return err == nil && rec.Status == idempotency.StatusCompleted && e.idle()
+	})
+	if n, err := email.effects(ctx, e.pool, op); err != nil || n != 1 {
+		t.Errorf("emails sent: %d (err %v), want 1", n, err)
 	}
 }
