@@ -241,26 +241,23 @@ func (e *sqsEnv) depth(q string) int {
 // in flight).
 func (e *sqsEnv) idle() bool { return e.depth(e.queue) == 0 }
 
-// drain receives every message of the queue named q (each is deleted).
-func (e *sqsEnv) drain(q string) []sqs.Message {
+// drain receives the messages of the queue named q (each is deleted)
+// until it has want of them, or finds none for 10 s. A receive whose
+// response is cut off (goaws, now and then) leaves its messages in flight
+// for the 2 s visibility timeout drain receives with: they come again.
+func (e *sqsEnv) drain(q string, want int) []sqs.Message {
 	e.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var all []sqs.Message
-	for failures := 0; ; {
-		msgs, err := e.client.Receive(ctx, q, sqs.MaxBatch, 0, 30*time.Second)
-		if err != nil && failures < 3 {
-			// goaws now and then breaks a response off.
-			failures++
+	quiet := time.Now()
+	for len(all) < want && time.Since(quiet) < 10*time.Second {
+		msgs, err := e.client.Receive(ctx, q, sqs.MaxBatch, 0, 2*time.Second)
+		if err != nil || len(msgs) == 0 {
 			time.Sleep(200 * time.Millisecond)
 			continue
 		}
-		if err != nil {
-			e.t.Fatalf("receive from %s: %v", q, err)
-		}
-		if len(msgs) == 0 {
-			return all
-		}
+		quiet = time.Now()
 		for _, m := range msgs {
 			if err := e.client.Delete(ctx, m.QueueURL, m.ReceiptHandle); err != nil {
 				e.t.Fatalf("delete from %s: %v", q, err)
@@ -268,6 +265,7 @@ func (e *sqsEnv) drain(q string) []sqs.Message {
 		}
 		all = append(all, msgs...)
 	}
+	return all
 }
 
 // sqsWorkerOptions are the settings of one worker process.

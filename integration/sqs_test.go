@@ -210,7 +210,7 @@ func TestSQSQuarantineCommand(t *testing.T) {
 		t.Errorf("requeue: %s", out)
 	}
 	testkit.WaitFor(t, "the requeued message quarantined again", 30*time.Second, func() bool { return e.depth(quarantine) == 1 && e.idle() })
-	if ms := e.drain(quarantine); len(ms) != 1 || ms[0].Attributes["task"] != "no.such.task" {
+	if ms := e.drain(quarantine, 1); len(ms) != 1 || ms[0].Attributes["task"] != "no.such.task" {
 		t.Errorf("quarantine holds %+v, want the unknown task's message", ms)
 	}
 }
@@ -232,7 +232,7 @@ func sqsQuarantineCheck(t *testing.T, e *sqsEnv, quarantine string) {
 	e.plain(msgs...)
 	testkit.WaitFor(t, "all four quarantined", 60*time.Second, func() bool { return e.depth(quarantine) == len(bad) && e.idle() })
 	got := map[string]string{}
-	for _, m := range e.drain(quarantine) {
+	for _, m := range e.drain(quarantine, len(bad)) {
 		got[m.Body+"|"+m.Attributes["task"]] = m.Attributes[tasks.HeaderReason]
 		if m.Attributes[tasks.HeaderDetail] == "" {
 			t.Errorf("quarantined %q: no %s attribute (%v)", m.Body, tasks.HeaderDetail, m.Attributes)
