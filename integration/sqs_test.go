@@ -273,41 +273,6 @@ func TestSQSVisibilityExtended(t *testing.T) {
 	}
 }
 
-// TestSQSFIFO: a FIFO queue's messages run one at a time per message group,
-// in the order sent: the ledger has each group's entries in that order.
-func TestSQSFIFO(t *testing.T) {
-	t.Parallel()
-	e := newSQSEnv(t, sqsEnvOptions{NoRedis: true, FIFO: true})
-	prefix := testkit.Name("fifo")
-	var msgs []sqsMessage
-	want := map[string][]string{}
-	for i := range 8 {
-		for _, g := range []string{"a", "b"} {
-			op := fmt.Sprintf("%s-%s-%d", prefix, g, i)
-			want[g] = append(want[g], op)
-			msgs = append(msgs, sqsMessage{Body: fmt.Sprintf(`["acct-%s", %q, 1]`, g, op),
-				Attributes: map[string]string{"task": demo.TaskCredit}, Group: g})
-		}
-	}
-	e.plain(msgs...)
-	e.startWorker(sqsWorkerOptions{Concurrency: 8})
-	testkit.WaitFor(t, "every entry written", 60*time.Second, func() bool {
-		return len(ledgerOrder(t, &skEnv{pool: e.pool}, prefix)) == len(msgs) && e.idle()
-	})
-	got := ledgerOrder(t, &skEnv{pool: e.pool}, prefix)
-	for _, g := range []string{"a", "b"} {
-		var order []string
-		for _, op := range got {
-			if strings.HasPrefix(op, prefix+"-"+g+"-") {
-				order = append(order, op)
-			}
-		}
-		if fmt.Sprint(order) != fmt.Sprint(want[g]) {
-			t.Errorf("group %s written in the order %v, want %v", g, order, want[g])
-		}
-	}
-}
-
 // TestSQSHeldResolve: a worker killed after claiming an email (policy
 // hold) leaves the operation held when its message comes back; onceler
 // resolve --retry releases the record and sends the kept SQS message
