@@ -13,6 +13,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/sqs"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -34,7 +35,11 @@ x-onceler-quarantined-at.
                        (after fixing the cause, e.g. deploying the task)
   drop TASK_ID...      delete those messages for good
 
-requeue and drop take task ids, or --all; --reason narrows to one reason.`,
+requeue and drop take task ids, or --all; --reason narrows to one reason.
+
+With --sqs it works on the quarantine queues of SQS queues: each queue's
+redrive dead-letter queue, else <queue>-quarantine; the reasons are message
+attributes of the same names (docs/sqs.md).`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
 			var (
 				b      brokerFlags
@@ -43,6 +48,8 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 				all    bool
 				limit  int
 				asJSON bool
+				useSQS bool
+				sqsEP  string
 			)
 			b.define(fs)
 			fs.String(&queues, "queues", "LIST", "celery", "comma-separated consumed queues whose quarantines (<queue>.quarantine) to use, as the worker's --queues")
@@ -52,6 +59,8 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 			fs.CommandLineOnly("all")
 			fs.Int(&limit, "limit", 0, "look at most at this many messages; 0: all")
 			fs.Bool(&asJSON, "json", "list: print JSON")
+			fs.Bool(&useSQS, "sqs", "the quarantines of Amazon SQS queues (the AWS SDK's configuration, as the worker's --sqs)")
+			fs.String(&sqsEP, "sqs-endpoint", "URL", "", "with --sqs, the SQS endpoint instead of the AWS SDK's")
 			return func(ctx context.Context, args []string) error {
 				if len(args) == 0 {
 					return usagef("quarantine", "want an action: list, requeue or drop")
@@ -94,6 +103,14 @@ requeue and drop take task ids, or --all; --reason narrows to one reason.`,
 				for _, id := range ids {
 					q.ids[id] = true
 				}
+				if useSQS {
+					c, err := sqs.New(ctx, sqs.Config{Endpoint: sqsEP})
+					if err != nil {
+						return err
+					}
+					defer func() { _ = c.Close() }()
+					q.sqs = &sqsQuarantine{endpoint: sqsEP, client: c}
+				}
 				return q.runAll(ctx, action, names)
 			}
 		},
@@ -109,6 +126,8 @@ type quarantine struct {
 	all          bool
 	limit        int
 	asJSON       bool
+	// sqs, when set: SQS queues (--sqs).
+	sqs *sqsQuarantine
 }
 
 // quarantined is one message as listed.
@@ -154,7 +173,11 @@ func (q *quarantine) runAll(ctx context.Context, action string, queues []string)
 	var listed []quarantined
 	for _, name := range queues {
 		q.queue, q.qname = name, name+".quarantine"
-		ms, err := q.run(ctx, action)
+		run := q.run
+		if q.sqs != nil {
+			run = q.runSQS
+		}
+		ms, err := run(ctx, action)
 		if err != nil {
 			return err
 		}
@@ -172,6 +195,9 @@ func (q *quarantine) runAll(ctx context.Context, action string, queues []string)
 			missing = append(missing, id)
 		}
 		sort.Strings(missing)
+		if q.sqs != nil {
+			return fmt.Errorf("not found in the quarantines of %s: %s", strings.Join(queues, ", "), strings.Join(missing, ", "))
+		}
 		return fmt.Errorf("not found in %s.quarantine: %s", strings.Join(queues, ".quarantine, "), strings.Join(missing, ", "))
 	}
 	return nil

@@ -12,6 +12,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/sidekiq"
+	"github.com/onceler/onceler/sqs"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -80,7 +81,9 @@ the outside system whether the effect happened, then:
                                republish the message kept with it, so a
                                worker runs the task again (a Sidekiq job's:
                                pushed again to its queue in --sidekiq's
-                               Redis)
+                               Redis; an SQS message's: sent again to its
+                               queue, by the AWS SDK's configuration or
+                               --sqs-endpoint)
 
 'onceler records --status held' lists the held records.`,
 		setup: func(a *app, fs *flagSet) func(context.Context, []string) error {
@@ -90,6 +93,7 @@ the outside system whether the effect happened, then:
 				completed, retry bool
 				result           string
 				sidekiqURL       string
+				sqsEndpoint      string
 			)
 			d.define(fs)
 			b.define(fs)
@@ -97,6 +101,7 @@ the outside system whether the effect happened, then:
 			fs.String(&result, "result", "JSON", "", "with --completed: the result duplicates are answered with (JSON)")
 			fs.Bool(&retry, "retry", "the operation did not happen: release the record and republish its stored message")
 			fs.Secret(&sidekiqURL, "sidekiq", "URL", "", "with --retry, for the record of a Sidekiq job: the Redis its job is pushed again to (the worker's --sidekiq)")
+			fs.String(&sqsEndpoint, "sqs-endpoint", "URL", "", "with --retry, for the record of an SQS message: the SQS endpoint it is sent again to, instead of the AWS SDK's (the worker's --sqs-endpoint)")
 			fs.CommandLineOnly("completed")
 			fs.CommandLineOnly("retry")
 			return func(ctx context.Context, args []string) error {
@@ -133,7 +138,7 @@ the outside system whether the effect happened, then:
 					fmt.Fprintf(a.stdout, "%s %s: completed\n", task, key)
 					return nil
 				}
-				return a.resolveRetry(ctx, store, d.schema, b, sidekiqURL, task, key)
+				return a.resolveRetry(ctx, store, d.schema, b, sidekiqURL, sqsEndpoint, task, key)
 			}
 		},
 	}
@@ -154,7 +159,7 @@ func resolveError(prog, schema, task, key string, err error) error {
 // republishes its message. The record is released before the message is
 // published: a worker that got the message while the record was still held
 // would acknowledge it and keep the operation held.
-func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, sidekiqURL, task, key string) error {
+func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema string, b brokerFlags, sidekiqURL, sqsEndpoint, task, key string) error {
 	rec, err := store.Get(ctx, task, key)
 	if err != nil {
 		return resolveError(a.prog, schema, task, key, err)
@@ -167,6 +172,9 @@ func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema
 	}
 	if queue, job, ok := tasks.DecodeHeldSidekiq(rec.Message); ok {
 		return a.resolveRetrySidekiq(ctx, store, schema, sidekiqURL, task, key, queue, job)
+	}
+	if queue, body, attrs, ok := tasks.DecodeHeldSQS(rec.Message); ok {
+		return a.resolveRetrySQS(ctx, store, schema, sqsEndpoint, task, key, queue, body, attrs)
 	}
 	exchange, routingKey, pubMsg, err := tasks.DecodeHeld(rec.Message)
 	if err != nil {
@@ -233,4 +241,32 @@ func describeRoute(exchange, routingKey string) string {
 		return "queue " + routingKey
 	}
 	return "exchange " + exchange + " with routing key " + routingKey
+}
+
+// resolveRetrySQS is resolveRetry for the record of an SQS message: the
+// queue is looked up first, then the record released and the message sent
+// again to its queue.
+func (a *app) resolveRetrySQS(ctx context.Context, store *idempotency.Store, schema, endpoint, task, key, queue, body string, attrs map[string]string) error {
+	c, err := sqs.New(ctx, sqs.Config{Endpoint: endpoint})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = c.Close() }()
+	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	u, err := c.QueueURL(pctx, queue)
+	if err != nil {
+		return fmt.Errorf("cannot reach SQS queue %s: %s", queue, oneLine(err))
+	}
+	if _, err := store.ResolveRetry(ctx, task, key); err != nil {
+		return resolveError(a.prog, schema, task, key, err)
+	}
+	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer wcancel()
+	if _, err := c.Send(wctx, u, sqs.Outgoing{Body: body, Attributes: attrs}); err != nil {
+		return fmt.Errorf("record %s %s was released but its SQS message could not be sent again (%s): send it again from its producer",
+			task, key, oneLine(err))
+	}
+	fmt.Fprintf(a.stdout, "%s %s: released and sent again to SQS queue %s\n", task, key, queue)
+	return nil
 }

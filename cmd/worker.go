@@ -26,6 +26,7 @@ import (
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/sidekiq"
+	"github.com/onceler/onceler/sqs"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -62,6 +63,10 @@ type workerFlags struct {
 	stallAfter   time.Duration
 	sidekiqURL   string
 	sidekiqBeat  time.Duration
+	sqs          bool
+	sqsEndpoint  string
+	sqsVis       time.Duration
+	sqsWait      time.Duration
 	queuesSet    bool // --queues (or its variable) was given
 }
 
@@ -88,6 +93,12 @@ the same tasks, record and commands: a job's class is the task's name, a
 failed job goes to Sidekiq's retry set, then its dead set; a TERM or TSTP
 sent through Sidekiq's API stops or quiets it (docs/sidekiq.md).
 
+With --sqs it consumes Amazon SQS queues (--queues by name; name=task gives
+a queue's plain messages their task): Celery messages as kombu's SQS
+transport writes them and plain messages whose body is the task's arguments
+as JSON; the endpoint, region and credentials come from the AWS SDK's
+standard configuration, --sqs-endpoint overrides the endpoint (docs/sqs.md).
+
 ONCELER_CRASH_AT=after_claim|after_effect|before_ack|chord_joined with
 ONCELER_CRASH_TASK=<task> makes the process die abruptly (as kill -9) the
 first time that point is reached, for crash tests.`,
@@ -97,6 +108,10 @@ first time that point is reached, for crash tests.`,
 			f.broker.define(fs)
 			fs.String(&f.queues, "queues", "LIST", "celery", "comma-separated queues to consume: one that exists is consumed as the application declared it, a missing one is declared as Celery declares it (see --queue-arg, --quorum); each gets a quarantine queue <queue>.quarantine. With --sidekiq: Sidekiq's queues (default: default), in strict order, or weighted when a number follows a name (critical,2,default,1), as Sidekiq's -q critical,2 -q default,1")
 			fs.Secret(&f.sidekiqURL, "sidekiq", "URL", "", "consume Sidekiq jobs from this Redis (redis://[[user]:password@]host[:port][/db], rediss:// for TLS) instead of Celery messages from RabbitMQ: a job's class is the task's name, its args the arguments (docs/sidekiq.md); no remote control nor events then")
+			fs.Bool(&f.sqs, "sqs", "consume Amazon SQS queues (--queues: names, name=task for a queue's plain messages) instead of RabbitMQ; the endpoint, region and credentials from the AWS SDK's configuration (AWS_REGION, AWS_PROFILE, ~/.aws); results go to --result-backend when it is redis or django-db (rpc:// does not exist over SQS: no result is kept then) (docs/sqs.md)")
+			fs.String(&f.sqsEndpoint, "sqs-endpoint", "URL", "", "with --sqs, the SQS endpoint (a local server, e.g. http://127.0.0.1:4100) instead of the AWS SDK's")
+			fs.Duration(&f.sqsVis, "sqs-visibility", 0, "with --sqs, the visibility timeout messages are received with and extended by while their tasks run; 0 means each queue's own")
+			fs.Duration(&f.sqsWait, "sqs-wait", 10*time.Second, "with --sqs, how long one receive waits for messages (long polling, at most 20s)")
 			fs.Duration(&f.sidekiqBeat, "sidekiq-heartbeat", 5*time.Second, "with --sidekiq, the interval of the process heartbeat Sidekiq's tools read; the heartbeat lives 12 times as long, after which the process counts as dead and another worker recovers the jobs it held")
 			fs.List(&f.queueArgs, "queue-arg", "[QUEUE:]ARG=VALUE", "an argument to declare a missing queue with, for every queue of --queues or, with QUEUE:, for that one; repeat the flag or separate items with commas, e.g. --queue-arg x-max-priority=10. An integer value is sent as an integer, true and false as booleans, anything else (or a value in double quotes) as a string. A queue that exists is consumed as it is, with the arguments the application declared it with (docs/queues.md)")
 			fs.Bool(&f.quorum, "quorum", "declare missing queues as quorum queues (x-queue-type=quorum); a queue that exists is consumed as it is")
@@ -140,7 +155,12 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	defer func() { _ = logger.Sync() }()
 	var queues []amqp.QueueSpec
 	var skCfg *sidekiq.Config
-	if f.sidekiqURL != "" {
+	var sqsCfg *sqs.Config
+	if f.sqs {
+		if sqsCfg, err = f.sqsConfig(logger); err != nil {
+			return err
+		}
+	} else if f.sidekiqURL != "" {
 		if skCfg, err = f.sidekiqConfig(); err != nil {
 			return err
 		}
@@ -211,7 +231,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	defer pool.Close()
 	defer store.Close()
 	var found []amqp.QueueSpec
-	if skCfg == nil {
+	if skCfg == nil && sqsCfg == nil {
 		if found, err = probeBroker(ctx, broker, queues); err != nil {
 			return err
 		}
@@ -265,6 +285,7 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := tasks.Config{
 		Sidekiq:          skCfg,
+		SQS:              sqsCfg,
 		Broker:           broker,
 		Queues:           queues,
 		Pool:             pool,
@@ -299,6 +320,9 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	if skCfg != nil {
 		source = zap.String("sidekiq", sidekiq.RedactURL(skCfg.URL))
 	}
+	if sqsCfg != nil {
+		source = zap.String("sqs_endpoint", f.sqsEndpoint)
+	}
 	logger.Info("starting worker", zap.String("node", node), source, zap.String("schema", f.db.schema), zap.Int("gogc", gogc),
 		zap.Int64("memory_budget", budget), zap.Int64("go_memory_limit", memLimit),
 		zap.String("result_backend", tasks.RedactResultBackend(f.resultBE)),
@@ -332,6 +356,42 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
 	return nil
+}
+
+// sqsConfig is the SQS configuration of --sqs, --queues (names, or
+// name=task), --sqs-endpoint, --sqs-visibility and --sqs-wait.
+func (f *workerFlags) sqsConfig(logger *zap.Logger) (*sqs.Config, error) {
+	switch {
+	case f.sidekiqURL != "":
+		return nil, usagef("worker", "--sqs and --sidekiq exclude each other")
+	case len(f.queueArgs) > 0 || f.quorum:
+		return nil, usagef("worker", "--queue-arg and --quorum are RabbitMQ's: not with --sqs")
+	case f.noControl || f.events:
+		return nil, usagef("worker", "--events and --no-control are Celery's over RabbitMQ: with --sqs there is no remote control nor events")
+	case f.sqsVis < 0 || f.sqsVis > sqs.MaxVisibility:
+		return nil, usagef("worker", "--sqs-visibility must be between 0 and 12h")
+	case f.sqsVis > 0 && f.sqsVis < 2*time.Second:
+		return nil, usagef("worker", "--sqs-visibility must be at least 2s")
+	case f.sqsWait < 0 || f.sqsWait > sqs.MaxWait:
+		return nil, usagef("worker", "--sqs-wait must be between 0 and 20s")
+	}
+	var qs []sqs.Queue
+	for _, item := range strings.Split(f.queues, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		name, task, _ := strings.Cut(item, "=")
+		name, task = strings.TrimSpace(name), strings.TrimSpace(task)
+		if name == "" {
+			return nil, usagef("worker", "invalid --queues %q: a task without a queue name", f.queues)
+		}
+		qs = append(qs, sqs.Queue{Name: name, Task: task})
+	}
+	if len(qs) == 0 {
+		return nil, usagef("worker", "--queues names no queue")
+	}
+	return &sqs.Config{Endpoint: f.sqsEndpoint, Queues: qs, Visibility: f.sqsVis, Wait: f.sqsWait, Logger: logger}, nil
 }
 
 // sidekiqConfig is the Sidekiq configuration of --sidekiq, --queues

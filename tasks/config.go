@@ -20,6 +20,7 @@ import (
 	"github.com/onceler/onceler/internal/logging"
 	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/sidekiq"
+	"github.com/onceler/onceler/sqs"
 )
 
 // Config configures a Worker. Zero values take the documented defaults.
@@ -44,6 +45,16 @@ type Config struct {
 	// Celery's), and a job is answered by its outcome in Redis (Sidekiq's
 	// retry and dead sets) and the record, not by a result to a caller.
 	Sidekiq *sidekiq.Config
+
+	// SQS, when set, makes the worker consume Amazon SQS queues instead of
+	// RabbitMQ (docs/sqs.md): Celery messages as kombu's SQS transport
+	// writes them and plain messages (the body the task's arguments as
+	// JSON, the task a message attribute or the queue's). Its Queues are
+	// required. Broker and Queues are then not used; there is no remote
+	// control nor worker events (NoControl is implied), and results go to
+	// the result backend (ResultBackend; rpc:// does not exist over SQS, as
+	// in Celery: without a backend no result is kept).
+	SQS *sqs.Config
 
 	// Pool is the PostgreSQL pool of the record (and of same-database
 	// effects). Required unless every task is pure.
@@ -208,6 +219,15 @@ func DefaultPrefetch(concurrency int) int { return max(concurrency, min(256, 4*c
 const DefaultPoolConns = 16
 
 func (c *Config) setDefaults() error {
+	if c.SQS != nil {
+		if c.Sidekiq != nil {
+			return errors.New("tasks: Config.SQS and Config.Sidekiq exclude each other")
+		}
+		if len(c.SQS.Queues) == 0 {
+			return errors.New("tasks: Config.SQS needs its Queues")
+		}
+		c.NoControl = true
+	}
 	if c.Sidekiq != nil {
 		if c.Sidekiq.URL == "" || len(c.Sidekiq.Queues) == 0 {
 			return errors.New("tasks: Config.Sidekiq needs its URL and Queues")

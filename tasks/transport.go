@@ -5,8 +5,9 @@ package tasks
 // takes the worker's flow control; each job holds a delivery, through which
 // the stages read, move and settle it. Nothing else in the pipeline names a
 // broker's types for the job's own message. The worker's transport is
-// RabbitMQ's (transport_amqp.go), or with Config.Sidekiq Sidekiq's
-// (transport_sidekiq.go, transport_sidekiq_worker.go).
+// RabbitMQ's (transport_amqp.go), with Config.Sidekiq Sidekiq's
+// (transport_sidekiq.go, transport_sidekiq_worker.go), or with Config.SQS
+// Amazon SQS's (transport_sqs.go).
 //
 // A transport's message reaches the stages in Celery's wire form
 // (delivery.wire), which the decode stage decodes as it does any Celery

@@ -183,9 +183,12 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	// The publisher connects at its first publish: with Sidekiq, only for
 	// what a job cannot ask for (a reply queue, workflow steps).
 	w.pub = amqp.NewPublisher(cfg.Broker)
-	if cfg.Sidekiq != nil {
+	switch {
+	case cfg.Sidekiq != nil:
 		w.tr = newSidekiqWorkerTransport(&w.cfg, w.log, w.stop)
-	} else {
+	case cfg.SQS != nil:
+		w.tr = newSQSTransport(&w.cfg, w.log)
+	default:
 		w.tr = newAMQPTransport(&w.cfg, w.pub)
 	}
 	return w, nil

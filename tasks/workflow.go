@@ -299,6 +299,17 @@ func (w *Worker) publishSteps(ctx context.Context, j *job, steps []step) error {
 		if err != nil {
 			return fmt.Errorf("encode %s step %s: %w", s.kind, s.msg.Task, err)
 		}
+		if ss, ok := w.tr.(stepSender); ok {
+			q := s.queue
+			if q == "" {
+				q = s.routingKey
+			}
+			if err := ss.sendStep(ctx, q, p); err != nil {
+				return fmt.Errorf("send %s step %s to SQS queue %s: %w", s.kind, clip.String(s.msg.Task, 128), clip.String(q, 128), err)
+			}
+			w.m.steps.WithLabelValues(kindLabel(s.kind)).Inc()
+			continue
+		}
 		err = w.publish(ctx, s.exchange, s.routingKey, p, amqp.PublishOptions{Mandatory: true})
 		if errors.Is(err, amqp.ErrReturned) && s.queue == "" {
 			// Routed by an exchange that has no queue for it: Celery's

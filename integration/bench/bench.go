@@ -49,6 +49,8 @@ var scenarios = []scenario{
 	{ID: "f", Title: "(b) with remote control and task events on, a monitor's queue bound to celeryev", Kind: "worker", Task: taskOutside, Events: true},
 	{ID: "s-raw", Title: "raw LMOVE + LREM of Sidekiq jobs in Redis (the Sidekiq ceiling)", Kind: "sidekiq-raw", Task: taskOutside},
 	{ID: "s", Title: "onceler --sidekiq, outside no-op (Sidekiq jobs from Redis)", Kind: "sidekiq", Task: taskOutside},
+	{ID: "sqs-raw", Title: "raw batched receive + delete of Celery messages on the local SQS server (the SQS ceiling)", Kind: "sqs-raw", Task: taskOutside},
+	{ID: "sqs", Title: "onceler --sqs, outside no-op (Celery messages over SQS, kombu's envelope)", Kind: "sqs", Task: taskOutside},
 }
 
 // pairedWith is the scenario (f) alternates with: (b), measured again next
@@ -236,6 +238,9 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 	if strings.HasPrefix(sc.Kind, "sidekiq") {
 		return b.drainSidekiq(ctx, sc)
 	}
+	if strings.HasPrefix(sc.Kind, "sqs") {
+		return b.drainSQS(ctx, sc)
+	}
 	r := row{sc: sc, n: b.o.n}
 	if sc.N > 0 {
 		r.n = sc.N
@@ -373,7 +378,7 @@ func (b *bench) consumerJob(kind, queue, schema string, n int) childJob {
 	switch kind {
 	case "raw":
 		prefetch = b.o.rawPrefetch()
-	case "sidekiq-raw":
+	case "sidekiq-raw", "sqs-raw":
 		prefetch = b.o.rawPrefetch()
 		if concurrency <= 0 {
 			concurrency = tasks.DefaultConcurrency()

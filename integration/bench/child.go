@@ -37,7 +37,7 @@ const childEnv = "ONCELER_BENCH_CHILD"
 
 // childJob is what one child process does.
 type childJob struct {
-	Kind        string // "raw", "worker", "sidekiq-raw" or "sidekiq"
+	Kind        string // "raw", "worker", "sidekiq-raw", "sidekiq", "sqs-raw" or "sqs"
 	AMQPURL     string
 	DatabaseURL string
 	Queue       string
@@ -64,6 +64,9 @@ type childJob struct {
 	// queue and Identity the consumer's Sidekiq identity.
 	SidekiqURL string
 	Identity   string
+
+	// SQSEndpoint: the SQS scenarios' server; Queue is then the SQS queue.
+	SQSEndpoint string
 }
 
 // childResult is what the child reports.
@@ -97,8 +100,10 @@ func childMain() error {
 	switch job.Kind {
 	case "raw":
 		res, err = runRaw(ctx, job)
-	case "worker", "sidekiq":
+	case "worker", "sidekiq", "sqs":
 		res, err = runWorkerChild(ctx, job)
+	case "sqs-raw":
+		res, err = runSQSRaw(ctx, job)
 	case "sidekiq-raw":
 		res, err = runSidekiqRaw(ctx, job)
 	default:
@@ -252,6 +257,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 
 		ResultBackend: job.ResultBackend,
 		Sidekiq:       sidekiqConfig(job, log),
+		SQS:           sqsConfig(job, log),
 	})
 	if err != nil {
 		return res, fmt.Errorf("worker: %w", err)

@@ -21,6 +21,10 @@
 //	     LMOVE-to-a-working-list and LREM loop (the ceiling of a reliable fetch)
 //	(s)  the same jobs drained by the onceler worker with tasks.Config.Sidekiq
 //	     (onceler worker --sidekiq): (b)'s no-op task, claim and completion
+//	(sqs-raw) N Celery messages (kombu's SQS envelope) in a queue of the -sqs
+//	     server, drained by a raw loop of batched receives and deletes
+//	(sqs) the same messages drained by the onceler worker with
+//	     tasks.Config.SQS (onceler worker --sqs): (b)'s no-op task
 //
 // Then it publishes at half of each worker scenario's measured rate and
 // reports the end-to-end latency. It prints a markdown table: tasks/s,
@@ -72,6 +76,7 @@ type options struct {
 	timeout       time.Duration
 	debug         bool
 	redisURL      string
+	sqsEndpoint   string
 }
 
 func main() {
@@ -107,8 +112,9 @@ func run() error {
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
-	fs.StringVar(&o.only, "scenarios", "a,b,b',b'-hot,c,c-redis,d,e,f,s-raw,s", "scenarios to run, comma-separated")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',b'-hot,c,c-redis,d,e,f,s-raw,s,sqs-raw,sqs", "scenarios to run, comma-separated")
 	fs.StringVar(&o.redisURL, "redis", envOr("ONCELER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"), "Redis result backend of (c-redis), and the Redis of the Sidekiq scenarios (s-raw) and (s); their results and jobs are deleted after the run")
+	fs.StringVar(&o.sqsEndpoint, "sqs", envOr("ONCELER_BENCH_SQS_ENDPOINT", "http://127.0.0.1:4100"), "SQS server of (sqs-raw) and (sqs) (goaws, started by .ci/setup); their queues are deleted after the run")
 	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")
 	fs.StringVar(&o.monitor, "monitor", monitorAfter, "how (f)'s events monitor reads them: "+monitorAfter+" (its queue bound during the run, read once the worker is done, as by a monitor on another machine), "+
 		monitorLive+" (consumed during the run, on the same cores), "+monitorNone+" (no queue: the broker drops them, as when no Flower is connected)")

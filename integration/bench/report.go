@@ -14,7 +14,7 @@ func report(o options, rows []row) string {
 	fmt.Fprintf(&sb, "Command: `go run ./integration/bench %s`  \n", strings.Join(os.Args[1:], " "))
 	fmt.Fprintf(&sb, "Machine: %s; %s UTC; N = %d; the worker %s; raw consumer prefetch %d.\n\n",
 		machine(o.workerProcs), time.Now().UTC().Format("2006-01-02 15:04"), o.n, o.workerSettings(), o.rawPrefetch())
-	var a, e, sRaw float64
+	var a, e, sRaw, sqsRaw float64
 	for _, r := range rows {
 		switch r.sc.ID {
 		case "a":
@@ -23,6 +23,8 @@ func report(o options, rows []row) string {
 			e = r.rate
 		case "s-raw":
 			sRaw = r.rate
+		case "sqs-raw":
+			sqsRaw = r.rate
 		}
 	}
 	sb.WriteString("| scenario | tasks | tasks/s | vs (a) | vs (e) | p50 ms | p99 ms | load for latency | peak RSS MiB | PG commits/task | consumer CPU µs/task | PG backend CPU µs/task | broker CPU µs/task |\n")
@@ -61,7 +63,7 @@ func report(o options, rows []row) string {
 		if r.rssKiB > 0 {
 			rss = fmt.Sprintf("%.1f", float64(r.rssKiB)/1024)
 		}
-		if r.sc.Kind != "raw" && r.sc.Kind != "sidekiq-raw" {
+		if r.sc.Kind != "raw" && r.sc.Kind != "sidekiq-raw" && r.sc.Kind != "sqs-raw" {
 			commits = fmt.Sprintf("%.3f", r.commits)
 		}
 		title := r.sc.Title
@@ -70,6 +72,9 @@ func report(o options, rows []row) string {
 		}
 		if r.sc.Kind == "sidekiq" && sRaw > 0 {
 			title += fmt.Sprintf(" (%.2f× (s-raw))", r.rate/sRaw)
+		}
+		if r.sc.Kind == "sqs" && sqsRaw > 0 {
+			title += fmt.Sprintf(" (%.2f× (sqs-raw))", r.rate/sqsRaw)
 		}
 		if r.p99Cold > 0 {
 			title += fmt.Sprintf(" (p99 with the warm-up's messages: %.1f ms)", float64(r.p99Cold.Microseconds())/1000)
@@ -134,6 +139,9 @@ func targets(rows []row) string {
 		fmt.Sprintf("median (f)/(b) over the rounds %.3f, a cost of %.1f%%", f.pairRatio, 100*(1-f.pairRatio)))
 	if s, sRaw := by["s"], by["s-raw"]; s.rate > 0 && sRaw.rate > 0 {
 		fmt.Fprintf(&sb, "- (s) / (s-raw), onceler's Sidekiq drain against the Redis ceiling: %.0f%% (measured, no target)\n", 100*frac(s, sRaw))
+	}
+	if s, sRaw := by["sqs"], by["sqs-raw"]; s.rate > 0 && sRaw.rate > 0 {
+		fmt.Fprintf(&sb, "- (sqs) / (sqs-raw), onceler's SQS drain against the raw receive-and-delete ceiling on the same server: %.0f%% (measured, no target)\n", 100*frac(s, sRaw))
 	}
 	return sb.String()
 }

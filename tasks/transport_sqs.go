@@ -1,0 +1,763 @@
+package tasks
+
+// The SQS transport (transport.go): messages from Amazon SQS queues
+// (Config.SQS, package sqs). Each queue is long-polled by a few receivers,
+// up to ten messages a receive, while the prefetch window has room. A
+// received message is invisible to other consumers for its visibility
+// timeout; the transport extends it (ChangeMessageVisibility) every third
+// of that while the delivery is held or runs, and deletes the message
+// when the delivery is acked (after the record's completion), in batches.
+// giveBack makes it visible again at once; a delivery whose extension
+// finds the message no longer in flight (or that passed its deadline
+// unextended) is stale: the queue delivers it again, and the record
+// answers that. Copies (republish, retry, quarantine, chain steps) are
+// sent before the original is deleted: a crash in between leaves two, and
+// the record answers the second.
+//
+// A message is a Celery message in kombu's envelope (sqs.DecodeKombu) or a
+// plain one: its body the task's arguments as JSON (a list: positional, an
+// object: keyword), its task the "task" attribute or the queue's
+// (sqs.Queue.Task), its id the "task_id" attribute or the SQS message id,
+// its idempotency key the "idempotency_key" attribute. Either is read in
+// Celery's wire form; a message that is neither, or whose task is not
+// named, reaches the decode stage as undecodable and is quarantined: to the
+// queue's dead-letter queue when its redrive policy names one, else to
+// "<queue>-quarantine", with the reason as message attributes.
+//
+// A FIFO queue's messages are handed to the pipeline one at a time per
+// message group, in the order received: the next once the one before is
+// settled.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/pause"
+	"github.com/onceler/onceler/sqs"
+)
+
+// sqsQueue is a queue the transport consumes.
+type sqsQueue struct {
+	sqs.Queue
+	url        string
+	visibility time.Duration
+	fifo       bool
+	// quarantine is the URL of its quarantine queue.
+	quarantine, quarantineName string
+}
+
+// sqsTransport consumes cfg.Queues through client.
+type sqsTransport struct {
+	cfg    sqs.Config
+	client *sqs.Client
+	log    *zap.Logger
+	queues []*sqsQueue
+	byName map[string]*sqsQueue
+	// pollers is the number of receivers per queue.
+	pollers int
+
+	mu       sync.Mutex
+	out      int // messages received and not settled (or reserved for a receive)
+	prefetch int
+	limit    int
+	kick     chan struct{}
+	failing  atomic.Bool
+	// held are the deliveries whose messages may still be in flight
+	// under their receipt handles (not settled, not stale): extended.
+	held map[*sqsDelivery]struct{}
+	// groups are the FIFO message groups with a delivery in the pipeline:
+	// the deliveries of the group waiting behind it.
+	groups map[string][]*sqsDelivery
+	// pending are the deliveries to hand to the pipeline (consume).
+	pending   []*sqsDelivery
+	readyKick chan struct{}
+	backs     sync.WaitGroup
+	// The extender: started by consume, stopped by close.
+	extendOnce sync.Once
+	stopExtend context.CancelFunc
+	extendDone chan struct{}
+}
+
+func newSQSTransport(cfg *Config, log *zap.Logger) *sqsTransport {
+	scfg := *cfg.SQS
+	if scfg.Logger == nil {
+		scfg.Logger = log
+	}
+	if scfg.Wait <= 0 {
+		scfg.Wait = 10 * time.Second
+	}
+	scfg.Wait = min(scfg.Wait, sqs.MaxWait)
+	return &sqsTransport{cfg: scfg, log: log, prefetch: cfg.Prefetch, kick: make(chan struct{}, 1), readyKick: make(chan struct{}, 1),
+		held: map[*sqsDelivery]struct{}{}, groups: map[string][]*sqsDelivery{}, byName: map[string]*sqsQueue{},
+		pollers: min(max(cfg.Prefetch/sqs.MaxBatch, 1), 8)}
+}
+
+// prepare opens the client and finds each queue, its visibility timeout
+// and its quarantine queue (the dead-letter queue of its redrive policy,
+// else "<queue>-quarantine"); a missing queue is created, as kombu does.
+func (t *sqsTransport) prepare(ctx context.Context) error {
+	c, err := sqs.New(ctx, t.cfg)
+	if err != nil {
+		return fmt.Errorf("tasks: %w", err)
+	}
+	t.client = c
+	for _, q := range t.cfg.Queues {
+		info, err := c.Info(ctx, q.Name, true)
+		if err != nil {
+			return fmt.Errorf("tasks: %w", err)
+		}
+		sq := &sqsQueue{Queue: q, url: info.URL, fifo: info.FIFO, visibility: t.cfg.Visibility}
+		if sq.visibility <= 0 {
+			sq.visibility = info.Visibility
+		}
+		sq.visibility = min(max(sq.visibility, 2*time.Second), sqs.MaxVisibility)
+		sq.quarantineName = info.DeadLetter
+		if sq.quarantineName != "" {
+			if sq.quarantine, err = c.QueueURL(ctx, sq.quarantineName); err != nil {
+				return fmt.Errorf("tasks: dead-letter queue of %s: %w", q.Name, err)
+			}
+		} else {
+			sq.quarantineName = sqsQuarantineName(q.Name)
+			if sq.quarantine, err = c.CreateQueue(ctx, sq.quarantineName, nil); err != nil {
+				return fmt.Errorf("tasks: quarantine queue of %s: %w", q.Name, err)
+			}
+		}
+		t.queues = append(t.queues, sq)
+		t.byName[q.Name] = sq
+	}
+	names := make([]string, len(t.queues))
+	for i, q := range t.queues {
+		names[i] = q.Name
+	}
+	t.log.Info("consuming SQS queues", zap.Strings("queues", names), zap.Duration("wait", t.cfg.Wait))
+	return nil
+}
+
+// sqsQuarantineName is the quarantine queue of a queue without a
+// dead-letter queue: "<queue>-quarantine" ("<name>-quarantine.fifo" for a
+// FIFO queue).
+func sqsQuarantineName(q string) string {
+	if base, ok := strings.CutSuffix(q, ".fifo"); ok {
+		return base + "-quarantine.fifo"
+	}
+	return q + "-quarantine"
+}
+
+// consume runs the receivers until ctx is done, handing the deliveries to
+// receive from this goroutine, and starts the extender (stopped by close).
+func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) error {
+	var wg sync.WaitGroup
+	for _, q := range t.queues {
+		for range t.pollers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				t.poll(ctx, q)
+			}()
+		}
+	}
+	// The extender runs until close: the messages of tasks still running
+	// in the grace period after consume returns are extended too.
+	t.extendOnce.Do(func() {
+		ectx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		t.stopExtend = cancel
+		t.extendDone = make(chan struct{})
+		go func() {
+			defer close(t.extendDone)
+			t.extend(ectx)
+		}()
+	})
+	for {
+		t.mu.Lock()
+		ready := t.pending
+		t.pending = nil
+		t.mu.Unlock()
+		for _, d := range ready {
+			if ctx.Err() != nil || d.stale() {
+				_ = d.giveBack()
+				continue
+			}
+			receive(d)
+		}
+		select {
+		case <-ctx.Done():
+			wg.Wait()
+			t.mu.Lock()
+			ready := t.pending
+			t.pending = nil
+			t.mu.Unlock()
+			for _, d := range ready {
+				_ = d.giveBack()
+			}
+			return nil
+		case <-t.readyKick:
+		}
+	}
+}
+
+// dispatch queues d for the pipeline (consume).
+func (t *sqsTransport) dispatch(d *sqsDelivery) {
+	t.mu.Lock()
+	t.pending = append(t.pending, d)
+	t.mu.Unlock()
+	select {
+	case t.readyKick <- struct{}{}:
+	default:
+	}
+}
+
+// poll receives from q while the window has room, until ctx is done. A
+// receive that fails is tried again at growing intervals up to 5 s.
+func (t *sqsTransport) poll(ctx context.Context, q *sqsQueue) {
+	for failures := 0; ; {
+		n := t.reserve(ctx, sqs.MaxBatch)
+		if n == 0 {
+			return
+		}
+		msgs, err := t.client.Receive(ctx, q.Name, n, t.cfg.Wait, q.visibility)
+		t.unreserve(n - len(msgs))
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			t.failing.Store(true)
+			t.log.Warn("SQS receive failed; retrying", zap.String("queue", q.Name), zap.Error(err))
+			if !pause.For(ctx, min(100*time.Millisecond<<min(failures, 6), 5*time.Second)) {
+				return
+			}
+			failures++
+			continue
+		}
+		failures = 0
+		t.failing.Store(false)
+		for _, m := range msgs {
+			d := t.newDelivery(q, m)
+			t.mu.Lock()
+			t.held[d] = struct{}{}
+			wait := false
+			if q.fifo {
+				k := d.groupKey()
+				if _, busy := t.groups[k]; busy {
+					t.groups[k] = append(t.groups[k], d)
+					wait = true
+				} else {
+					t.groups[k] = nil
+				}
+			}
+			t.mu.Unlock()
+			if !wait {
+				t.dispatch(d)
+			}
+		}
+	}
+}
+
+// extend extends the visibility of the held deliveries' messages every
+// third of their queues' shortest visibility timeout, until ctx is done
+// (close).
+func (t *sqsTransport) extend(ctx context.Context) {
+	every := time.Hour
+	for _, q := range t.queues {
+		every = min(every, q.visibility/3)
+	}
+	every = max(every, 500*time.Millisecond)
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		t.extendHeld(ctx)
+	}
+}
+
+// extendHeld extends each held delivery's message by its queue's
+// visibility timeout; a delivery whose message is no longer in flight, or
+// whose deadline passed, is stale.
+func (t *sqsTransport) extendHeld(ctx context.Context) {
+	t.mu.Lock()
+	ds := make([]*sqsDelivery, 0, len(t.held))
+	for d := range t.held {
+		ds = append(ds, d)
+	}
+	t.mu.Unlock()
+	if len(ds) == 0 {
+		return
+	}
+	vs := make([]sqs.Visibility, len(ds))
+	starts := make([]time.Time, len(ds))
+	for i, d := range ds {
+		vs[i] = sqs.Visibility{QueueURL: d.q.url, ReceiptHandle: d.m.ReceiptHandle, Timeout: d.q.visibility}
+		starts[i] = time.Now()
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	errs := t.client.SetVisibility(cctx, vs)
+	cancel()
+	for i, d := range ds {
+		switch {
+		case errs[i] == nil:
+			d.deadline.Store(starts[i].Add(d.q.visibility).UnixNano())
+		case errors.Is(errs[i], sqs.ErrGone) || time.Now().UnixNano() > d.deadline.Load():
+			if !d.settled.Load() {
+				t.log.Warn("SQS message no longer in flight (its visibility timeout ran out): it is delivered again",
+					zap.String("queue", d.q.Name), zap.String("message_id", d.m.ID), zap.Error(errs[i]))
+				d.drop()
+			}
+		default:
+			t.log.Warn("extending an SQS message's visibility failed; retrying", zap.String("queue", d.q.Name),
+				zap.String("message_id", d.m.ID), zap.Error(errs[i]))
+		}
+	}
+}
+
+// reserve waits for room in the window and takes up to n places in it (0:
+// ctx is done).
+func (t *sqsTransport) reserve(ctx context.Context, n int) int {
+	for {
+		t.mu.Lock()
+		w := t.prefetch
+		if t.limit > 0 {
+			w = min(w, t.limit)
+		}
+		room := max(w, 1) - t.out
+		if room > 0 {
+			k := min(room, n)
+			t.out += k
+			t.mu.Unlock()
+			return k
+		}
+		t.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return 0
+		case <-t.kick:
+		}
+	}
+}
+
+// unreserve gives n places in the window back.
+func (t *sqsTransport) unreserve(n int) {
+	if n <= 0 {
+		return
+	}
+	t.mu.Lock()
+	t.out -= n
+	t.mu.Unlock()
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (t *sqsTransport) ready() bool { return !t.failing.Load() }
+
+func (t *sqsTransport) setPrefetch(n int) error {
+	t.mu.Lock()
+	t.prefetch = n
+	t.mu.Unlock()
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func (t *sqsTransport) setWindowLimit(n int) error {
+	t.mu.Lock()
+	t.limit = n
+	t.mu.Unlock()
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func (t *sqsTransport) fixedWindow() bool { return false }
+
+// close stops the extender, waits for the give-backs under way and closes
+// the client (its batched deletes sent first). Messages still in flight become visible
+// when their visibility timeouts run out.
+func (t *sqsTransport) close() error {
+	if t.stopExtend != nil {
+		t.stopExtend()
+		<-t.extendDone
+	}
+	t.backs.Wait()
+	if t.client == nil {
+		return nil
+	}
+	return t.client.Close()
+}
+
+// sendStep sends a workflow step (a chain's next task, ...) to the SQS
+// queue named queue, as kombu would.
+func (t *sqsTransport) sendStep(ctx context.Context, queue string, p *celeryproto.Publishing) error {
+	body, err := sqs.EncodeKombu(p, queue)
+	if err != nil {
+		return &encodeError{err}
+	}
+	ctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	u, err := t.client.QueueURL(ctx, queue)
+	if err != nil {
+		return err
+	}
+	_, err = t.client.Send(ctx, u, sqs.Outgoing{Body: body})
+	return err
+}
+
+// newDelivery is the delivery of a received message.
+func (t *sqsTransport) newDelivery(q *sqsQueue, m sqs.Message) *sqsDelivery {
+	d := &sqsDelivery{t: t, q: q, m: m}
+	d.deadline.Store(m.Received.Add(q.visibility).UnixNano())
+	d.w, d.kombu = sqsWire(q, m)
+	return d
+}
+
+// sqsWire is a message in Celery's wire form, and whether it is a Celery
+// message (kombu's envelope).
+func sqsWire(q *sqsQueue, m sqs.Message) (*celeryproto.Delivery, bool) {
+	redelivered := m.ReceiveCount > 1
+	k, err := sqs.DecodeKombu(m.Body)
+	if err == nil {
+		d := k.Delivery
+		d.ReplyTo = "" // no reply queues over SQS (rpc:// does not exist there)
+		d.Redelivered = redelivered
+		return &d, true
+	}
+	if !errors.Is(err, sqs.ErrNotKombu) {
+		return &celeryproto.Delivery{ContentType: "application/json", ContentEncoding: "utf-8",
+			HeadersError: err, Redelivered: redelivered}, true
+	}
+	err = nil
+	task := m.Attributes["task"]
+	if task == "" {
+		task = q.Task
+	}
+	m2 := &celeryproto.Message{Task: task, ID: m.Attributes["task_id"]}
+	if m2.ID == "" {
+		m2.ID = m.ID
+	}
+	if task == "" {
+		err = fmt.Errorf("plain SQS message %s names no task (a \"task\" attribute, or a task for queue %s)", m.ID, q.Name)
+	}
+	if err == nil {
+		if r := m.Attributes["retries"]; r != "" {
+			m2.Retries, err = strconv.Atoi(r)
+			if err != nil {
+				err = fmt.Errorf("plain SQS message %s: retries attribute %q: %w", m.ID, r, err)
+			}
+		}
+	}
+	if err == nil {
+		dec := json.NewDecoder(strings.NewReader(m.Body))
+		dec.UseNumber()
+		var v any
+		if err = dec.Decode(&v); err != nil || dec.More() {
+			err = fmt.Errorf("plain SQS message %s: the body is not one JSON value (the task's arguments)", m.ID)
+		} else {
+			switch x := rawNumbers(v).(type) {
+			case []any:
+				m2.Args = x
+			case map[string]any:
+				m2.Kwargs = x
+			default:
+				err = fmt.Errorf("plain SQS message %s: the body is neither a JSON list (positional arguments) nor an object (keyword arguments)", m.ID)
+			}
+		}
+	}
+	if err == nil {
+		if k := m.Attributes["idempotency_key"]; k != "" {
+			m2.Headers = map[string]any{"idempotency_key": k}
+		}
+		var p *celeryproto.Publishing
+		if p, err = celeryproto.EncodeTask(m2, celeryproto.EncodeOptions{Protocol: 2}); err == nil {
+			return &celeryproto.Delivery{ContentType: p.ContentType, ContentEncoding: p.ContentEncoding, Headers: p.Headers,
+				Body: p.Body, CorrelationID: p.CorrelationID, DeliveryMode: 2, Redelivered: redelivered}, false
+		}
+	}
+	return &celeryproto.Delivery{ContentType: "application/json", ContentEncoding: "utf-8",
+		HeadersError: err, Redelivered: redelivered}, false
+}
+
+// sqsDelivery is a delivery of the SQS transport.
+type sqsDelivery struct {
+	t *sqsTransport
+	q *sqsQueue
+	m sqs.Message
+	w *celeryproto.Delivery
+	// kombu: a Celery message (else a plain one).
+	kombu bool
+	// deadline is when the message's visibility runs out, as last
+	// extended (Unix nanoseconds).
+	deadline atomic.Int64
+	// settled: deleted or handed back; gone: stale; freed: its place in
+	// the window given back; released: its FIFO group released.
+	settled, gone, freed, released atomic.Bool
+}
+
+func (d *sqsDelivery) wire() *celeryproto.Delivery { return d.w }
+
+func (d *sqsDelivery) origin() origin {
+	o := origin{Queue: d.q.Name, RoutingKey: d.q.Name}
+	return o
+}
+
+func (d *sqsDelivery) redelivered() bool  { return d.m.ReceiveCount > 1 }
+func (d *sqsDelivery) deliveryCount() int { return max(d.m.ReceiveCount-1, 0) }
+func (d *sqsDelivery) stale() bool        { return d.gone.Load() }
+
+// deliveryLimit is 0: past a redrive policy's maxReceiveCount SQS moves
+// the message to its dead-letter queue, which is this queue's quarantine:
+// nothing is dropped.
+func (d *sqsDelivery) deliveryLimit() int { return 0 }
+
+// groupKey is the FIFO group of the delivery's message.
+func (d *sqsDelivery) groupKey() string { return d.q.Name + "\x00" + d.m.GroupID }
+
+// drop makes the delivery stale.
+func (d *sqsDelivery) drop() {
+	d.gone.Store(true)
+	d.finish(false)
+}
+
+// finish takes the delivery out of the extended set, gives its place in
+// the window back and lets the next of its FIFO group go (once each);
+// backToo: the group's waiting deliveries are handed back instead (so
+// that the group keeps its order).
+func (d *sqsDelivery) finish(backToo bool) {
+	t := d.t
+	t.mu.Lock()
+	delete(t.held, d)
+	var next *sqsDelivery
+	var back []*sqsDelivery
+	if d.q.fifo && !d.released.Swap(true) {
+		k := d.groupKey()
+		waiting := t.groups[k]
+		switch {
+		case backToo || d.gone.Load():
+			back = waiting
+			delete(t.groups, k)
+		case len(waiting) > 0:
+			next = waiting[0]
+			t.groups[k] = waiting[1:]
+		default:
+			delete(t.groups, k)
+		}
+	}
+	t.mu.Unlock()
+	if !d.freed.Swap(true) {
+		t.unreserve(1)
+	}
+	if next != nil {
+		t.dispatch(next)
+	}
+	for _, b := range back {
+		b.released.Store(true)
+		_ = b.giveBack()
+	}
+}
+
+// ack deletes the message (batched).
+func (d *sqsDelivery) ack() error {
+	if d.settled.Swap(true) {
+		return nil
+	}
+	defer d.finish(false)
+	if d.gone.Load() {
+		return fmt.Errorf("sqs message %s: no longer in flight: %w", d.m.ID, sqs.ErrGone)
+	}
+	ctx, cancel := final(context.Background())
+	defer cancel()
+	return d.t.client.Delete(ctx, d.q.url, d.m.ReceiptHandle)
+}
+
+// giveBack makes the message visible again now, asynchronously (the caller
+// may hold the worker's lock); a give-back that fails leaves the message
+// to its visibility timeout.
+func (d *sqsDelivery) giveBack() error {
+	if d.settled.Swap(true) {
+		return nil
+	}
+	t := d.t
+	gone := d.gone.Load()
+	d.finish(true)
+	if gone || t.client == nil {
+		return nil
+	}
+	t.backs.Add(1)
+	go func() {
+		defer t.backs.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+		defer cancel()
+		errs := t.client.SetVisibility(ctx, []sqs.Visibility{{QueueURL: d.q.url, ReceiptHandle: d.m.ReceiptHandle}})
+		if errs[0] != nil && !errors.Is(errs[0], sqs.ErrGone) {
+			t.log.Warn("handing an SQS message back failed; it comes again when its visibility timeout runs out",
+				zap.String("queue", d.q.Name), zap.String("message_id", d.m.ID), zap.Error(errs[0]))
+		}
+	}()
+	return nil
+}
+
+// copyAttrs is the message's attributes for a copy of it.
+func (d *sqsDelivery) copyAttrs() map[string]string {
+	out := make(map[string]string, len(d.m.Attributes))
+	for k, v := range d.m.Attributes {
+		out[k] = v
+	}
+	return out
+}
+
+// send sends a copy to the queue at u.
+func (d *sqsDelivery) send(ctx context.Context, u string, m sqs.Outgoing) error {
+	ctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	if m.GroupID == "" {
+		m.GroupID = d.m.GroupID
+	}
+	_, err := d.t.client.Send(ctx, u, m)
+	return err
+}
+
+// republish sends a copy to the queue it came from, delayed until eta as
+// far as SQS delays (15 minutes: a copy due later is held again when it
+// comes).
+func (d *sqsDelivery) republish(ctx context.Context, eta time.Time) error {
+	attrs := d.copyAttrs()
+	if !d.kombu {
+		attrs["task_id"] = d.wireID()
+	}
+	return d.send(ctx, d.q.url, sqs.Outgoing{Body: d.m.Body, Attributes: attrs, Delay: time.Until(eta)})
+}
+
+// wireID is the task id of the delivery's message as read.
+func (d *sqsDelivery) wireID() string {
+	if id := d.m.Attributes["task_id"]; id != "" {
+		return id
+	}
+	return d.m.ID
+}
+
+// retry sends next to the queue the delivery came from, delayed until its
+// ETA as far as SQS delays: a Celery message as kombu writes it, a plain
+// one as a plain message with its task, task id and retries as
+// attributes.
+func (d *sqsDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *RetryRequest) error {
+	var delay time.Duration
+	if !next.ETA.IsZero() {
+		delay = time.Until(next.ETA)
+	}
+	if !d.kombu {
+		attrs := d.copyAttrs()
+		attrs["task"] = next.Task
+		attrs["task_id"] = next.ID
+		attrs["retries"] = strconv.Itoa(next.Retries)
+		return d.send(ctx, d.q.url, sqs.Outgoing{Body: d.m.Body, Attributes: attrs, Delay: delay})
+	}
+	pub, err := celeryproto.EncodeTask(next, celeryproto.EncodeOptions{Protocol: 2, Serializer: next.Serializer()})
+	if err != nil {
+		return &encodeError{err}
+	}
+	body, err := sqs.EncodeKombu(pub, d.q.Name)
+	if err != nil {
+		return &encodeError{err}
+	}
+	return d.send(ctx, d.q.url, sqs.Outgoing{Body: body, Delay: delay})
+}
+
+// quarantine sends a copy (the body as it came) to the queue's quarantine
+// queue, ours as message attributes beside the message's own, at most
+// sqs.MaxAttributes in all: ours first (and a plain message's task_id and
+// task), then the message's own in name order; those left out are named
+// in HeaderTruncated.
+func (d *sqsDelivery) quarantine(ctx context.Context, ours map[string]any) error {
+	attrs := map[string]string{}
+	keys := make([]string, 0, len(ours))
+	for k := range ours {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		attrs[k] = clip.String(fmt.Sprint(ours[k]), maxQuarantineValue)
+	}
+	if !d.kombu {
+		// A plain message's task id is its first message id: the copy's
+		// differs ('onceler quarantine' names messages by it).
+		attrs["task_id"] = d.wireID()
+		if task := d.m.Attributes["task"]; task != "" {
+			attrs["task"] = task
+		}
+	}
+	own := make([]string, 0, len(d.m.Attributes))
+	for k := range d.m.Attributes {
+		if _, mine := attrs[k]; !mine {
+			own = append(own, k)
+		}
+	}
+	sort.Strings(own)
+	var left []string
+	for _, k := range own {
+		if len(attrs) >= sqs.MaxAttributes-1 {
+			left = append(left, k)
+			continue
+		}
+		attrs[k] = d.m.Attributes[k]
+	}
+	if len(left) > 0 {
+		attrs[HeaderTruncated] = clip.String("attributes left out (SQS takes 10): "+strings.Join(left, ", "), maxDetail)
+	}
+	return d.send(ctx, d.q.quarantine, sqs.Outgoing{Body: d.m.Body, Attributes: attrs})
+}
+
+// keep: a held record keeps the message's queue, body and attributes
+// (DecodeHeldSQS).
+func (d *sqsDelivery) keep() ([]byte, error) {
+	return json.Marshal(heldSQS{Queue: d.q.Name, Body: d.m.Body, Attributes: d.m.Attributes, CapturedAt: time.Now().UTC()})
+}
+
+// heldSQS is the form of an SQS message kept in a held record.
+type heldSQS struct {
+	Queue      string            `json:"sqs_queue"`
+	Body       string            `json:"sqs_body"`
+	Attributes map[string]string `json:"sqs_attributes,omitempty"`
+	CapturedAt time.Time         `json:"captured_at"`
+}
+
+// DecodeHeldSQS reads the message kept in a held record of an SQS message
+// (idempotency Record.Message): its queue, body and attributes, to send
+// it again. ok is false for a record that keeps another form or nothing.
+func DecodeHeldSQS(b []byte) (queue, body string, attrs map[string]string, ok bool) {
+	var h heldSQS
+	if !bytes.Contains(b, []byte(`"sqs_queue"`)) || json.Unmarshal(b, &h) != nil || h.Queue == "" {
+		return "", "", nil, false
+	}
+	return h.Queue, h.Body, h.Attributes, true
+}
+
+// stepSender is a transport that sends workflow steps itself (SQS: to the
+// step's queue) rather than through RabbitMQ.
+type stepSender interface {
+	sendStep(ctx context.Context, queue string, p *celeryproto.Publishing) error
+}
+
+var (
+	_ transport  = (*sqsTransport)(nil)
+	_ delivery   = (*sqsDelivery)(nil)
+	_ stepSender = (*sqsTransport)(nil)
+)
