@@ -1,7 +1,10 @@
 package cmd
 
 import (
+	"bytes"
+	"context"
 	"net"
+	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -68,6 +71,41 @@ func TestBrokerURLListHungFirstNode(t *testing.T) {
 		t.Fatalf("quarantine list with a hung first node and a live second one: exit %d after %s\n%s",
 			r.code, time.Since(start).Round(time.Second), r.stderr)
 	}
+}
+
+// TestWorkerStartsWithHungFirstNode: 'onceler worker' with the same list
+// (a hung first node, the live broker second) must start and consume from
+// the second URL; its start-up probe (probeBroker, 10s) gives up on the
+// first URL's 30s attempt and the worker exits with "cannot reach
+// RabbitMQ", although its consumer would have failed over.
+func TestWorkerStartsWithHungFirstNode(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Pool(t)
+	schema := testenv.Schema(t, pool)
+	env := map[string]string{
+		"ONCELER_DATABASE_URL": testenv.DatabaseURL(t),
+		"ONCELER_SCHEMA":       schema,
+		"ONCELER_MIGRATE":      "true",
+		"ONCELER_BROKER_URL":   "amqp://guest:guest@" + hungNode(t) + "//;" + testenv.AMQPURL(t),
+		"ONCELER_QUEUES":       testenv.Name("q"),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, "worker")
+	cmd.Env = processEnv(env)
+	var errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &errOut, &errOut
+	start := time.Now()
+	err := cmd.Run()
+	if ctx.Err() == nil {
+		t.Fatalf("worker exited after %s (%v) instead of failing over to the second URL:\n%s",
+			time.Since(start).Round(time.Second), err, lastLines(errOut.String(), 3))
+	}
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
 // TestBrokerURLSemicolonPasswordNotShown: a password holding a literal ';'
