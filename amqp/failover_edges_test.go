@@ -16,7 +16,7 @@ import (
 // ErrConfig that endpoints (consumer, publisher, TLSClientConfig) and
 // DialURLs (the remote control) return must not hold any part of the
 // password; Go's url parser quotes the part before the ';' as an
-// "invalid port".
+// "invalid port" (as it does the part before an unencoded '/').
 func TestEdgeSemicolonPasswordNotInErrors(t *testing.T) {
 	t.Parallel()
 	const secret = "Sup3rSecret"
@@ -24,6 +24,8 @@ func TestEdgeSemicolonPasswordNotInErrors(t *testing.T) {
 		"amqp://app:" + secret + ";tail@rabbit1:5672//",
 		"amqp://app:" + secret + ";tail@rabbit1//;amqp://app:" + secret + ";tail@rabbit2//",
 		"pyamqp://app:" + secret + ";@rabbit1//",
+		// Not the split, the same quote: an unencoded '/' in a password.
+		"amqp://app:" + secret + "/x@rabbit1//;amqp://app:pw@rabbit2//",
 	} {
 		_, err := Config{URL: u}.endpoints()
 		if err == nil || strings.Contains(err.Error(), secret) {
