@@ -77,9 +77,11 @@ func TestFaultClusterQuarantineQueueNodeDown(t *testing.T) {
 	b := e.StartWorker(replay.WorkerOptions{BrokerURL: cl.urls(0), NoWait: true})
 	ok := testkit.Eventually(90*time.Second, func() bool { return b.Exited() || consumingElsewhere(b, victim) })
 	if b.Exited() || !ok {
-		line := b.LogTail(3000)
-		if i := strings.Index(line, "quarantine"); i >= 0 {
-			line = line[max(0, i-200):min(len(line), i+400)]
+		line := ""
+		for _, l := range strings.Split(b.Log(), "\n") {
+			if strings.Contains(l, "declare quarantine queue") || strings.Contains(l, "home node") {
+				line = l
+			}
 		}
 		t.Fatalf("worker B did not consume the quorum queue from %s with %s down (%s): %s", stable.node, victim.node, b.State(), line)
 	}
