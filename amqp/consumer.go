@@ -316,13 +316,25 @@ func (c *Consumer) Run(ctx context.Context, handle func(*Delivery)) error {
 		}
 		wait := b.next()
 		c.reconnects.Add(1)
-		c.log.Warn("consumer disconnected; reconnecting", zap.Error(err), zap.Duration("consumed_for", consumed),
-			zap.Int("failures_in_a_row", b.attempt), zap.Duration("backoff", wait))
+		if errors.Is(err, ErrConsumerTimeout) {
+			c.log.Warn(consumerTimeoutWarning, zap.Error(err), zap.Duration("consumed_for", consumed),
+				zap.Int("failures_in_a_row", b.attempt), zap.Duration("backoff", wait))
+		} else {
+			c.log.Warn("consumer disconnected; reconnecting", zap.Error(err), zap.Duration("consumed_for", consumed),
+				zap.Int("failures_in_a_row", b.attempt), zap.Duration("backoff", wait))
+		}
 		if !pause.For(ctx, wait) {
 			return nil
 		}
 	}
 }
+
+// consumerTimeoutWarning is logged when the broker closed the channel at
+// its consumer_timeout (ErrConsumerTimeout).
+const consumerTimeoutWarning = "consumer_timeout: the broker closed the channel because a delivery stayed unacknowledged " +
+	"longer than RabbitMQ's consumer_timeout; every delivery unacknowledged on it goes back to the queue and is delivered again. " +
+	"Raise consumer_timeout (rabbitmq.conf, milliseconds) above the longest a task runs plus the time a delivery waits " +
+	"in the worker before it (or is held for its ETA), or make the task shorter; reconnecting"
 
 // healthy reports whether a session that consumed for d (0 if it never
 // started consuming) resets the backoff: it must have lasted at least

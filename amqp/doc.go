@@ -30,6 +30,9 @@
 //     retry can cure, a missing queue whose arguments the broker refuses
 //     (406 PRECONDITION_FAILED, a *PreconditionError quoting it), a passive
 //     declare of a missing queue, a refused access, are returned by Run.
+//     A channel the broker closed at its consumer_timeout (a delivery
+//     unacknowledged for longer) is ErrConsumerTimeout: Run logs a warning
+//     naming the setting and reconnects.
 //   - Publisher connects on first use and again whenever its session died,
 //     one dial at a time, with the same backoff. A publish whose frame could
 //     not be written because the connection was down is sent again on the
@@ -159,9 +162,12 @@
 // the return to the message by its message_id and fails with a
 // *ReturnedError (ErrReturned). A negative confirm is ErrNacked. While the
 // broker blocks the connection (resource alarm) Publish waits, bounded by
-// its context. Publishing to a named exchange checks once per connection,
-// on a side channel, that the exchange exists (ErrNotFound otherwise), since
-// a publish to a missing exchange would close the shared channel.
+// its context; PublishOptions.Timeout is a bound that does not run while
+// the block lasts, so that a publish the broker has not read yet is not
+// given up and sent again as a second copy. Publishing to a named exchange
+// checks once per connection, on a side channel, that the exchange exists
+// (ErrNotFound otherwise), since a publish to a missing exchange would
+// close the shared channel.
 //
 // Publisher.Inspect walks a queue with basic.get for operator tools: list,
 // move (republish, then Remove) or drop quarantined messages.

@@ -43,6 +43,13 @@ var (
 	ErrAccessRefused = errors.New("amqp: access refused")
 	// ErrConfig: the Config cannot work (bad URL, unreadable TLS files).
 	ErrConfig = errors.New("amqp: invalid configuration")
+	// ErrConsumerTimeout: the broker closed the consuming channel because
+	// a delivery stayed unacknowledged longer than its consumer_timeout
+	// (406 PRECONDITION_FAILED "delivery acknowledgement on channel N timed
+	// out"). Every delivery unacknowledged on that channel goes back to the
+	// queue and is delivered again; Consumer.Run logs it, naming the
+	// setting, and reconnects.
+	ErrConsumerTimeout = errors.New("amqp: delivery acknowledgement timed out (the broker's consumer_timeout)")
 	// ErrCancelled: the broker cancelled the consumer (its queue was
 	// deleted); Run reconnects and declares again.
 	ErrCancelled = errors.New("amqp: consumer cancelled by the broker")
@@ -188,6 +195,14 @@ func brokerError(err error) *amqp091.Error {
 	return nil
 }
 
+// isConsumerTimeout reports whether e is RabbitMQ closing a channel at its
+// consumer_timeout: 406 with "delivery acknowledgement on channel N timed
+// out" (3.8.15 and later) or "consumer ack timed out on channel N" (before).
+func isConsumerTimeout(e *amqp091.Error) bool {
+	return e != nil && e.Code == amqp091.PreconditionFailed && strings.Contains(e.Reason, "timed out") &&
+		strings.Contains(e.Reason, "ack")
+}
+
 // declareError turns a failed declare into our error types.
 func declareError(err error, kind, name, declared string) error {
 	ae := brokerError(err)
@@ -204,6 +219,15 @@ func declareError(err error, kind, name, declared string) error {
 	case amqp091.NotFound:
 		return fmt.Errorf("declare %s %q: %w: %s", kind, name, ErrNotFound, ae.Reason)
 	case amqp091.AccessRefused:
+		op := "declare " + kind
+		if kind == "binding of queue" {
+			op = "bind queue"
+		}
+		if declared != "passive" {
+			if acc := AccessRefusal(op, err); acc != nil && acc.Kind != "" {
+				return acc
+			}
+		}
 		return fmt.Errorf("declare %s %q: %w: %s", kind, name, ErrAccessRefused, ae.Reason)
 	}
 	return fmt.Errorf("declare %s %q: %w", kind, name, err)

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -21,6 +22,15 @@ type PublishOptions struct {
 	// bound for it; Publish then fails with a *ReturnedError (ErrReturned)
 	// instead of the message silently vanishing.
 	Mandatory bool
+	// Timeout bounds the publish, from the call to the broker's confirm, as
+	// a deadline on ctx would, except that it does not run out while the
+	// broker blocks the publisher's connection (a memory or disk alarm: the
+	// broker stops reading from connections that publish): the publish
+	// waits out the alarm, sent or not, instead of failing with
+	// ErrUnconfirmed and being sent again after it as a second copy. When it
+	// runs out, the error wraps context.DeadlineExceeded. 0: ctx alone
+	// bounds the publish.
+	Timeout time.Duration
 }
 
 // Publisher publishes with publisher confirms over a connection of its own,
@@ -79,7 +89,7 @@ func NewPublisher(cfg Config) *Publisher {
 // own: RabbitMQ closes the connection (541 INTERNAL_ERROR) on an address it
 // cannot decode, which must cost neither the other publishes nor the
 // shared channel, and is then known to be this publish's refusal.
-func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, msg *celeryproto.Publishing, o PublishOptions) error {
+func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, msg *celeryproto.Publishing, o PublishOptions) (err error) {
 	if msg == nil {
 		return fmt.Errorf("publish to %q/%q: nil message", exchange, routingKey)
 	}
@@ -104,6 +114,16 @@ func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, ms
 	if err := checkNames(exchange, routingKey, &pub); err != nil {
 		return err
 	}
+	if o.Timeout > 0 {
+		tctx, stop := p.withTimeout(ctx, o.Timeout)
+		defer stop()
+		defer func(parent context.Context) {
+			if err != nil && parent.Err() == nil && errors.Is(context.Cause(tctx), errPublishTimeout) {
+				err = fmt.Errorf("%w (%w)", err, errPublishTimeout)
+			}
+		}(ctx)
+		ctx = tctx
+	}
 	if exchange == "" && strings.HasPrefix(routingKey, directReplyPrefix) {
 		return p.publishIsolated(ctx, routingKey, pub, o)
 	}
@@ -126,6 +146,52 @@ func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, ms
 		}
 		return nil
 	}
+}
+
+// errPublishTimeout is the cause of a publish's end at its
+// PublishOptions.Timeout.
+var errPublishTimeout = fmt.Errorf("amqp: no confirm within the publish timeout: %w", context.DeadlineExceeded)
+
+// withTimeout returns ctx, ended after d unless the broker blocks the
+// publisher's connection when d has passed: then it runs another d, for as
+// long as the block lasts. A publish waiting on a blocked connection is
+// not given up; one whose confirm the broker owes on a connection it
+// reads is. stop releases the timer.
+func (p *Publisher) withTimeout(ctx context.Context, d time.Duration) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				if p.blocked() {
+					t.Reset(d)
+					continue
+				}
+				cancel(errPublishTimeout)
+				return
+			}
+		}
+	}()
+	return ctx, func() {
+		close(done)
+		cancel(nil)
+	}
+}
+
+// blocked reports whether the broker blocks a connection of the publisher
+// (a resource alarm).
+func (p *Publisher) blocked() bool {
+	p.mu.Lock()
+	s, iso := p.cur, p.iso
+	p.mu.Unlock()
+	return (s != nil && s.isBlocked()) || (iso != nil && iso.isBlocked())
 }
 
 // session returns the live session, connecting when there is none.

@@ -249,6 +249,13 @@ func (s *pubSession) waitUnblocked(ctx context.Context) error {
 	}
 }
 
+// isBlocked reports whether the broker blocks the connection now.
+func (s *pubSession) isBlocked() bool {
+	s.blockMu.Lock()
+	defer s.blockMu.Unlock()
+	return s.blocked != nil
+}
+
 func (s *pubSession) isDead() bool {
 	select {
 	case <-s.dead:

@@ -109,6 +109,9 @@ func (c *Consumer) session(ctx context.Context, handle func(*Delivery)) (consume
 				return time.Since(started), err
 			}
 		case e := <-chClosed:
+			if isConsumerTimeout(e) {
+				return time.Since(started), fmt.Errorf("channel closed: %w: %w", ErrConsumerTimeout, e)
+			}
 			return time.Since(started), fmt.Errorf("channel closed: %w", errOrClosed(e))
 		case e := <-connClosed:
 			return time.Since(started), fmt.Errorf("connection closed: %w", errOrClosed(e))
@@ -150,6 +153,11 @@ func (s *consumeSession) startConsumers() error {
 		tag := fmt.Sprintf("%s/%d/%d", s.c.cc.Tag, s.st.gen, s.seq)
 		dch, err := s.st.ch.Consume(q.Name, tag, false, false, false, false, nil)
 		if err != nil {
+			// A configured queue the user may not read stops the consumer
+			// (IsTopologyError); one added at run time is as before.
+			if ae := AccessRefusal("consume", err); ae != nil && !s.c.added[q.Name] {
+				return ae
+			}
 			return fmt.Errorf("consume %q: %w", q.Name, err)
 		}
 		s.tags[tag] = q.Name

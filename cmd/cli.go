@@ -67,6 +67,7 @@ func commands() []*command {
 		repeatsCommand(),
 		purgeCommand(),
 		quarantineCommand(),
+		permissionsCommand(),
 	}
 }
 
@@ -191,6 +192,9 @@ type flagSet struct {
 	alias map[string]string
 	// secrets: flag name -> the path its -file flag gave (see Secret).
 	secrets map[string]*string
+	// skipSecrets, when set and true after parsing, leaves the -file flags
+	// unread (a command line that connects to nothing).
+	skipSecrets func() bool
 }
 
 func newFlagSet(c *command) *flagSet {
@@ -239,14 +243,19 @@ func (f *flagSet) Duration(p *time.Duration, name string, def time.Duration, usa
 func (f *flagSet) Secret(p *string, name, meta, def, usage string) {
 	f.String(p, name, meta, def, usage)
 	path := new(string)
-	f.String(path, name+"-file", "PATH", "", "read --"+name+" from this file: its content, without the trailing newline (a secret mounted as a file keeps the password out of the command line and the environment); not with --"+name)
+	f.String(path, name+"-file", "PATH", "", "read --"+name+" from this file: its one line, without the blanks around it (a secret mounted as a file keeps the password out of the command line and the environment); not with --"+name)
 	f.secrets[name] = path
 }
 
 // readSecrets sets each Secret flag whose -file flag was given from its
-// file. Both given, or a file that cannot be read or is empty, is a usage
-// error naming the path, never the content.
+// file: its one line, without the blanks around it. Both given, or a file
+// that cannot be read, is empty (or blank) or holds more than one line, is
+// a usage error naming the path, never the content. It reads nothing when
+// the command's skipSecrets says so.
 func (f *flagSet) readSecrets() error {
+	if f.skipSecrets != nil && f.skipSecrets() {
+		return nil
+	}
 	set := map[string]bool{}
 	f.fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 	names := make([]string, 0, len(f.secrets))
@@ -270,9 +279,12 @@ func (f *flagSet) readSecrets() error {
 			}
 			return usagef(f.cmd.name, "cannot read --%s-file %s: %v", name, path, err)
 		}
-		v := strings.TrimRight(string(b), "\r\n")
+		v := strings.TrimSpace(string(b))
 		if v == "" {
 			return usagef(f.cmd.name, "--%s-file %s is empty", name, path)
+		}
+		if strings.ContainsAny(v, "\r\n") {
+			return usagef(f.cmd.name, "--%s-file %s holds more than one line: it must hold the value alone, on one line", name, path)
 		}
 		if err := f.fs.Set(name, v); err != nil {
 			return usagef(f.cmd.name, "invalid value in --%s-file %s", name, path)

@@ -39,6 +39,14 @@ func TestMigratePrintGrants(t *testing.T) {
 	if r := runIn(t, env, "migrate", "--print-grants"); r.err == nil || !strings.Contains(r.err.Error(), "--print-grants needs --grant-to or --grant-admin-to") {
 		t.Fatalf("--print-grants alone: %v", r.err)
 	}
+	// It reads no secret file either: one the host cannot read is no error.
+	gone := map[string]string{"ONCELER_DATABASE_URL_FILE": "/nonexistent/onceler-db-url"}
+	if r := runIn(t, gone, "migrate", "--print-grants", "--schema", "rec", "--grant-to", "w1"); r.err != nil || !strings.Contains(r.stdout, `TO "w1";`) {
+		t.Fatalf("--print-grants with an unreadable ONCELER_DATABASE_URL_FILE: %v\n%s", r.err, r.stdout)
+	}
+	if r := runIn(t, gone, "migrate", "--schema", "rec", "--grant-to", "w1"); r.err == nil || !strings.Contains(r.err.Error(), "cannot read --database-url-file /nonexistent/onceler-db-url") {
+		t.Fatalf("migrate with an unreadable ONCELER_DATABASE_URL_FILE: %v", r.err)
+	}
 	if r := runIn(t, map[string]string{"ONCELER_PRINT_GRANTS": "true"}, "migrate", "--grant-to", "w", "--database-url", env["ONCELER_DATABASE_URL"]); r.err == nil || !strings.Contains(r.err.Error(), "cannot reach PostgreSQL") {
 		t.Fatalf("ONCELER_PRINT_GRANTS must be ignored (command line only): %v", r.err)
 	}

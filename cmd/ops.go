@@ -16,6 +16,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/shellquote"
 )
 
 func migrateCommand() *command {
@@ -47,6 +48,7 @@ for a DBA to apply, and connects to nothing (docs/security.md).`,
 			fs.List(&admins, "grant-admin-to", "ROLE", "after migrating, grant this PostgreSQL role what a worker needs and what 'repeats' and 'purge' need besides (SELECT on events, DELETE on records, events and attempts); repeat the flag or separate roles with commas")
 			fs.Bool(&printOnly, "print-grants", "print the GRANT statements of --grant-to and --grant-admin-to for --schema, and do nothing else (no connection, no migration)")
 			fs.CommandLineOnly("print-grants")
+			fs.skipSecrets = func() bool { return printOnly }
 			return func(ctx context.Context, args []string) error {
 				if len(args) > 0 {
 					return usagef("migrate", "unexpected argument %q", args[0])
@@ -111,7 +113,8 @@ func grantsOf(workers, admins []string) []grant {
 
 // checkPrivileges refuses to go on when the session's role lacks a
 // privilege of need on the record, in one line naming what is missing and
-// the migrate flag that grants it (--grant-to or --grant-admin-to).
+// the migrate flag that grants it (--grant-to or --grant-admin-to), in a
+// command a shell runs as printed (the role quoted when it needs to be).
 func (a *app) checkPrivileges(ctx context.Context, cmd string, store *idempotency.Store, schema string, need []idempotency.Privilege, grantFlag string) error {
 	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
@@ -122,7 +125,7 @@ func (a *app) checkPrivileges(ctx context.Context, cmd string, store *idempotenc
 		return nil
 	case errors.As(err, &pe):
 		return fmt.Errorf("PostgreSQL role %q lacks %s, which '%s %s' needs: run '%s migrate --schema %s %s %s' as the schema's owner (docs/security.md)",
-			pe.Role, pe.Lacks(), a.prog, cmd, a.prog, schema, grantFlag, pe.Role)
+			pe.Role, pe.Lacks(), a.prog, cmd, shellquote.Quote(a.prog), shellquote.Quote(schema), grantFlag, shellquote.Quote(pe.Role))
 	default:
 		return fmt.Errorf("check the privileges on the record schema %q: %s", schema, oneLine(err))
 	}

@@ -125,7 +125,7 @@ func probeBroker(ctx context.Context, cfg amqp.Config, queues []amqp.QueueSpec) 
 		case isPrecondition(err):
 			return nil, fmt.Errorf("queue %s is missing on %s and the broker refuses to declare it with these arguments (check --queue-arg and --quorum): %s", q.Name, where, oneLine(err))
 		default:
-			return nil, brokerError("worker", cfg, err)
+			return nil, brokerError("worker", cfg, amqp.AccessFor(err, "consuming queue "+q.Name))
 		}
 	}
 	return found, nil

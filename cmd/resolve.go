@@ -41,7 +41,10 @@ func (b *brokerFlags) config(name string) amqp.Config {
 
 // brokerError turns a failure to reach or use the broker into one line.
 func brokerError(cmd string, cfg amqp.Config, err error) error {
+	var ae *amqp.AccessError
 	switch {
+	case errors.As(err, &ae):
+		return accessError(ae)
 	case errors.Is(err, amqp.ErrConfig):
 		return usagef(cmd, "%s", oneLine(err))
 	case errors.Is(err, amqp.ErrPrecondition), errors.Is(err, amqp.ErrNotFound), errors.Is(err, amqp.ErrAccessRefused):
@@ -53,6 +56,13 @@ func brokerError(cmd string, cfg amqp.Config, err error) error {
 		return fmt.Errorf("cannot reach RabbitMQ at %s: %s; check --broker-url (ONCELER_BROKER_URL) and that the broker is running",
 			amqp.RedactURL(cfg.URL), oneLine(err))
 	}
+}
+
+// accessError is the line of a permission RabbitMQ refused: the
+// permission, the resource, the user and vhost, what for, and where the
+// permissions the worker needs are listed.
+func accessError(ae *amqp.AccessError) error {
+	return fmt.Errorf("%s; see docs/security.md", oneLine(ae))
 }
 
 func resolveCommand() *command {

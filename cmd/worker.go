@@ -111,7 +111,7 @@ first time that point is reached, for crash tests.`,
 			fs.String(&f.hostname, "hostname", "NAME", control.DefaultNodeName, "node name, as Celery's -n: %h is the host name, %n its first label, %d its domain, %p the process id; the default is unique per process, a fixed name must differ between the workers on a host")
 			fs.Bool(&f.events, "events", "send task events (Celery's -E) for Flower and 'celery events'; worker heartbeats are always sent")
 			fs.Bool(&f.noControl, "no-control", "do not answer Celery remote control ('celery inspect', 'celery control') nor send worker events")
-			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz on this address, e.g. :9808; empty: off")
+			fs.String(&f.httpAddr, "http-addr", "ADDR", "", "serve /metrics (Prometheus), /healthz and /readyz, and nothing else, on this address: a port alone or :port listens on the loopback interface (127.0.0.1) only, host:port on that host's address (0.0.0.0:9808: every interface); empty: off")
 			fs.String(&f.resultSer, "result-serializer", "NAME", "json", "serializer of the results sent to callers, as Celery's result_serializer: json, msgpack or yaml (the callers' result_accept_content must take it)")
 			fs.Secret(&f.resultBE, "result-backend", "URL", "rpc://", "where results go, as Celery's result_backend (the URL the callers use): rpc:// (each caller's reply queue), redis://[:password@]host[:port][/db], rediss://... (TLS), redis+socket:///path (Celery's Redis backend) or django-db+postgresql://user:password@host/db (django-celery-results' tables)")
 			fs.Duration(&f.resultExp, "result-expires", tasks.DefaultResultExpires, "how long the Redis backend keeps a result, as Celery's result_expires; 0 keeps it until deleted")
@@ -194,13 +194,11 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 		return usagef("worker", "--result-expires must not be negative")
 	}
 	if f.httpAddr != "" {
-		_, port, err := net.SplitHostPort(f.httpAddr)
-		if err == nil {
-			_, err = net.LookupPort("tcp", port)
-		}
+		addr, err := httpListenAddr(f.httpAddr)
 		if err != nil {
-			return usagef("worker", "invalid --http-addr %q: %v (use host:port or :port)", f.httpAddr, err)
+			return usagef("worker", "invalid --http-addr %q: %v (use a port, :port or host:port)", f.httpAddr, err)
 		}
+		f.httpAddr = addr
 	}
 	broker := f.broker.config(node)
 	broker.MaxBackoff = 0
@@ -326,6 +324,10 @@ func (a *app) runWorker(ctx context.Context, f *workerFlags) error {
 	// tasks are done; a shutdown command ends Run as a signal does.
 	err = w.Run(ctx)
 	stopHTTP()
+	var ae *amqp.AccessError
+	if errors.As(err, &ae) {
+		return accessError(ae)
+	}
 	if err != nil {
 		return fmt.Errorf("worker stopped: %w", err)
 	}
@@ -384,7 +386,34 @@ func sidekiqQueues(spec string) ([]string, error) {
 	return out, nil
 }
 
-// serveHTTP serves metrics and health until ctx is done.
+// httpListenAddr is the address --http-addr listens on: a port alone
+// ("9808") or without a host (":9808") is on the loopback interface
+// (127.0.0.1); a host given ("0.0.0.0:9808", "[::]:9808", "10.0.0.5:9808")
+// is used as it is.
+func httpListenAddr(s string) (string, error) {
+	if _, err := strconv.ParseUint(s, 10, 16); err == nil {
+		s = ":" + s
+	}
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return "", err
+	}
+	if port == "" {
+		return "", errors.New("no port")
+	}
+	if _, err := net.LookupPort("tcp", port); err != nil {
+		return "", err
+	}
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	return net.JoinHostPort(host, port), nil
+}
+
+// serveHTTP serves metrics and health until ctx is done: those three
+// paths on a mux of their own (nothing registered on
+// http.DefaultServeMux, such as net/http/pprof's handlers, is served);
+// any other path is 404.
 func serveHTTP(ctx context.Context, ln net.Listener, metrics *prometheus.Registry, ready func() bool, logger *zap.Logger) {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))

@@ -95,10 +95,13 @@ func RepeatsPrivileges() []Privilege {
 	return join(usage, privs(KindTable, "events", "SELECT"))
 }
 
-// PurgePrivileges are what Purge needs.
+// PurgePrivileges are what Purge needs: USAGE on the schema; SELECT and
+// DELETE on records, events and attempts; and UPDATE on records, as Purge
+// locks the records it deletes (SELECT ... FOR UPDATE SKIP LOCKED), which
+// PostgreSQL allows only with UPDATE on the table.
 func PurgePrivileges() []Privilege {
 	return join(usage,
-		privs(KindTable, "records", "SELECT", "DELETE"),
+		privs(KindTable, "records", "SELECT", "UPDATE", "DELETE"),
 		privs(KindTable, "events", "SELECT", "DELETE"),
 		privs(KindTable, "attempts", "SELECT", "DELETE"),
 	)
@@ -147,13 +150,19 @@ func GrantStatements(schema, role string, privs []Privilege) []string {
 
 // Grant gives role the privileges privs on the record, in one
 // transaction; the schema's tables must exist (run Migrate first). Run it
-// as the schema's owner (or a superuser). Granting again is harmless.
+// as the schema's owner (or a superuser). Granting again is harmless, and
+// so is granting from several processes at once: the transaction holds
+// Migrate's advisory lock, as PostgreSQL refuses concurrent GRANTs on one
+// object ("tuple concurrently updated").
 func (s *Store) Grant(ctx context.Context, role string, privs []Privilege) error {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("grant: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, migrateLockSQL, s.name); err != nil {
+		return fmt.Errorf("grant: lock: %w", err)
+	}
 	for _, q := range GrantStatements(s.name, role, privs) {
 		if _, err := tx.Exec(ctx, q); err != nil {
 			return fmt.Errorf("grant to %q: %w", role, err)
@@ -193,15 +202,21 @@ func (e *PrivilegeError) Lacks() string {
 // (which needs no privilege, unlike a qualified name, which needs USAGE on
 // its schema); an object that does not exist is not reported (CheckSchema
 // reports a schema that is missing or old), nor anything when the schema
-// does not exist.
+// does not exist. SELECT, INSERT and UPDATE on a table are also held
+// through column grants (has_any_column_privilege: true for a table grant
+// too); DELETE has none. USAGE on a sequence is also served by UPDATE on
+// it, as nextval accepts either (the predefined role pg_write_all_data
+// gives UPDATE only).
 const privilegeSQL = `
 SELECT current_user::text, COALESCE(array_agg(p.i ORDER BY p.i) FILTER (WHERE NOT CASE p.kind
     WHEN 'SCHEMA' THEN has_schema_privilege(n.oid, p.priv)
     WHEN 'FUNCTION' THEN COALESCE((SELECT bool_and(has_function_privilege(f.oid, p.priv))
         FROM pg_catalog.pg_proc f WHERE f.pronamespace = n.oid AND f.proname = split_part(p.obj, '(', 1)), true)
     WHEN 'SEQUENCE' THEN COALESCE((SELECT has_sequence_privilege(c.oid, p.priv)
+            OR (p.priv = 'USAGE' AND has_sequence_privilege(c.oid, 'UPDATE'))
         FROM pg_catalog.pg_class c WHERE c.relnamespace = n.oid AND c.relname = p.obj), true)
-    ELSE COALESCE((SELECT has_table_privilege(c.oid, p.priv)
+    ELSE COALESCE((SELECT CASE WHEN p.priv IN ('SELECT', 'INSERT', 'UPDATE')
+            THEN has_any_column_privilege(c.oid, p.priv) ELSE has_table_privilege(c.oid, p.priv) END
         FROM pg_catalog.pg_class c WHERE c.relnamespace = n.oid AND c.relname = p.obj), true)
     END), '{}')
 FROM (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) n

@@ -35,8 +35,8 @@ func roleStore(t *testing.T, e *env, batch idempotency.BatchConfig) (*idempotenc
 }
 
 // TestPrivilegesCoverEverySchemaObject: every table, sequence and function
-// the migrations create is named by AdminPrivileges, so that a migration
-// that adds one cannot leave the grants behind.
+// the migrations create is named by AdminPrivileges and WorkerPrivileges,
+// so that a migration that adds one cannot leave the grants behind.
 func TestPrivilegesCoverEverySchemaObject(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{Disabled: true})
@@ -52,13 +52,20 @@ SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WH
 	if err != nil {
 		t.Fatal(err)
 	}
-	named := map[string]bool{}
-	for _, p := range idempotency.AdminPrivileges() {
-		named[strings.SplitN(p.Object, "(", 2)[0]] = true
-	}
-	for _, o := range objects {
-		if !named[o] {
-			t.Errorf("%s.%s is in no privilege of AdminPrivileges", e.schema, o)
+	// The worker uses every object of the schema (events and its sequence
+	// for the repeats log, migrations for the version check), so
+	// WorkerPrivileges, too, must name each one.
+	for what, privs := range map[string][]idempotency.Privilege{
+		"AdminPrivileges": idempotency.AdminPrivileges(), "WorkerPrivileges": idempotency.WorkerPrivileges(),
+	} {
+		named := map[string]bool{}
+		for _, p := range privs {
+			named[strings.SplitN(p.Object, "(", 2)[0]] = true
+		}
+		for _, o := range objects {
+			if !named[o] {
+				t.Errorf("%s.%s is in no privilege of %s", e.schema, o, what)
+			}
 		}
 	}
 	if len(objects) < 5 {

@@ -51,6 +51,10 @@ func Migrations() ([]Migration, error) {
 	return ms, nil
 }
 
+// migrateLockSQL takes the transaction-scoped advisory lock of the schema
+// ($1) that serializes Migrate and Grant.
+const migrateLockSQL = `SELECT pg_advisory_xact_lock(hashtextextended('onceler.idempotency.migrate:' || $1, 0))`
+
 // Migrate creates the schema and applies the migrations not yet applied, in
 // one transaction. It is idempotent and safe to run from several processes
 // at once: a transaction-scoped advisory lock per schema serializes them.
@@ -65,11 +69,19 @@ func (s *Store) Migrate(ctx context.Context) error {
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('onceler.idempotency.migrate:' || $1, 0))`, s.name); err != nil {
+	if _, err := tx.Exec(ctx, migrateLockSQL, s.name); err != nil {
 		return fmt.Errorf("migrate: lock: %w", err)
 	}
-	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+s.schema); err != nil {
-		return fmt.Errorf("migrate: create schema: %w", err)
+	// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+	// schema exists: the owner of a schema a DBA made need not have it.
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)`, s.name).Scan(&exists); err != nil {
+		return fmt.Errorf("migrate: look for the schema: %w", err)
+	}
+	if !exists {
+		if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+s.schema); err != nil {
+			return fmt.Errorf("migrate: create schema: %w", err)
+		}
 	}
 	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.schema+`.migrations (
     version    integer PRIMARY KEY,

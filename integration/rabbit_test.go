@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -30,8 +31,11 @@ type privateRabbit struct {
 
 // rabbitOptions are the settings of a private node beyond the defaults.
 type rabbitOptions struct {
-	// conf holds extra rabbitmq.conf lines.
+	// conf holds extra rabbitmq.conf lines (e.g. "consumer_timeout = 5000\n").
 	conf string
+	// advanced is an advanced.config (Erlang terms) for settings
+	// rabbitmq.conf has no key for; empty: none.
+	advanced string
 }
 
 // startRabbit starts a private RabbitMQ node, stopped and removed when the
@@ -65,8 +69,9 @@ func newRabbit(t *testing.T, o rabbitOptions) *privateRabbit {
 	r := &privateRabbit{node: testenv.Name("onceler_fault") + "@localhost", dir: dir, port: port, dist: dist,
 		url: fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", port)}
 	files := map[string]string{
-		"rabbitmq.conf": fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n%s", port, o.conf),
-		"plugins":       "[].\n",
+		"rabbitmq.conf":   fmt.Sprintf("listeners.tcp.1 = 127.0.0.1:%d\nloopback_users = none\n%s", port, o.conf),
+		"advanced.config": cmp.Or(o.advanced, "[].") + "\n",
+		"plugins":         "[].\n",
 	}
 	for name, content := range files {
 		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
@@ -103,6 +108,7 @@ func (r *privateRabbit) launch(t *testing.T) {
 		"RABBITMQ_MNESIA_BASE="+filepath.Join(r.dir, "mnesia"), "RABBITMQ_LOG_BASE="+filepath.Join(r.dir, "log"),
 		"RABBITMQ_ENABLED_PLUGINS_FILE="+filepath.Join(r.dir, "plugins"),
 		"RABBITMQ_CONFIG_FILE="+filepath.Join(r.dir, "rabbitmq.conf"),
+		"RABBITMQ_ADVANCED_CONFIG_FILE="+filepath.Join(r.dir, "advanced.config"),
 		"RABBITMQ_PID_FILE="+r.pidFile(), "/usr/lib/rabbitmq/bin/rabbitmq-server")
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {

@@ -48,9 +48,28 @@ func execRetry(ctx context.Context, pool *pgxpool.Pool, q string) error {
 // suite migrates and inspects as the superuser.
 func TestReplayAsWorkerRole(t *testing.T) {
 	t.Parallel()
+	roleURL, prepare := workerRole(t)
+	for _, tg := range demoTargets() {
+		if tg.Task != demo.TaskCredit && tg.Task != demo.TaskCharge {
+			continue
+		}
+		tg.Command = []string{"worker"} // the role may not migrate
+		tg.Scenarios = []replay.Scenario{replay.ScenarioRepeated, replay.ScenarioCrashAfterClaim}
+		tg.WorkerDatabaseURL, tg.Prepare = roleURL, prepare
+		t.Run(tg.Task, func(t *testing.T) { replay.Run(t, tg) })
+	}
+}
+
+// workerRole makes a LOGIN role of the test's own and returns its URL and
+// a replay Prepare that grants it, on each scenario's schema, what
+// 'onceler migrate --grant-to' grants, and the demo tasks' grants on
+// their own tables. When the test ends, it fails unless a session of the
+// role was seen: the workers connected as it.
+func workerRole(t *testing.T) (roleURL string, prepare func(context.Context, *replay.Env) error) {
+	t.Helper()
 	pool := testenv.Pool(t)
 	role, roleURL := testenv.Role(t, pool)
-	prepare := func(ctx context.Context, e *replay.Env) error {
+	prepare = func(ctx context.Context, e *replay.Env) error {
 		if err := demo.Migrate(ctx, e.Pool); err != nil {
 			return err
 		}
@@ -62,8 +81,6 @@ func TestReplayAsWorkerRole(t *testing.T) {
 		}
 		return nil
 	}
-	// Proof that the workers connect as the role: its sessions, seen
-	// while the scenarios run.
 	seen := make(chan int, 1)
 	stop := make(chan struct{})
 	go func() {
@@ -81,19 +98,11 @@ func TestReplayAsWorkerRole(t *testing.T) {
 			}
 		}
 	}()
-	defer func() {
+	t.Cleanup(func() {
 		close(stop)
 		if most := <-seen; most == 0 {
 			t.Errorf("no session of role %s was seen: the workers did not connect as it", role)
 		}
-	}()
-	for _, tg := range demoTargets() {
-		if tg.Task != demo.TaskCredit && tg.Task != demo.TaskCharge {
-			continue
-		}
-		tg.Command = []string{"worker"} // the role may not migrate
-		tg.Scenarios = []replay.Scenario{replay.ScenarioRepeated, replay.ScenarioCrashAfterClaim}
-		tg.WorkerDatabaseURL, tg.Prepare = roleURL, prepare
-		t.Run(tg.Task, func(t *testing.T) { replay.Run(t, tg) })
-	}
+	})
+	return roleURL, prepare
 }

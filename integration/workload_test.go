@@ -141,13 +141,18 @@ func args(task, op string) []any {
 
 // send publishes a new call (a new task id) of operation op of task.
 func (w *workload) send(task, op string) *celeryproto.Message {
+	return w.sendArgs(task, op, args(task, op))
+}
+
+// sendArgs is send with the Celery arguments a.
+func (w *workload) sendArgs(task, op string, a []any) *celeryproto.Message {
 	o := w.by[op]
 	if o == nil {
 		o = &operation{task: task, op: op}
 		w.by[op] = o
 		w.ops = append(w.ops, o)
 	}
-	m := w.e.Message(task, testkit.NewID(), args(task, op), nil)
+	m := w.e.Message(task, testkit.NewID(), a, nil)
 	o.msgs = append(o.msgs, m)
 	w.e.Publish(m)
 	return m

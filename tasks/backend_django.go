@@ -150,10 +150,45 @@ func (b *djangoBackend) permanent(err error) bool {
 	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23"))
 }
 
+// djangoPrivilegeSQL names the privileges the session's role lacks to
+// write results ($1, the taskresult table: INSERT, UPDATE, and USAGE or
+// UPDATE on the sequence of its serial id, as nextval takes either) and
+// chord counters ($2, when that table exists: SELECT, UPDATE, DELETE).
+// Column grants serve SELECT, INSERT and UPDATE (has_any_column_privilege:
+// true for a table grant too). The tables are found on the URL's
+// search_path, as the backend's statements find them.
+const djangoPrivilegeSQL = `
+WITH o AS (SELECT to_regclass($1) AS t, to_regclass($2) AS c)
+SELECT current_user::text, ARRAY(
+  SELECT x.what FROM (
+    SELECT v.i, v.p || ' on ' || v.rel::text AS what
+    FROM o, LATERAL (VALUES (1, o.t, 'INSERT'), (2, o.t, 'UPDATE'),
+        (4, o.c, 'SELECT'), (5, o.c, 'UPDATE'), (6, o.c, 'DELETE')) AS v(i, rel, p)
+    WHERE v.rel IS NOT NULL AND NOT CASE v.p WHEN 'DELETE' THEN has_table_privilege(v.rel, v.p)
+        ELSE has_any_column_privilege(v.rel, v.p) END
+    UNION ALL
+    SELECT 3, 'USAGE on ' || s.oid::regclass::text
+    FROM o JOIN pg_catalog.pg_depend d ON d.refobjid = o.t
+    JOIN pg_catalog.pg_class s ON s.oid = d.objid
+    WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.refclassid = 'pg_catalog.pg_class'::regclass
+      AND d.deptype = 'a'
+      AND CASE WHEN s.relkind = 'S' -- CASE: not evaluated for the table's other dependents
+          THEN NOT (has_sequence_privilege(s.oid, 'USAGE') OR has_sequence_privilege(s.oid, 'UPDATE')) END
+  ) x ORDER BY x.i, x.what)`
+
 // ping checks that the database answers and holds the table with the
-// columns the backend writes, in one line that says what to do when not.
+// columns the backend writes, and that the URL's role may write results
+// (and chord counters), in one line that says what to do when not.
 func (b *djangoBackend) ping(ctx context.Context) error {
 	_, err := b.pool.Exec(ctx, "SELECT "+djangoColumns+" FROM "+DjangoTaskTable+" LIMIT 0")
+	if err == nil {
+		var role string
+		var lacks []string
+		if err = b.pool.QueryRow(ctx, djangoPrivilegeSQL, DjangoTaskTable, DjangoChordTable).Scan(&role, &lacks); err == nil && len(lacks) > 0 {
+			return fmt.Errorf("PostgreSQL role %q of %s lacks %s, which storing results needs: grant them to it as the tables' owner (docs/security.md)",
+				role, b.url, strings.Join(lacks, ", "))
+		}
+	}
 	var pe *pgconn.PgError
 	switch {
 	case err == nil:

@@ -459,3 +459,61 @@ func TestDjangoBackendChords(t *testing.T) {
 		t.Errorf("%d chord counter rows left", left)
 	}
 }
+
+// TestDjangoBackendPrivileges: the backend's check at start names, in one
+// line, what the URL's role lacks to store results (INSERT and UPDATE on
+// the taskresult table, USAGE on its id sequence; SELECT, UPDATE and
+// DELETE on the chord counters), and passes once they are granted, also
+// as column grants (and UPDATE instead of USAGE on the sequence); the
+// backend then stores results as that role.
+func TestDjangoBackendPrivileges(t *testing.T) {
+	t.Parallel()
+	a := newDjangoApp(t, true)
+	ctx := context.Background()
+	role, roleURL := testenv.Role(t, a.pool)
+	r := pgx.Identifier{role}.Sanitize()
+	s := pgx.Identifier{a.schema}.Sanitize()
+	testenv.Grant(t, a.pool, "GRANT USAGE ON SCHEMA "+s+" TO "+r)
+	testenv.Grant(t, a.pool, "GRANT SELECT ON "+s+"."+DjangoTaskTable+" TO "+r)
+	u, err := url.Parse(roleURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("search_path", a.schema)
+	u.RawQuery = q.Encode()
+	b, err := newDjangoBackend("django-db+"+u.String(), &Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.close() })
+	err = b.ping(ctx)
+	for _, want := range []string{"INSERT on " + DjangoTaskTable, "UPDATE on " + DjangoTaskTable, "USAGE on " + DjangoTaskTable + "_id_seq",
+		"SELECT on " + DjangoChordTable, "UPDATE on " + DjangoChordTable, "DELETE on " + DjangoChordTable, fmt.Sprintf("role %q", role)} {
+		if err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("ping as a role that may only read: %v, want one line naming %q", err, want)
+		}
+	}
+	// Column grants of every column, and UPDATE on the sequence.
+	for _, table := range []string{DjangoTaskTable, DjangoChordTable} {
+		var cols string
+		if err := a.pool.QueryRow(ctx, `SELECT string_agg(quote_ident(column_name), ', ') FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2`,
+			a.schema, table).Scan(&cols); err != nil {
+			t.Fatal(err)
+		}
+		testenv.Grant(t, a.pool, "GRANT SELECT ("+cols+"), INSERT ("+cols+"), UPDATE ("+cols+") ON "+s+"."+table+" TO "+r)
+	}
+	testenv.Grant(t, a.pool, "GRANT DELETE ON "+s+"."+DjangoChordTable+" TO "+r)
+	testenv.Grant(t, a.pool, "GRANT UPDATE ON SEQUENCE "+s+"."+DjangoTaskTable+"_id_seq TO "+r)
+	if err := b.ping(ctx); err != nil {
+		t.Fatalf("ping after the grants: %v", err)
+	}
+	r1 := &celeryproto.Result{TaskID: testenv.Name("priv"), Status: celeryproto.StateSuccess, Value: "ok", Serializer: "json"}
+	_, meta, err := celeryproto.EncodeMeta(r1, nil, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.put(ctx, r1.TaskID, meta); err != nil {
+		t.Fatalf("put as the role whose check passed: %v", err)
+	}
+}

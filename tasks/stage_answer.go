@@ -28,6 +28,9 @@ import (
 // finish answers a delivery whose outcome is recorded (or that has no
 // record): the result to the caller, then the ack.
 func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
+	if w.lostWhileRunning(j, outcomeOf(taskErr)) {
+		return
+	}
 	msg := j.msg
 	if taskErr == nil {
 		w.taskMetricsOf(j.h).succeededOf(w.m, j.h.name).Inc()
@@ -93,9 +96,45 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 	w.ack(j)
 }
 
+// lostWhileRunning reports whether j's delivery was lost while its task ran
+// or waited (its channel closed: a connection loss, or RabbitMQ's
+// consumer_timeout): the transport has the message back and delivers it
+// again, and that redelivery is answered from the record (a completed
+// operation by its stored result and workflow steps; one released or
+// failed by running again, as any redelivery). Answering here as well
+// would send the caller a second result, so nothing is sent: the outcome
+// (succeeded, failed, asked for a retry, already completed) is recorded
+// and the job is forgotten.
+func (w *Worker) lostWhileRunning(j *job, outcome string) bool {
+	if !j.d.stale() {
+		return false
+	}
+	if outcome == "succeeded" {
+		w.taskMetricsOf(j.h).succeededOf(w.m, j.h.name).Inc()
+	}
+	w.log.Info("delivery lost while the task ran (its channel closed); not answered here: its redelivery is answered from the record",
+		w.fields(j, zap.String("outcome", outcome), zap.Duration("runtime", j.runtime))...)
+	w.forget(j)
+	return true
+}
+
+// outcomeOf names a task's outcome for lostWhileRunning.
+func outcomeOf(taskErr error) string {
+	switch {
+	case taskErr == nil:
+		return "succeeded"
+	case IsRetry(taskErr):
+		return "asked for a retry"
+	}
+	return "failed"
+}
+
 // duplicate answers a delivery of an operation already completed: the stored
 // result to this delivery's caller, then ack.
 func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
+	if w.lostWhileRunning(j, "already completed") {
+		return
+	}
 	w.m.duplicates.WithLabelValues(j.h.name).Inc()
 	if ce := w.log.Check(zap.DebugLevel, "duplicate suppressed"); ce != nil {
 		ce.Write(w.fields(j)...)
@@ -180,12 +219,14 @@ const opTimeout = 30 * time.Second
 // reply_to, names), in bytes.
 const maxShortString = 255
 
-// publish publishes with a confirm, bounded by opTimeout. A publish cut
-// short by the end of the grace period leaves the delivery unacknowledged:
-// its redelivery is answered from the record.
+// publish publishes with a confirm, bounded by opTimeout, which does not
+// run out while the broker blocks publishing (a resource alarm): a
+// result, a workflow step or a retry waits out the alarm rather than be
+// sent again after it. A publish cut short by the end of the grace period
+// leaves the delivery unacknowledged: its redelivery is answered from the
+// record.
 func (w *Worker) publish(ctx context.Context, exchange, key string, p *celeryproto.Publishing, o amqp.PublishOptions) error {
-	ctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
+	o.Timeout = opTimeout
 	return w.pub.Publish(ctx, exchange, key, p, o)
 }
 

@@ -12,6 +12,7 @@ package tasks
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -40,20 +41,46 @@ func newAMQPTransport(cfg *Config, pub *amqp.Publisher) *amqpTransport {
 	}
 }
 
-// prepare declares each configured queue's quarantine queue.
+// prepare declares each configured queue's quarantine queue, and checks
+// that the broker lets the worker publish where it will: to the default
+// exchange (results for rpc://, republished and quarantined copies) and to
+// each queue's exchange (Celery retries), so that a missing write
+// permission stops the worker at start (amqp.AccessError) rather than
+// each message that needs it.
 func (t *amqpTransport) prepare(ctx context.Context) error {
 	for _, q := range t.queues {
 		if err := t.declareQuarantine(ctx, q.Name); err != nil {
 			return err
 		}
 	}
+	if err := t.pub.CheckWrite(ctx, ""); err != nil {
+		return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "results, republished and quarantined copies"))
+	}
+	checked := map[string]bool{"": true, amqp.DefaultExchange: true}
+	for _, q := range t.queues {
+		ex := q.Exchange
+		if ex == "" {
+			ex = q.Name
+		}
+		if checked[ex] || q.Passive {
+			continue
+		}
+		checked[ex] = true
+		// An exchange not declared yet (the consumer declares it) is not
+		// checked.
+		if err := t.pub.CheckWrite(ctx, ex); err != nil && !errors.Is(err, amqp.ErrNotFound) {
+			return fmt.Errorf("tasks: %w", amqp.AccessFor(err, "retries of queue "+q.Name+"'s tasks"))
+		}
+	}
 	return nil
 }
 
 func (t *amqpTransport) declareQuarantine(ctx context.Context, queue string) error {
-	spec := amqp.QueueSpec{Name: quarantineName(queue), Durable: true}
+	// Bound to nothing but the default exchange, which the copies go
+	// through: only configure permission on the queue is needed.
+	spec := amqp.QueueSpec{Name: quarantineName(queue), Exchange: amqp.DefaultExchange, Durable: true}
 	if err := t.pub.Declare(ctx, spec); err != nil {
-		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, err)
+		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, amqp.AccessFor(err, "the quarantine queue of "+queue))
 	}
 	return nil
 }
@@ -91,10 +118,10 @@ func (t *amqpTransport) addQueue(ctx context.Context, q amqp.QueueSpec) error {
 	return nil
 }
 
-// publish publishes with a confirm, bounded by opTimeout.
+// publish publishes with a confirm, bounded by opTimeout except while the
+// broker blocks publishing (Worker.publish).
 func (t *amqpTransport) publish(ctx context.Context, exchange, key string, p *celeryproto.Publishing, o amqp.PublishOptions) error {
-	ctx, cancel := context.WithTimeout(ctx, opTimeout)
-	defer cancel()
+	o.Timeout = opTimeout
 	return t.pub.Publish(ctx, exchange, key, p, o)
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/control"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/shellquote"
 )
 
 // Worker consumes Celery task messages and runs the registered tasks, each
@@ -237,6 +238,15 @@ func (w *Worker) Run(ctx context.Context) error {
 
 	if err := w.tr.prepare(ctx); err != nil {
 		return err
+	}
+	if w.ctl != nil {
+		// The remote control reconnects on any failure: a permission it
+		// lacks is found here, at start, instead.
+		if err := w.ctl.CheckAccess(ctx); errors.Is(err, amqp.ErrAccessRefused) {
+			return fmt.Errorf("tasks: remote control: %w", err)
+		} else if err != nil {
+			w.log.Warn("remote control: broker check failed; the remote control retries", zap.Error(err))
+		}
 	}
 	// Stopped when Run returns: worker-offline goes once the tasks are done.
 	defer w.runControl(ctx)()
@@ -525,7 +535,7 @@ func (w *Worker) checkSchema(ctx context.Context) error {
 	var pe *idempotency.PrivilegeError
 	if errors.As(err, &pe) {
 		return fmt.Errorf("tasks: the worker's PostgreSQL role %q lacks %s: grant them with '%s migrate --schema %s --grant-to %s' (or idempotency.Store.Grant) as the schema's owner",
-			pe.Role, pe.Lacks(), w.cfg.Program, pe.Schema, pe.Role)
+			pe.Role, pe.Lacks(), shellquote.Quote(w.cfg.Program), shellquote.Quote(pe.Schema), shellquote.Quote(pe.Role))
 	}
 	if err == nil {
 		err = w.store.CheckSchema(cctx)

@@ -41,6 +41,10 @@ type Config struct {
 	// broker amqp://guest:guest@127.0.0.1:5672/ when it answers; else the
 	// test is skipped (it fails when ONCELER_REQUIRE_SERVICES=1).
 	AMQPURL string
+	// WorkerBrokerURL is the broker URL the workers get, when it is not
+	// AMQPURL: the same broker and vhost as another user (one with only
+	// the permissions a worker needs). Default AMQPURL.
+	WorkerBrokerURL string
 	// DatabaseURL is the PostgreSQL server of the record (and of the pool
 	// handed to Effects). Default: ONCELER_TEST_DATABASE_URL, else the local
 	// postgres://postgres@127.0.0.1:5432/test when it answers; else the test

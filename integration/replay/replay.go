@@ -71,6 +71,11 @@ type Target struct {
 	// e.Schema).
 	WorkerDatabaseURL string
 	Prepare           func(ctx context.Context, e *Env) error
+	// AMQPURL is the broker the suite itself uses (Config.AMQPURL);
+	// WorkerBrokerURL the one its workers get (Config.WorkerBrokerURL),
+	// e.g. the same vhost as a user with only the permissions a worker
+	// needs.
+	AMQPURL, WorkerBrokerURL string
 }
 
 // Scenario names one replay scenario; each runs as a subtest of that name.
@@ -167,7 +172,8 @@ func Run(t *testing.T, target Target) {
 		t.Run(string(s), func(t *testing.T) {
 			r := &runner{t: t, tg: target, s: s, prefix: fmt.Sprintf("%s-%s", run, s), start: time.Now()}
 			r.e = NewEnv(t, Config{Binary: target.Binary, Command: target.Command, Env: target.Env, Lease: target.Lease,
-				ResultBackend: target.ResultBackend, WorkerDatabaseURL: target.WorkerDatabaseURL, Prepare: target.Prepare})
+				ResultBackend: target.ResultBackend, WorkerDatabaseURL: target.WorkerDatabaseURL, Prepare: target.Prepare,
+				AMQPURL: target.AMQPURL, WorkerBrokerURL: target.WorkerBrokerURL})
 			if !setup && target.Setup != nil {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()

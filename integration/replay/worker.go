@@ -72,6 +72,9 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 	if e.cfg.WorkerDatabaseURL != "" {
 		db = e.cfg.WorkerDatabaseURL
 	}
+	if e.cfg.WorkerBrokerURL != "" {
+		broker = e.cfg.WorkerBrokerURL
+	}
 	if o.BrokerURL != "" {
 		broker = o.BrokerURL
 	}
