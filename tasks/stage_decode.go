@@ -16,6 +16,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // decode decodes j's delivery through the memory budget (w.dec) and checks
@@ -62,12 +63,25 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 // last delivery: see decode) and acknowledges the delivery once the copy
 // is confirmed.
 func (w *Worker) passOn(ctx context.Context, j *job, deliveries, limit int) {
+	const what = "republish on the last delivery the queue's x-delivery-limit allows"
 	if err := j.d.passOn(ctx, deliveries); err != nil {
 		if amqp.IsPermanent(err) {
-			w.publishRefused(ctx, j, fmt.Errorf("republish on the last delivery the queue's x-delivery-limit allows: %w", err))
+			// The broker refuses the copy for what it is: answered and
+			// quarantined (the task is not bound yet: publishRefused
+			// would name it).
+			cause := fmt.Errorf("%s: %w", what, err)
+			w.log.Error("publish refused by the broker; caller answered FAILURE, message quarantined",
+				w.fields(j, zap.String("error", clip.String(cause.Error(), maxLogField)))...)
+			exc := &celeryproto.Exception{Type: "PublishRefused", Module: "onceler.exceptions",
+				Message: clip.String(cause.Error(), maxDetail)}
+			if w.replyFailure(ctx, j, exc, cause) {
+				w.quarantine(ctx, j, ReasonPublishRefused, cause)
+			}
 			return
 		}
-		w.recordTrouble(ctx, j, "republish on the last delivery the queue's x-delivery-limit allows", err)
+		// Kept and decoded again later (process), as a held delivery
+		// whose republish fails is.
+		w.recordTrouble(ctx, j, what, err)
 		return
 	}
 	w.log.Info("message republished on the last delivery its queue's x-delivery-limit allows; it runs from the copy",
