@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -61,9 +62,25 @@ type Config struct {
 	// connection attempts; defaults 100ms and 30s.
 	MinBackoff, MaxBackoff time.Duration
 	// DialTimeout bounds the TCP connect plus the TLS and AMQP handshakes of
-	// one attempt; default 30s.
+	// one attempt; default 30s, and 5s for each attempt to a URL of a
+	// failover list of several, so that a node that accepts connections but
+	// never answers (a hung VM) holds up the next URL for 5s only. An
+	// attempt under a context deadline (a command's first contact) gets
+	// its share of the time left: at most the time left divided by the
+	// number of URLs, and at least 2s, so that every URL of the list is
+	// tried within it.
 	DialTimeout time.Duration
+
+	// dialTimeoutDefault: DialTimeout was not given (withDefaults).
+	dialTimeoutDefault bool
 }
+
+// Per-attempt bounds with a failover list of several URLs (see
+// Config.DialTimeout).
+const (
+	listDialTimeout    = 5 * time.Second
+	minListDialTimeout = 2 * time.Second
+)
 
 // TLSConfig names the PEM files used for amqps:// connections.
 type TLSConfig struct {
@@ -97,7 +114,7 @@ func (c Config) withDefaults() Config {
 		c.MaxBackoff = c.MinBackoff
 	}
 	if c.DialTimeout <= 0 {
-		c.DialTimeout = defaultDialTimeout
+		c.DialTimeout, c.dialTimeoutDefault = defaultDialTimeout, true
 	}
 	if c.Name == "" {
 		host, err := os.Hostname()
@@ -170,9 +187,16 @@ func normalizeURL(raw string) (string, amqp091.URI, error) {
 	}
 	uri, err := amqp091.ParseURI(s)
 	if err != nil {
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = ue.Err
+		var (
+			ue *url.Error
+			ne *strconv.NumError
+		)
+		if errors.As(err, &ue) || errors.As(err, &ne) {
+			// url.Parse's and strconv's messages quote the part they could
+			// not read, which may be part of the password (the text before
+			// a literal ';' or '/' in it reads as an "invalid port").
+			return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s cannot be parsed: a reserved character in its user name or password "+
+				"must be percent-encoded (';' as %%3B, '/' as %%2F, '@' as %%40, ':' as %%3A, '#' as %%23, '?' as %%3F)", ErrConfig, RedactURL(s))
 		}
 		return "", amqp091.URI{}, fmt.Errorf("%w: broker URL %s: %v", ErrConfig, RedactURL(s), err)
 	}

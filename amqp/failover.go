@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -86,7 +87,11 @@ func endpointsOf(list []string) ([]endpoint, error) {
 		raw, uri, err := normalizeURL(u)
 		if err != nil {
 			if len(list) > 1 {
-				return nil, fmt.Errorf("URL %d of the %d in the broker URL list: %w", i+1, len(list), err)
+				// The list was split at each ';': an element that does not
+				// parse may be a piece of a password holding a literal ';'.
+				// Its error quotes no part of it (normalizeURL).
+				return nil, fmt.Errorf("URL %d of the %d in the broker URL list (';' separates the URLs: a ';' in a password must be written %%3B): %w",
+					i+1, len(list), err)
 			}
 			return nil, err
 		}
@@ -144,7 +149,9 @@ func (f *failover) dial(ctx context.Context, role string) (*amqp091.Connection, 
 		return nil, 0, f.err
 	}
 	i := f.current()
-	conn, err := f.cfg.dialEndpoint(ctx, f.eps[i], role)
+	cfg := f.cfg
+	cfg.DialTimeout = f.attemptTimeout(ctx)
+	conn, err := cfg.dialEndpoint(ctx, f.eps[i], role)
 	if err != nil {
 		if ctx.Err() == nil {
 			f.failed(i)
@@ -152,6 +159,26 @@ func (f *failover) dial(ctx context.Context, role string) (*amqp091.Connection, 
 		return nil, i, err
 	}
 	return conn, i, nil
+}
+
+// attemptTimeout bounds one connection attempt (see Config.DialTimeout):
+// DialTimeout for a single URL; with several, at most listDialTimeout
+// unless DialTimeout was given, and under a ctx deadline at most the time
+// left divided by the number of URLs (at least minListDialTimeout), so that
+// a hung node does not use up the time the next URLs need.
+func (f *failover) attemptTimeout(ctx context.Context) time.Duration {
+	t := f.cfg.DialTimeout
+	n := len(f.eps)
+	if n < 2 {
+		return t
+	}
+	if f.cfg.dialTimeoutDefault {
+		t = min(t, listDialTimeout)
+	}
+	if d, ok := ctx.Deadline(); ok {
+		t = min(t, max(time.Until(d)/time.Duration(n), minListDialTimeout))
+	}
+	return t
 }
 
 // shown returns URL i redacted.

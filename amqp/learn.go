@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"reflect"
 	"regexp"
 	"strconv"
@@ -194,6 +195,29 @@ func intArg(v any) (int64, bool) {
 		return int64(x), true
 	case uint32:
 		return int64(x), true
+	case uint:
+		if uint64(x) <= math.MaxInt64 {
+			return int64(x), true
+		}
+	case uint64:
+		if x <= math.MaxInt64 {
+			return int64(x), true
+		}
+	case float32:
+		return wholeFloat(float64(x))
+	case float64:
+		// RabbitMQ acts on a whole double (1.0 from JSON, a Python float
+		// in kombu's queue_arguments) as on the integer.
+		return wholeFloat(x)
 	}
 	return 0, false
+}
+
+// wholeFloat returns f as an integer when it is a whole number within
+// int64's range.
+func wholeFloat(f float64) (int64, bool) {
+	if f != math.Trunc(f) || math.IsInf(f, 0) || f < math.MinInt64 || f >= math.MaxInt64 {
+		return 0, false
+	}
+	return int64(f), true
 }

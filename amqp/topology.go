@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
@@ -86,12 +87,38 @@ func (q QueueSpec) MaxPriority() int {
 // (the broker drops or dead-letters a message returned more often), 0
 // when it has none or is no quorum queue. A limit set by a policy
 // (delivery-limit) is not among a queue's arguments: it is not seen here.
+//
+// The argument may be any integer type or a whole double (RabbitMQ
+// enforces 1.0 as 1). A limit of 0 is returned as 0 too: such a queue is
+// refused (ErrConfig) when declared or found.
 func (q QueueSpec) DeliveryLimit() int {
+	n, _ := q.deliveryLimit()
+	return n
+}
+
+// deliveryLimit returns the delivery limit of a quorum queue and whether
+// it has one (a negative or unreadable x-delivery-limit is none).
+func (q QueueSpec) deliveryLimit() (int, bool) {
 	if !q.isQuorum() {
-		return 0
+		return 0, false
 	}
-	n, _ := intArg(q.Args["x-delivery-limit"])
-	return int(max(n, 0))
+	n, ok := intArg(q.Args["x-delivery-limit"])
+	if !ok || n < 0 {
+		return 0, false
+	}
+	return int(min(n, math.MaxInt32)), true
+}
+
+// checkDeliveryLimit refuses a quorum queue whose x-delivery-limit is 0:
+// every delivery is the broker's last, so a message whose worker dies
+// while running it is dropped, and the worker could neither run it under
+// protection nor keep it (the delivery limit handling republishes a
+// message on its last delivery: with limit 0 it would republish forever).
+func checkDeliveryLimit(q QueueSpec) error {
+	if n, ok := q.deliveryLimit(); ok && n == 0 {
+		return fmt.Errorf("%w: queue %s: x-delivery-limit 0 drops any message whose worker dies; raise it", ErrConfig, q.Name)
+	}
+	return nil
 }
 
 // resolved fills in kombu's defaults.
@@ -215,6 +242,9 @@ func ensure(sc *scratch, spec QueueSpec, prev *QueueSpec) (queueState, error) {
 	if err != nil {
 		return queueState{}, err
 	}
+	if err := checkDeliveryLimit(q); err != nil {
+		return queueState{}, err
+	}
 	if q.Passive {
 		return queueState{spec: unresolved(q)}, checkPassive(sc, q)
 	}
@@ -244,6 +274,9 @@ func ensure(sc *scratch, spec QueueSpec, prev *QueueSpec) (queueState, error) {
 			}
 			if t, _ := st.spec.Args["x-queue-type"].(string); t == "stream" {
 				return queueState{}, fmt.Errorf("%w: queue %s is a stream queue, which keeps its messages for every reader: a Celery worker consumes classic and quorum queues", ErrConfig, q.Name)
+			}
+			if err := checkDeliveryLimit(st.spec); err != nil {
+				return queueState{}, err
 			}
 			break
 		}

@@ -39,8 +39,11 @@ type Config struct {
 	// certificate). Nil: the system roots, no client certificate.
 	TLS *tls.Config
 	// DialTimeout bounds connecting (TCP, TLS and AMQP handshakes). Default
-	// 30 s.
+	// 30 s, and 5 s for each attempt to a URL of a failover list of several
+	// (a hung node holds up the next URL no longer).
 	DialTimeout time.Duration
+	// dialTimeoutDefault: DialTimeout was not given.
+	dialTimeoutDefault bool
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "onceler control <node>".
 	ConnectionName string
@@ -92,7 +95,7 @@ func (c *Config) setDefaults() error {
 		c.ConnectionName = "onceler control " + c.NodeName
 	}
 	if c.DialTimeout <= 0 {
-		c.DialTimeout = 30 * time.Second
+		c.DialTimeout, c.dialTimeoutDefault = 30*time.Second, true
 	}
 	if c.Heartbeat <= 0 {
 		c.Heartbeat = DefaultHeartbeat

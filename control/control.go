@@ -192,11 +192,23 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 }
 
+// listDialTimeout bounds each attempt to a URL of a failover list of
+// several when DialTimeout was not given.
+const listDialTimeout = 5 * time.Second
+
 // dial opens the controller's connection, bounded by ctx and DialTimeout.
 func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 	props := amqp091.NewConnectionProperties()
 	props.SetClientConnectionName(c.cfg.ConnectionName)
-	dctx, cancel := context.WithTimeout(ctx, c.cfg.DialTimeout)
+	urls, err := amqp.DialURLs(c.cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("control: %w", err)
+	}
+	timeout := c.cfg.DialTimeout
+	if len(urls) > 1 && c.cfg.dialTimeoutDefault {
+		timeout = min(timeout, listDialTimeout)
+	}
+	dctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var (
 		mu      sync.Mutex
@@ -210,10 +222,6 @@ func (c *Controller) dial(ctx context.Context) (*amqp091.Connection, error) {
 		}
 	})
 	defer stop()
-	urls, err := amqp.DialURLs(c.cfg.URL)
-	if err != nil {
-		return nil, fmt.Errorf("control: %w", err)
-	}
 	url := urls[c.urlAt%len(urls)]
 	shown := amqp.RedactURL(url)
 	conn, err := amqp091.DialConfig(url, amqp091.Config{

@@ -308,9 +308,12 @@ func consumingBrokers(w *replay.Worker) []string {
 // queue_arguments would, with a delivery limit (x-delivery-limit). RabbitMQ
 // stamps each redelivery with x-delivery-count and drops the message when
 // it returns after the delivery whose count reaches the limit. The worker
-// reads both: it quarantines the message as poison on that last delivery,
-// or past its own MaxAttempts (5) when that comes first, and answers its
-// caller with WorkerLostError; nothing is dropped unanswered, no effect.
+// reads both: on that last delivery it does not run the message but
+// republishes it with the deliveries so far (x-onceler-deliveries) and
+// acknowledges the delivery, so the broker never drops it; past its own
+// MaxAttempts (5), counting the carried deliveries, it quarantines the
+// message as poison and answers its caller with WorkerLostError; nothing
+// is dropped unanswered, no effect.
 // A quorum queue works on one node: this runs on the shared broker, on a
 // queue of its own.
 func TestFaultClusterDeliveryLimit(t *testing.T) {
@@ -322,8 +325,10 @@ func TestFaultClusterDeliveryLimit(t *testing.T) {
 		detail         string
 	}{
 		// Deliveries with x-delivery-count 0, 1 and 2 crash; the one with 3
-		// is RabbitMQ's last: quarantined.
-		{"limit_3", 3, 3, "x-delivery-limit 3"},
+		// is RabbitMQ's last: republished carrying 4 deliveries. The copy's
+		// deliveries 0 and 1 (5 and 6 in all) crash; its delivery 2 (7th,
+		// more than 5 before it) is quarantined.
+		{"limit_3", 3, maxAttempts, "4 of them before it was republished"},
 		// MaxAttempts comes first: quarantined when delivered more than 5
 		// times (x-delivery-count 6), as without a limit.
 		{"limit_10", 10, maxAttempts + 1, "limit 5"},

@@ -134,8 +134,9 @@ type Config struct {
 	// queues: x-delivery-count) or one operation claimed by redeliveries (the
 	// record's attempt count; same-database tasks: redeliveries counted with
 	// idempotency CountAttempt) before the message is quarantined as poison.
-	// Default 5. A quorum queue's x-delivery-limit, when lower, quarantines
-	// sooner: on the last delivery the broker makes.
+	// Default 5. On the last delivery a quorum queue's x-delivery-limit
+	// allows, the message is republished with its deliveries so far
+	// (HeaderDeliveries), which count with the copy's against MaxAttempts.
 	MaxAttempts int
 	// Observer receives task events (task-received, task-started, ...),
 	// besides the worker's remote control when task events are on. It must

@@ -127,10 +127,11 @@
 // A message delivered more than Config.MaxAttempts times (x-delivery-count
 // on quorum queues; on classic queues, a redelivered message whose
 // operation was claimed that often, its Celery retries not counted) is
-// quarantined as poison instead of crashing workers forever, as is, on a
-// quorum queue with x-delivery-limit, the delivery whose x-delivery-count
-// reaches the limit (the broker's last: it would drop the message after
-// it); its caller gets
+// quarantined as poison instead of crashing workers forever (on a quorum
+// queue with x-delivery-limit, the delivery whose x-delivery-count reaches
+// the limit, the broker's last, is not run but republished with its
+// deliveries so far in HeaderDeliveries, counted with the copy's); its
+// caller gets
 // FAILURE billiard.exceptions.WorkerLostError, as from Celery when the
 // worker running a task dies. A same-database
 // claim dies with its transaction when the worker crashes, so on classic

@@ -47,6 +47,11 @@ const (
 	HeaderDecodeReason = "x-onceler-decode-reason"
 	// HeaderTime is when it was quarantined (RFC 3339, UTC).
 	HeaderTime = "x-onceler-quarantined-at"
+	// HeaderDeliveries is the number of deliveries of a message before it
+	// was republished on the last delivery its quorum queue's
+	// x-delivery-limit allows (stage_decode.go): the worker counts it with
+	// the copy's own x-delivery-count against Config.MaxAttempts.
+	HeaderDeliveries = "x-onceler-deliveries"
 )
 
 // Bounds of a quarantine copy. A delivery's headers may fill its frame

@@ -12,7 +12,11 @@ import (
 	"errors"
 	"fmt"
 
+	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/clip"
 )
 
 // decode decodes j's delivery through the memory budget (w.dec) and checks
@@ -29,17 +33,88 @@ func (w *Worker) decode(ctx context.Context, j *job) bool {
 	w.mu.Lock() // Reserved reads it
 	j.msg = msg
 	w.mu.Unlock()
-	if n := j.d.deliveryCount(); n > w.cfg.MaxAttempts {
-		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times (limit %d)", n, w.cfg.MaxAttempts))
+	n := j.d.deliveryCount()
+	carried := carriedDeliveries(j.d.wire().Headers)
+	lim := j.d.deliveryLimit()
+	total := carried + n
+	if total > w.cfg.MaxAttempts {
+		cause := fmt.Errorf("delivered %d times (limit %d)", total, w.cfg.MaxAttempts)
+		if carried > 0 {
+			cause = fmt.Errorf("delivered %d times (limit %d), %d of them before it was republished on the last delivery its queue's x-delivery-limit allowed",
+				total, w.cfg.MaxAttempts, carried)
+		}
+		w.quarantinePoison(ctx, j, cause)
 		return false
-	} else if lim := j.d.deliveryLimit(); lim > 0 && n >= lim {
-		// The broker's last delivery: should it fail too, the queue would
+	} else if lim > 0 && n >= lim {
+		// The broker's last delivery: should its run fail, the queue would
 		// drop the message (or dead-letter it), and its caller would never
-		// hear. Quarantined instead, with its caller answered.
-		w.quarantinePoison(ctx, j, fmt.Errorf("delivered %d times: the queue's delivery limit (x-delivery-limit %d) drops it after this delivery", n, lim))
+		// hear. It did not necessarily fail before (a graceful shutdown or
+		// a node failover returns deliveries too): a copy carrying its
+		// count goes back to the queue, counted afresh by the broker, and
+		// this delivery is acknowledged. The copy runs; MaxAttempts bounds
+		// the deliveries of all copies.
+		w.passOn(ctx, j, total+1, lim)
 		return false
 	}
 	return true
+}
+
+// passOn republishes j's message with its deliveries so far (the broker's
+// last delivery: see decode) and acknowledges the delivery once the copy
+// is confirmed.
+func (w *Worker) passOn(ctx context.Context, j *job, deliveries, limit int) {
+	const what = "republish on the last delivery the queue's x-delivery-limit allows"
+	if err := j.d.passOn(ctx, deliveries); err != nil {
+		if amqp.IsPermanent(err) {
+			// The broker refuses the copy for what it is: answered and
+			// quarantined (the task is not bound yet: publishRefused
+			// would name it).
+			cause := fmt.Errorf("%s: %w", what, err)
+			w.log.Error("publish refused by the broker; caller answered FAILURE, message quarantined",
+				w.fields(j, zap.String("error", clip.String(cause.Error(), maxLogField)))...)
+			exc := &celeryproto.Exception{Type: "PublishRefused", Module: "onceler.exceptions",
+				Message: clip.String(cause.Error(), maxDetail)}
+			if w.replyFailure(ctx, j, exc, cause) {
+				w.quarantine(ctx, j, ReasonPublishRefused, cause)
+			}
+			return
+		}
+		// Kept and decoded again later (process), as a held delivery
+		// whose republish fails is.
+		w.recordTrouble(ctx, j, what, err)
+		return
+	}
+	w.log.Info("message republished on the last delivery its queue's x-delivery-limit allows; it runs from the copy",
+		w.fields(j, zap.Int("deliveries", deliveries), zap.Int("x_delivery_limit", limit))...)
+	w.ack(j)
+}
+
+// carriedDeliveries reads HeaderDeliveries: the deliveries of a message
+// before it was republished on its queue's last allowed delivery; 0 when
+// absent or unreadable.
+func carriedDeliveries(h map[string]any) int {
+	var n int64
+	switch x := h[HeaderDeliveries].(type) {
+	case int:
+		n = int64(x)
+	case int8:
+		n = int64(x)
+	case int16:
+		n = int64(x)
+	case int32:
+		n = int64(x)
+	case int64:
+		n = x
+	case uint8:
+		n = int64(x)
+	case uint16:
+		n = int64(x)
+	case uint32:
+		n = int64(x)
+	case float64:
+		n = int64(x)
+	}
+	return int(min(max(n, 0), 1<<20))
 }
 
 // memDecoder decodes the worker's deliveries, settling each one's charge

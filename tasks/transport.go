@@ -90,6 +90,12 @@ type delivery interface {
 	// delivery whose count reaches it, the transport drops or dead-letters
 	// the message (a quorum queue's x-delivery-limit); 0 when none.
 	deliveryLimit() int
+	// passOn publishes a copy of the message to the queue it came from,
+	// with HeaderDeliveries set to deliveries and without the transport's
+	// own count, so that the transport starts counting it afresh; the
+	// caller acknowledges the delivery once it succeeds. Only a transport
+	// with a deliveryLimit is asked.
+	passOn(ctx context.Context, deliveries int) error
 	// stale reports whether the delivery can no longer be settled: the
 	// transport has it back and delivers it again.
 	stale() bool

@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -50,7 +51,7 @@ func newAMQPTransport(cfg *Config, pub *amqp.Publisher) *amqpTransport {
 // application's, a dead-letter exchange): no write on those is needed.
 func (t *amqpTransport) prepare(ctx context.Context) error {
 	for _, q := range t.queues {
-		if err := t.declareQuarantine(ctx, q.Name); err != nil {
+		if err := t.declareQuarantine(ctx, q); err != nil {
 			return err
 		}
 	}
@@ -64,12 +65,18 @@ func (t *amqpTransport) prepare(ctx context.Context) error {
 	return nil
 }
 
-func (t *amqpTransport) declareQuarantine(ctx context.Context, queue string) error {
+// declareQuarantine makes sure the quarantine queue of work queue q
+// exists: an existing one is used as it is (a passive check first, as for
+// work queues); a missing one is declared with q's queue type, so that the
+// quarantine queue of a quorum queue is replicated as its work queue is
+// (a classic one lives on one node, and a worker started while that node
+// is down could not declare it).
+func (t *amqpTransport) declareQuarantine(ctx context.Context, q amqp.QueueSpec) error {
 	// Bound to nothing but the default exchange, which the copies go
 	// through: only configure permission on the queue is needed.
-	spec := amqp.QueueSpec{Name: quarantineName(queue), Exchange: amqp.DefaultExchange, Durable: true}
+	spec := amqp.QueueSpec{Name: quarantineName(q.Name), Exchange: amqp.DefaultExchange, Durable: true, Quorum: q.IsQuorum()}
 	if err := t.pub.Declare(ctx, spec); err != nil {
-		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, amqp.AccessFor(err, "the quarantine queue of "+queue))
+		return fmt.Errorf("tasks: declare quarantine queue %s: %w", spec.Name, amqp.AccessFor(err, "the quarantine queue of "+q.Name))
 	}
 	return nil
 }
@@ -98,7 +105,7 @@ func (t *amqpTransport) fixedWindow() bool {
 // addQueue starts consuming q, declared as a configured queue is (with its
 // quarantine queue).
 func (t *amqpTransport) addQueue(ctx context.Context, q amqp.QueueSpec) error {
-	if err := t.declareQuarantine(ctx, q.Name); err != nil {
+	if err := t.declareQuarantine(ctx, q); err != nil {
 		return err
 	}
 	if err := t.consumer.AddQueue(q); err != nil {
@@ -139,6 +146,18 @@ func (a *amqpDelivery) deliveryCount() int { return a.d.DeliveryCount }
 // deliveryLimit is the quorum queue's x-delivery-limit, 0 if none
 // (amqp.Delivery.DeliveryLimit).
 func (a *amqpDelivery) deliveryLimit() int { return a.d.DeliveryLimit }
+
+// passOn publishes a copy to the queue the delivery came from (default
+// exchange, confirmed), with HeaderDeliveries set to deliveries and without
+// x-delivery-count: the quorum queue counts the copy's deliveries afresh.
+func (a *amqpDelivery) passOn(ctx context.Context, deliveries int) error {
+	h := maps.Clone(withoutBrokerHeaders(a.d.Headers))
+	if h == nil {
+		h = map[string]any{}
+	}
+	h[HeaderDeliveries] = int64(deliveries)
+	return a.t.publish(ctx, "", a.d.Queue, a.copyOf(h), amqp.PublishOptions{Mandatory: true})
+}
 
 // stale reports whether the delivery's channel is gone.
 func (a *amqpDelivery) stale() bool { return a.d.Stale() }

@@ -358,7 +358,12 @@ func (d *sidekiqDelivery[J]) origin() origin              { return origin{Queue:
 func (d *sidekiqDelivery[J]) redelivered() bool           { return d.v.Recovered || d.fetches != 1 }
 func (d *sidekiqDelivery[J]) deliveryCount() int          { return max(d.fetches-1, 0) }
 func (d *sidekiqDelivery[J]) deliveryLimit() int          { return 0 }
-func (d *sidekiqDelivery[J]) stale() bool                 { return d.gone.Load() }
+
+// passOn is never asked of a Sidekiq delivery (its deliveryLimit is 0).
+func (d *sidekiqDelivery[J]) passOn(context.Context, int) error {
+	return errors.New("tasks: a Sidekiq job has no delivery limit to pass on")
+}
+func (d *sidekiqDelivery[J]) stale() bool { return d.gone.Load() }
 
 // settle runs op, a client call that takes the job out of the working
 // list, unless a move (republish, retry, quarantine) took it out already:
