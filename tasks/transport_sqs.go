@@ -528,6 +528,11 @@ func (d *sqsDelivery) stale() bool        { return d.gone.Load() }
 // nothing is dropped.
 func (d *sqsDelivery) deliveryLimit() int { return 0 }
 
+// passOn is never asked of an SQS delivery (its deliveryLimit is 0).
+func (d *sqsDelivery) passOn(context.Context, int) error {
+	return errors.New("tasks: an SQS message has no delivery limit to pass on")
+}
+
 // groupKey is the FIFO group of the delivery's message.
 func (d *sqsDelivery) groupKey() string { return d.q.Name + "\x00" + d.m.GroupID }
 
