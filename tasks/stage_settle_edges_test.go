@@ -103,3 +103,41 @@ func TestUnstorableResultOfForgottenClaimIsHeld(t *testing.T) {
 			said, rec.Status, len(rec.Message), err)
 	}
 }
+
+// A hold task abandoned at its hard time limit while it still runs has its
+// claim held at once (settleAbandoned: "a person decides"). When the
+// claim is also forgotten, HoldOwn finds no record, write turns that into
+// ErrFenced, settleAbandoned reads it as "settled already", and the caller
+// is answered and the message acknowledged with nothing held: the effect
+// may still happen, and no record or kept message says so.
+func TestAbandonedForgottenClaimIsHeld(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	pool := testenvPool(t)
+	records := pgx.Identifier{e.schema, "records"}.Sanitize()
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "t.forget_stubborn", Mode: ModeOutside, Policy: PolicyHold,
+		TimeLimit: 300 * time.Millisecond,
+		Key:       func(a payArgs) (string, error) { return a.OrderID, nil },
+		Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
+			if _, err := pool.Exec(ctx, `DELETE FROM `+records+` WHERE task = $1 AND key = $2`, "t.forget_stubborn", c.Key); err != nil {
+				return nil, fmt.Errorf("forget the claim: %w", err)
+			}
+			time.Sleep(2 * time.Second) // ignores its context: abandoned
+			return map[string]any{"order": a.OrderID}, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start(reg, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(payMessage("t.forget_stubborn", 0, "stubborn-1", replyTo))
+	res := results(t, replies, 1, 30*time.Second)
+	rec, err := e.store.Get(context.Background(), "t.forget_stubborn", "stubborn-1")
+	status := ""
+	if r := res[taskID(0)]; len(r) > 0 {
+		status = fmt.Sprint(r[0]["status"])
+	}
+	if err != nil || rec.Status != idempotency.StatusHeld {
+		t.Errorf("abandoned hold task answered %s and acknowledged; record %q (%v), want held (its effect may still happen)", status, rec.Status, err)
+	}
+}
