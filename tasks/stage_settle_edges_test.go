@@ -141,3 +141,50 @@ func TestAbandonedForgottenClaimIsHeld(t *testing.T) {
 		t.Errorf("abandoned hold task answered %s and acknowledged; record %q (%v), want held (its effect may still happen)", status, rec.Status, err)
 	}
 }
+
+// guarantees.md: every repeat of an outside effect "is counted in
+// `onceler repeats`". The forgotten-claim settlement runs a task whose
+// effect happened a second time (a certain repeat, settled "as a claim
+// taken over"), but the second claim is a fresh one: no takeover, no
+// duplicate, nothing in Repeats says the effect was repeated.
+func TestForgottenClaimRepeatIsCounted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	pool := testenvPool(t)
+	records := pgx.Identifier{e.schema, "records"}.Sanitize()
+	var runs atomic.Int32
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "t.forget_count", Mode: ModeOutside, Policy: PolicyRetry,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
+			if runs.Add(1) == 1 {
+				if _, err := pool.Exec(ctx, `DELETE FROM `+records+` WHERE task = $1 AND key = $2`, "t.forget_count", c.Key); err != nil {
+					return nil, fmt.Errorf("forget the claim: %w", err)
+				}
+			}
+			return map[string]any{"order": a.OrderID}, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	since := time.Now().Add(-time.Minute)
+	e.start(reg, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(payMessage("t.forget_count", 0, "count-1", replyTo))
+	_ = results(t, replies, 1, 30*time.Second)
+	if n := runs.Load(); n != 2 {
+		t.Fatalf("ran %d times; this test needs the second run", n)
+	}
+	stats, err := e.store.Repeats(context.Background(), since)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var counted int64
+	for _, s := range stats {
+		if s.Task == "t.forget_count" {
+			counted += s.Takeovers + s.Duplicates + s.Held + s.Skipped
+		}
+	}
+	if counted == 0 {
+		t.Errorf("the outside effect ran twice, but onceler repeats counts nothing for the task: %+v", stats)
+	}
+}
