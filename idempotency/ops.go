@@ -288,6 +288,9 @@ func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
 		return fmt.Errorf("renew: %w", err)
 	}
 	if tag.RowsAffected() == 0 {
+		if ref.Token == "" { // no claim of its own to write anew
+			return fmt.Errorf("renew: %w", ErrFenced)
+		}
 		tag, err = s.pool.Exec(ctx, s.q.reclaim, ref.Task, ref.Key, string(ref.Token), lease.Microseconds())
 		if err != nil {
 			return fmt.Errorf("renew: write the lost claim anew: %w", err)
