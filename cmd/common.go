@@ -21,6 +21,7 @@ import (
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/logging"
+	"github.com/onceler/onceler/internal/redact"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -124,11 +125,14 @@ func dsnSecrets(dsn string) []string {
 
 // redactDSN returns text (dsn itself, or a message that may quote it) with
 // every possible password of the PostgreSQL URL or key=value string dsn
-// replaced by "xxxxx".
+// replaced by "xxxxx", and each part of a URL's password between '@' and
+// '/' (pgx masks a password only up to its first '@', and a '/' in it makes
+// the rest read as the database name) by "****" (redact.Text).
 func redactDSN(text, dsn string) string {
 	for _, s := range dsnSecrets(dsn) {
 		text = strings.ReplaceAll(text, s, "xxxxx")
 	}
+	text = redact.Text(text, dsn)
 	return passwordKV.ReplaceAllString(text, "${1}xxxxx")
 }
 
@@ -156,7 +160,7 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 	where := describeDB(cfg)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("cannot use PostgreSQL at %s: %s", where, oneLine(err))
+		return nil, errors.New(redactDSN(fmt.Sprintf("cannot use PostgreSQL at %s: %s", where, oneLine(err)), d.url))
 	}
 	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
@@ -164,9 +168,9 @@ func openPool(ctx context.Context, cmd string, d dbFlags, appName string) (*pgxp
 		pool.Close()
 		var cve *tls.CertificateVerificationError
 		if errors.As(err, &cve) {
-			return nil, fmt.Errorf("PostgreSQL at %s: its TLS certificate was refused: %s; check the URL's sslrootcert (the CA that signed the server's certificate) and that its host is a name the certificate holds", where, oneLine(cve))
+			return nil, errors.New(redactDSN(fmt.Sprintf("PostgreSQL at %s: its TLS certificate was refused: %s; check the URL's sslrootcert (the CA that signed the server's certificate) and that its host is a name the certificate holds", where, oneLine(cve)), d.url))
 		}
-		return nil, fmt.Errorf("cannot reach PostgreSQL at %s: %s; check --database-url (ONCELER_DATABASE_URL) and that the server is running", where, oneLine(err))
+		return nil, errors.New(redactDSN(fmt.Sprintf("cannot reach PostgreSQL at %s: %s; check --database-url (ONCELER_DATABASE_URL) and that the server is running", where, oneLine(err)), d.url))
 	}
 	return pool, nil
 }

@@ -149,6 +149,65 @@ func (s *Store) SkipOwn(ctx context.Context, ref Ref, reason string) error {
 	return s.skip(ctx, ref, reason, false)
 }
 
+// Rewritten is the final state of a claim that the record has lost (a
+// write on it found no record: ErrNotFound), for Rewrite.
+type Rewritten struct {
+	// Status is StatusCompleted, StatusFailed, StatusHeld or StatusSkipped.
+	Status Status
+	// Result is a completion's JSON result (nil for none).
+	Result []byte
+	// Error is a failure's text; Reason a hold's or skip's.
+	Error, Reason string
+	// Message is a held operation's kept message (nil for none).
+	Message []byte
+}
+
+// Rewrite writes the outcome st of the claim ref anew when the record has
+// lost it altogether (Complete, Fail, HoldOwn or SkipOwn returned
+// ErrNotFound: a failover to a server the claim never reached, or a record
+// deleted): the record is inserted in its final state, as the write would
+// have left it, and counted as that write is. When a record exists again
+// (another delivery claimed the operation in between) nothing is written
+// and the error is ErrFenced, as for a claim taken over; writing the same
+// outcome again is a no-op. An error that may have committed is
+// ErrUnknownOutcome; a refused result is ErrInvalidResult.
+func (s *Store) Rewrite(ctx context.Context, ref Ref, st Rewritten) error {
+	_, res, err := checkResult(st.Result)
+	if err != nil {
+		return fmt.Errorf("rewrite: %w", err)
+	}
+	token, kind := string(ref.Token), ""
+	switch st.Status {
+	case StatusCompleted:
+	case StatusFailed:
+		kind = "failure"
+	case StatusHeld:
+		token, kind = "settled:"+token, "held"
+	case StatusSkipped:
+		token, kind = "settled:"+token, "skipped"
+	default:
+		return fmt.Errorf("rewrite: status %q is not a final outcome", st.Status)
+	}
+	var errText, reason string
+	if st.Error != "" {
+		errText = StorableText(st.Error)
+	}
+	if st.Reason != "" {
+		reason = StorableText(st.Reason)
+	}
+	var n int64
+	if err := s.pool.QueryRow(ctx, s.q.rewrite, ref.Task, ref.Key, string(st.Status), token, res,
+		errText, reason, st.Message, kind).Scan(&n); err != nil {
+		return writeError("rewrite", err)
+	}
+	if n == 0 {
+		if err := s.checkFenced(ctx, Ref{Task: ref.Task, Key: ref.Key, Token: Token(token)}, st.Status); err != nil {
+			return fmt.Errorf("rewrite: %w", err)
+		}
+	}
+	return nil
+}
+
 // Running reports whether a transaction now holds the record of (task,
 // key) being written, and keeps it past a short wait: a same-database
 // task's claim, which lives uncommitted in its transaction until the task
@@ -218,14 +277,29 @@ func (s *Store) Lapse(ctx context.Context, ref Ref) error {
 }
 
 // Renew extends the lease of a current claim to now + lease. It fails with
-// ErrFenced when the token is not current or the lease already lapsed.
+// ErrFenced when the token is not current or the lease already lapsed. A
+// claim the record has lost altogether (no record: a failover to a server
+// the claim never reached, or a record deleted) is written anew, claimed
+// with ref's token and the lease, and the claim goes on (logged); if
+// another delivery has claimed the operation in between, ErrFenced.
 func (s *Store) Renew(ctx context.Context, ref Ref, lease time.Duration) error {
 	tag, err := s.pool.Exec(ctx, s.q.renew, ref.Task, ref.Key, string(ref.Token), lease.Microseconds())
 	if err != nil {
 		return fmt.Errorf("renew: %w", err)
 	}
 	if tag.RowsAffected() == 0 {
-		return fmt.Errorf("renew: %w", ErrFenced)
+		if ref.Token == "" { // no claim of its own to write anew
+			return fmt.Errorf("renew: %w", ErrFenced)
+		}
+		tag, err = s.pool.Exec(ctx, s.q.reclaim, ref.Task, ref.Key, string(ref.Token), lease.Microseconds())
+		if err != nil {
+			return fmt.Errorf("renew: write the lost claim anew: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			return fmt.Errorf("renew: %w", ErrFenced)
+		}
+		s.log.Warn("the record had lost this claim (as after an asynchronous failover, or a record deleted); written anew",
+			zap.String("task", ref.Task))
 	}
 	return nil
 }

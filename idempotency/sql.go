@@ -12,6 +12,7 @@ type queries struct {
 	fail, release        string
 	skip, hold           string
 	state                string
+	rewrite, reclaim     string
 	get, list            string
 	staleClaims          string
 	probe                string
@@ -167,7 +168,23 @@ WHERE ` + currentClaim),
 		hold: endClaim(`status = 'held', reason = $5, message = COALESCE($4, message), token = 'settled:' || token`, "held",
 			` AND (NOT $6::bool OR lease_until <= now())`),
 		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),
-		get:   fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
+		// Writes the final state of a claim the record has lost (no row):
+		// inserted as it would have been updated, and nothing when a row
+		// exists (another delivery claimed the operation in between).
+		rewrite: fill(`WITH up AS (
+    INSERT INTO {S}.records AS r (task, key, status, token, result, error, reason, message,
+        completed_at, lease_until, last_claim)
+    VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8,
+        CASE WHEN $3 = 'completed' THEN now() END, NULL, 'first')
+    ON CONFLICT (task, key) DO NOTHING
+    RETURNING task, key
+), ev AS (INSERT INTO {S}.events (task, key, kind) SELECT task, key, $9 FROM up WHERE $9 <> '')
+SELECT count(*) FROM up`),
+		// Writes a claim the record has lost anew, with its token and lease.
+		reclaim: fill(`INSERT INTO {S}.records AS r (task, key, status, token, claimed_at, lease_until, last_claim)
+VALUES ($1, $2, 'claimed', $3, now(), now() + $4::bigint * interval '1 microsecond', 'first')
+ON CONFLICT (task, key) DO NOTHING`),
+		get: fill(`SELECT ` + cols + ` FROM {S}.records WHERE task = $1 AND key = $2`),
 		list: fill(`SELECT ` + cols + ` FROM {S}.records
 WHERE ($1 = '' OR task = $1) AND ($2 = '' OR key = $2) AND ($3 = '' OR status = $3)
   AND (NOT $7::bool OR (status = 'claimed' AND lease_until <= now()))

@@ -103,9 +103,9 @@ func TestFaultPostgresFailover(t *testing.T) {
 //     (the claim reached the standby, the completion did not); the second
 //     call takes the claim over by its policy and calls again: two effects;
 //   - replay.slow claimed during the cut and still running at the crash: no
-//     record after the failover; its lease renewal finds no claim and stops
-//     it before its outside call; the delivery is claimed and run again on
-//     the new primary: one effect.
+//     record after the failover; its lease renewal finds no record and
+//     writes the claim anew on the new primary, and the task goes on to its
+//     outside call and completion: one effect.
 func TestFaultPostgresAsyncFailover(t *testing.T) {
 	faultTests(t)
 	partitionFailover(t, false)
@@ -321,9 +321,8 @@ func partitionFailover(t *testing.T, sync bool) {
 				t.Errorf("%s: claimed at %s, before the crash (%s): the claim made during the cut survived", o.op, rec.ClaimedAt, crashed)
 			}
 		}
-		// Their lease renewals on the new primary find no claim: the
-		// tasks are stopped before their outside calls (lease lost), and
-		// the deliveries claimed and run again: one outside call each.
+		// Their lease renewals on the new primary find no record and write
+		// the claims anew: the tasks go on to one outside call each.
 		if !testkit.Eventually(time.Minute, func() bool { return answered(running) == runningOps }) {
 			t.Fatalf("%d of the %d operations claimed during the cut answered after the failover", answered(running), runningOps)
 		}

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/url"
 	"strconv"
 	"strings"
 	"unicode/utf16"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/redact"
 )
 
 // DjangoTaskTable is the table of django-celery-results' TaskResult model,
@@ -66,18 +66,13 @@ func newDjangoBackend(raw string, cfg *Config) (*djangoBackend, error) {
 	red := redactURL(raw)
 	pc, err := pgxpool.ParseConfig(rest)
 	if err != nil {
-		msg := err.Error()
-		if u, uerr := url.Parse(rest); uerr == nil && u.User != nil {
-			if pw, ok := u.User.Password(); ok && pw != "" {
-				msg = strings.ReplaceAll(msg, pw, "****")
-			}
-		}
-		return nil, backendURLError("PostgreSQL URL %s cannot be read: %s", red, msg)
+		// pgx masks the password only up to its first '@'.
+		return nil, backendURLError("PostgreSQL URL %s cannot be read: %s", red, redact.Text(err.Error(), rest))
 	}
 	pc.MaxConns = 4
 	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 	if err != nil {
-		return nil, fmt.Errorf("tasks: django-db backend %s: %w", red, err)
+		return nil, fmt.Errorf("tasks: django-db backend %s: %s", red, redact.Text(err.Error(), rest))
 	}
 	return &djangoBackend{pool: pool, url: red}, nil
 }

@@ -31,7 +31,7 @@ func (o *outsideRun) settle(ctx context.Context, res []byte, taskErr error, leas
 	switch {
 	case errors.Is(taskErr, errRevokedWaiting):
 		// It never ran: the claim is released, the caller told REVOKED.
-		if err := o.write(ctx, "release", func(c context.Context) error { return w.store.Release(c, o.ref) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+		if err := o.write(ctx, "release", func(c context.Context) error { return w.store.Release(c, o.ref) }, nil); err == nil || errors.Is(err, idempotency.ErrFenced) {
 			w.revokeDelivery(ctx, j, false)
 		}
 	case taskErr != nil && leaseLost:
@@ -47,6 +47,15 @@ func (o *outsideRun) settle(ctx context.Context, res []byte, taskErr error, leas
 		var stored []byte
 		err := o.write(ctx, "complete", func(c context.Context) (err error) {
 			stored, err = w.store.Complete(c, o.ref, res)
+			return err
+		}, func(c context.Context) (err error) {
+			if err := w.store.Rewrite(c, o.ref, idempotency.Rewritten{Status: idempotency.StatusCompleted, Result: res}); err != nil {
+				return err
+			}
+			stored = nil
+			if res != nil {
+				stored, err = idempotency.StorableJSON(res) // as Rewrite stored it
+			}
 			return err
 		})
 		switch {
@@ -84,11 +93,14 @@ func (o *outsideRun) settle(ctx context.Context, res []byte, taskErr error, leas
 		cancel()
 		w.giveBack(j)
 	case IsRetry(taskErr):
-		if err := o.write(ctx, "release", func(c context.Context) error { return w.store.Release(c, o.ref) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+		if err := o.write(ctx, "release", func(c context.Context) error { return w.store.Release(c, o.ref) }, nil); err == nil || errors.Is(err, idempotency.ErrFenced) {
 			w.finish(ctx, j, nil, taskErr)
 		}
 	default:
-		if err := o.write(ctx, "fail", func(c context.Context) error { return w.store.Fail(c, o.ref, taskErr.Error()) }); err == nil || errors.Is(err, idempotency.ErrFenced) {
+		if err := o.write(ctx, "fail", func(c context.Context) error { return w.store.Fail(c, o.ref, taskErr.Error()) },
+			func(c context.Context) error {
+				return w.store.Rewrite(c, o.ref, idempotency.Rewritten{Status: idempotency.StatusFailed, Error: taskErr.Error()})
+			}); err == nil || errors.Is(err, idempotency.ErrFenced) {
 			w.finish(ctx, j, nil, taskErr)
 		}
 	}
@@ -101,14 +113,20 @@ func final(ctx context.Context) (context.Context, context.CancelFunc) {
 }
 
 // write makes a final record write for a claim this delivery holds,
-// retrying while the database does not answer. It returns nil,
-// idempotency.ErrFenced (also when the record has lost the claim) or a
-// definite refusal (idempotency.IsDefinite),
-// which the caller acts on; any other outcome means the worker is stopping
-// and the delivery was given back to the broker (its redelivery finds the
-// claim).
-func (o *outsideRun) write(ctx context.Context, what string, op func(context.Context) error) error {
+// retrying while the database does not answer. When the record has lost
+// the claim altogether (idempotency.ErrNotFound: a failover to a server it
+// never reached, with asynchronous replication, or a record deleted), the
+// outcome is written anew with rewrite (idempotency.Store.Rewrite), which
+// finds a record only when another delivery has claimed the operation in
+// between (ErrFenced, a claim taken over); a nil rewrite (a release: no
+// record is as claimable as a released one) settles it as taken over. It
+// returns nil, idempotency.ErrFenced or a definite refusal
+// (idempotency.IsDefinite), which the caller acts on; any other outcome
+// means the worker is stopping and the delivery was given back to the
+// broker (its redelivery finds the claim, or none).
+func (o *outsideRun) write(ctx context.Context, what string, op, rewrite func(context.Context) error) error {
 	w, j := o.w, o.j
+	rewriting := false
 	for attempt := 0; ; attempt++ {
 		fctx, cancel := final(ctx)
 		err := op(fctx)
@@ -116,15 +134,18 @@ func (o *outsideRun) write(ctx context.Context, what string, op func(context.Con
 		if err == nil || errors.Is(err, idempotency.ErrFenced) || idempotency.IsDefinite(err) {
 			return err
 		}
-		if errors.Is(err, idempotency.ErrNotFound) {
-			// The record has no trace of the claim: a failover to a server
-			// it never reached (asynchronous replication), or a record
-			// deleted. Trying again would never succeed: it is settled as
-			// a claim taken over (a completion discarded, the delivery
-			// looked at again: no record, so it is claimed and run again).
-			w.log.Error("the record has lost this delivery's claim (a failover to a server without it, or the record deleted); treated as taken over",
-				w.fields(j, zap.String("step", what), zap.Error(err))...)
-			return fmt.Errorf("%s: %w (%w)", what, idempotency.ErrFenced, err)
+		if errors.Is(err, idempotency.ErrNotFound) && !rewriting {
+			if rewrite == nil {
+				w.log.Warn("the record had lost this delivery's claim (as after an asynchronous failover, or a record deleted); nothing to release",
+					w.fields(j, zap.String("step", what))...)
+				return fmt.Errorf("%s: %w (%w)", what, idempotency.ErrFenced, err)
+			}
+			// Written anew from now on: the record keeps no trace of the
+			// claim, so the write it missed can only be an insert.
+			w.log.Warn("the record had lost this delivery's claim (as after an asynchronous failover, or a record deleted); its outcome is written anew",
+				w.fields(j, zap.String("step", what))...)
+			op, rewriting = rewrite, true
+			continue
 		}
 		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
 		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {
@@ -143,7 +164,10 @@ func (o *outsideRun) unstorable(ctx context.Context, err error) {
 	w.log.Error("the record refuses the task's result; operation held", w.fields(j, zap.Error(err))...)
 	msg := w.heldCopy(j)
 	reason := "the task's result could not be stored: " + err.Error()
-	herr := o.write(ctx, "hold", func(c context.Context) error { return w.store.HoldOwn(c, o.ref, msg, reason) })
+	herr := o.write(ctx, "hold", func(c context.Context) error { return w.store.HoldOwn(c, o.ref, msg, reason) },
+		func(c context.Context) error {
+			return w.store.Rewrite(c, o.ref, idempotency.Rewritten{Status: idempotency.StatusHeld, Message: msg, Reason: reason})
+		})
 	switch {
 	case herr == nil:
 		w.m.held.WithLabelValues(j.h.name).Inc()
@@ -184,6 +208,15 @@ func (o *outsideRun) settleAbandoned(ctx context.Context) bool {
 		default:
 			return w.store.HoldOwn(c, o.ref, msg, reason)
 		}
+	}, func(c context.Context) error {
+		st := idempotency.Rewritten{Status: idempotency.StatusHeld, Message: msg, Reason: reason}
+		switch j.h.policy {
+		case PolicySkip:
+			st = idempotency.Rewritten{Status: idempotency.StatusSkipped, Reason: reason}
+		case PolicyRetry:
+			st = idempotency.Rewritten{Status: idempotency.StatusFailed, Error: reason}
+		}
+		return w.store.Rewrite(c, o.ref, st)
 	})
 	switch {
 	case err == nil:
