@@ -270,3 +270,29 @@ func clipLine(s string) string {
 	}
 	return s
 }
+
+// TestFaultConsumerTimeoutNoRecord: a worker without the record
+// (ONCELER_NO_RECORD) runs a task (demo.sleep, 8 s) longer than
+// consumer_timeout. Its run succeeds but, its delivery lost, sends nothing:
+// the redelivery is to be "answered from the record", but there is none,
+// so the redelivery runs the task again, 8 s, past consumer_timeout again,
+// and sends nothing either, and so on: every run succeeds, none answers.
+// (Before, each run answered SUCCESS, its ack refused.)
+func TestFaultConsumerTimeoutNoRecord(t *testing.T) {
+	faultTests(t)
+	rb := consumerTimeoutNode(t)
+	e := replay.NewEnv(t, replay.Config{Binary: ownBin, AMQPURL: rb.url})
+	migrate(t, e)
+	w := e.StartWorker(replay.WorkerOptions{NoRecord: true})
+
+	m := e.Message(demo.TaskSleep, testkit.NewID(), []any{"norec-" + testkit.NewID(), 8.0}, nil)
+	e.Publish(m)
+
+	answered := e.WaitReplies([]string{m.ID}, 1, 45*time.Second)
+	log := w.Log()
+	done, lost := strings.Count(log, "sleep done"), strings.Count(log, "delivery lost while the task ran")
+	t.Logf("replies %v; runs done %d, of which reported their delivery lost %d", e.Replies(m.ID), done, lost)
+	if !answered {
+		t.Errorf("caller of a task that succeeded %d times (each past consumer_timeout, without a record) not answered in 45 s", done)
+	}
+}
