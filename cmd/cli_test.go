@@ -89,6 +89,24 @@ func TestUnreachableDatabaseIsOneLineWithTheRedactedURL(t *testing.T) {
 	}
 }
 
+// A database URL listing several hosts (libpq's multi-host URL, chosen
+// from by target_session_attrs) is accepted; when no host answers, the
+// error names every host, without the password.
+func TestUnreachableMultiHostDatabase(t *testing.T) {
+	t.Parallel()
+	for _, dsn := range []string{
+		"postgres://app:secret@127.0.0.1:1,127.0.0.1:2/app?target_session_attrs=read-write",
+		"postgres://app:secret@[::1]:1,127.0.0.1:2/app?target_session_attrs=read-write&sslmode=disable",
+	} {
+		r := runBin(t, map[string]string{"ONCELER_DATABASE_URL": dsn}, "migrate")
+		line := oneLineError(t, r, 1)
+		host := strings.Split(strings.Split(dsn, "@")[1], "/")[0]
+		if !strings.Contains(line, "cannot reach PostgreSQL at postgres://app@"+host+"/app") || strings.Contains(line, "secret") {
+			t.Errorf("%s: %q", dsn, line)
+		}
+	}
+}
+
 // A malformed URL is a usage error whose message never shows the password,
 // whatever the flaw, and a broker URL that would be read without its host
 // is refused rather than dialled as localhost.

@@ -44,17 +44,35 @@ func (d *dbFlags) define(fs *flagSet) {
 		"a PostgreSQL connection that gets no answer this long (network black hole: packets dropped, no reset) is closed and replaced (TCP keepalive, TCP_USER_TIMEOUT on Linux, ping before reuse)")
 }
 
-// describeDB names the database a config points at, without its password.
+// describeDB names the database a config points at, without its password:
+// every host of a multi-host URL (libpq's host1:port1,host2:port2, which
+// target_session_attrs chooses from), sockets as the host= parameter.
 func describeDB(cfg *pgxpool.Config) string {
 	c := cfg.ConnConfig
 	u := url.URL{Scheme: "postgres", User: url.User(c.User), Path: "/" + c.Database}
-	host := c.Host
-	if strings.HasPrefix(host, "/") {
-		u.Host = ""
-		q := url.Values{"host": {host}}
-		u.RawQuery = q.Encode()
-	} else {
-		u.Host = net.JoinHostPort(host, strconv.Itoa(int(c.Port)))
+	var hosts, sockets []string
+	seen := map[string]bool{}
+	add := func(host string, port uint16) {
+		if strings.HasPrefix(host, "/") {
+			if !seen[host] {
+				sockets = append(sockets, host)
+			}
+			seen[host] = true
+			return
+		}
+		hp := net.JoinHostPort(host, strconv.Itoa(int(port)))
+		if !seen[hp] {
+			hosts = append(hosts, hp)
+		}
+		seen[hp] = true
+	}
+	add(c.Host, c.Port)
+	for _, f := range c.Fallbacks { // one per host, or two with sslmode=prefer
+		add(f.Host, f.Port)
+	}
+	u.Host = strings.Join(hosts, ",")
+	if len(sockets) > 0 {
+		u.RawQuery = url.Values{"host": {strings.Join(sockets, ",")}}.Encode()
 	}
 	return u.String()
 }

@@ -17,7 +17,7 @@ func cliDoc(t *testing.T) string {
 	t.Helper()
 	var b strings.Builder
 	b.WriteString("# onceler command line\n\n")
-	b.WriteString("Generated from the commands' help by `go generate ./cmd/onceler`; a test fails when it is stale.\n\n")
+	b.WriteString("Generated from the commands' help by `go generate ./cmd`; a test fails when it is stale.\n\n")
 	b.WriteString("Every flag has an environment variable, shown in its help: the variable sets\n")
 	b.WriteString("the default, the flag wins. Mistakes in flags or environment print one line\n")
 	b.WriteString("and exit with status 2; runtime failures (a service that does not answer, a\n")
@@ -45,10 +45,10 @@ func TestCLIDocsUpToDate(t *testing.T) {
 	}
 	got, err := os.ReadFile(path)
 	if err != nil {
-		t.Fatalf("read %s: %v (run: go generate ./cmd/onceler)", path, err)
+		t.Fatalf("read %s: %v (run: go generate ./cmd)", path, err)
 	}
 	if string(got) != want {
-		t.Fatalf("%s is stale: run go generate ./cmd/onceler", path)
+		t.Fatalf("%s is stale: run go generate ./cmd", path)
 	}
 }
 

@@ -89,6 +89,22 @@
 //   - TestFaultMemoryAlarm: a 40 s memory alarm (set_vm_memory_high_watermark)
 //     over plain tasks, a retry and a chain: nothing answered or
 //     acknowledged while it holds, everything answered once after it.
+//   - TestFaultPostgresFailover: a primary and a synchronous standby
+//     (pg_basebackup -R, synchronous_standby_names), workers with a
+//     two-host URL (target_session_attrs=read-write); the primary stopped
+//     -m immediate in the middle of 1,000 operations and the standby
+//     promoted: the workers follow without a restart, nothing lost or done
+//     twice; prints how long the workers took to resume.
+//   - TestFaultPostgresFailoverPartitioned, TestFaultPostgresAsyncFailover:
+//     the standby cut off (its replication connection black-holed), more
+//     operations sent, the primary crashed, the standby promoted:
+//     synchronous, nothing answered during the cut and nothing lost;
+//     asynchronous, the completions answered during the cut are lost
+//     (same-database effects gone, outside ones repeated when called again,
+//     stale claims): the cost, counted every run.
+//   - TestFaultPostgresOutage: PostgreSQL stopped for two minutes under a
+//     backlog of 5,000 operations: nothing acknowledged or answered,
+//     /readyz 503, then everything drains once.
 //   - TestSoak: 20,000 calls (ONCELER_SOAK_TASKS) of every mode, a fifth of
 //     them duplicates, through 3 workers, kill -9 of a random worker every
 //     few seconds, a reset of the workers' broker connections and a

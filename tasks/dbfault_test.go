@@ -434,3 +434,48 @@ func TestCrashPoints(t *testing.T) {
 		})
 	}
 }
+
+// TestCompletionOfAForgottenClaim: an outside task whose claim is gone from
+// the record when it completes (as after a failover to a standby the claim
+// never reached, with asynchronous replication) is not retried for ever: the
+// completion finds no claim, the delivery is looked at again, claimed anew
+// and run again (its outside effect repeated: the cost of the lost claim),
+// and its caller answered once.
+func TestCompletionOfAForgottenClaim(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	pool := testenvPool(t)
+	records := pgx.Identifier{e.schema, "records"}.Sanitize()
+	var runs atomic.Int32
+	reg := NewRegistry()
+	if err := Register(reg, Task[payArgs]{Name: "t.forget", Mode: ModeOutside, Policy: PolicyLookup, Fallback: PolicyHold,
+		Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+		Lookup: func(context.Context, *Call, payArgs) (any, bool, error) {
+			return nil, false, errors.New("lookup not expected")
+		},
+		Run: func(ctx context.Context, c *Call, a payArgs) (any, error) {
+			if runs.Add(1) == 1 {
+				if _, err := pool.Exec(ctx, `DELETE FROM `+records+` WHERE task = $1 AND key = $2`, "t.forget", c.Key); err != nil {
+					return nil, fmt.Errorf("forget the claim: %w", err)
+				}
+			}
+			return map[string]any{"order": a.OrderID}, nil
+		}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start(reg, e.config())
+	replyTo, replies := e.replyQueue()
+	e.publish(payMessage("t.forget", 0, "forgotten-1", replyTo))
+	res := results(t, replies, 1, 30*time.Second)
+	if r := res[taskID(0)]; len(r) != 1 || r[0]["status"] != "SUCCESS" {
+		t.Errorf("results %v, want one SUCCESS", r)
+	}
+	if n := runs.Load(); n != 2 {
+		t.Errorf("ran %d times, want 2 (the claim forgotten, then claimed and run again)", n)
+	}
+	rec, err := e.store.Get(context.Background(), "t.forget", "forgotten-1")
+	if err != nil || rec.Status != idempotency.StatusCompleted {
+		t.Errorf("record %v (%v), want completed", rec.Status, err)
+	}
+	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
+}

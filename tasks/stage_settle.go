@@ -102,7 +102,8 @@ func final(ctx context.Context) (context.Context, context.CancelFunc) {
 
 // write makes a final record write for a claim this delivery holds,
 // retrying while the database does not answer. It returns nil,
-// idempotency.ErrFenced or a definite refusal (idempotency.IsDefinite),
+// idempotency.ErrFenced (also when the record has lost the claim) or a
+// definite refusal (idempotency.IsDefinite),
 // which the caller acts on; any other outcome means the worker is stopping
 // and the delivery was given back to the broker (its redelivery finds the
 // claim).
@@ -114,6 +115,16 @@ func (o *outsideRun) write(ctx context.Context, what string, op func(context.Con
 		cancel()
 		if err == nil || errors.Is(err, idempotency.ErrFenced) || idempotency.IsDefinite(err) {
 			return err
+		}
+		if errors.Is(err, idempotency.ErrNotFound) {
+			// The record has no trace of the claim: a failover to a server
+			// it never reached (asynchronous replication), or a record
+			// deleted. Trying again would never succeed: it is settled as
+			// a claim taken over (a completion discarded, the delivery
+			// looked at again: no record, so it is claimed and run again).
+			w.log.Error("the record has lost this delivery's claim (a failover to a server without it, or the record deleted); treated as taken over",
+				w.fields(j, zap.String("step", what), zap.Error(err))...)
+			return fmt.Errorf("%s: %w (%w)", what, idempotency.ErrFenced, err)
 		}
 		w.log.Warn("record write failed; retrying", w.fields(j, zap.String("step", what), zap.Error(err))...)
 		if ctx.Err() != nil || !pause.For(ctx, min(50*time.Millisecond<<min(attempt, 5), 2*time.Second)) {

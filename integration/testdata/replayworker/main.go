@@ -22,6 +22,12 @@
 //   - replay.deferred(op): same-database; writes a row whose deferred
 //     foreign key fails at COMMIT (the task fails).
 //
+// The outside service's table (onceler_replay.effects, the calls of
+// replay.notify, replay.audit, replay.slow and replay.nul) is in the
+// worker's database, or in ONCELER_OUTSIDE_DATABASE_URL's when that is set:
+// an outside system that survives what happens to the worker's database (a
+// failover that loses commits).
+//
 // ONCELER_HEARTBEAT sets the broker heartbeat (default 10s);
 // ONCELER_DATABASE_DEAD_AFTER the bound on detecting a dead PostgreSQL
 // connection (default 15s, see idempotency.ConfigureDeadConnectionDetection).
@@ -160,6 +166,16 @@ func run(ctx context.Context) error {
 	if err := migrate(ctx, pool); err != nil {
 		return err
 	}
+	outside := pool
+	if u := env("ONCELER_OUTSIDE_DATABASE_URL", ""); u != "" {
+		if outside, err = pgxpool.New(ctx, u); err != nil {
+			return fmt.Errorf("outside database: %w", err)
+		}
+		defer outside.Close()
+		if err := migrate(ctx, outside); err != nil {
+			return fmt.Errorf("outside database: %w", err)
+		}
+	}
 
 	reg := tasks.NewRegistry()
 	if err := demo.Register(reg, pool, demo.WithLogger(logger)); err != nil {
@@ -167,7 +183,7 @@ func run(ctx context.Context) error {
 	}
 	effect := func(name string) func(context.Context, *tasks.Call, OpArgs) (any, error) {
 		return func(ctx context.Context, c *tasks.Call, a OpArgs) (any, error) {
-			if err := record(ctx, pool, name, a.Op, c.TaskID); err != nil {
+			if err := record(ctx, outside, name, a.Op, c.TaskID); err != nil {
 				return nil, err
 			}
 			return map[string]any{"op": a.Op}, nil
@@ -190,7 +206,7 @@ func run(ctx context.Context) error {
 				case <-ctx.Done():
 					return nil, fmt.Errorf("slow task interrupted: %w", context.Cause(ctx))
 				}
-				if err := record(ctx, pool, "replay.slow", a.Op, c.TaskID); err != nil {
+				if err := record(ctx, outside, "replay.slow", a.Op, c.TaskID); err != nil {
 					return nil, err
 				}
 				return map[string]any{"op": a.Op}, nil
@@ -198,7 +214,7 @@ func run(ctx context.Context) error {
 		tasks.Register(reg, tasks.Task[OpArgs]{Name: "replay.nul", Mode: tasks.ModeOutside, Key: key,
 			Policy: tasks.PolicyRetry,
 			Run: func(ctx context.Context, c *tasks.Call, a OpArgs) (any, error) {
-				if err := record(ctx, pool, "replay.nul", a.Op, c.TaskID); err != nil {
+				if err := record(ctx, outside, "replay.nul", a.Op, c.TaskID); err != nil {
 					return nil, err
 				}
 				return map[string]any{"op": a.Op, "text": "a\x00b"}, nil
