@@ -58,29 +58,35 @@ func (w *Worker) expiredFromRecord(ctx context.Context, j *job) bool {
 	if !j.d.redelivered() || w.store == nil || j.h.mode == ModePure || w.cfg.hooks.NoRecord {
 		return false
 	}
-	rec, err := w.store.Get(ctx, j.h.name, j.key)
-	switch {
-	case err == nil && rec.Status == idempotency.StatusCompleted:
-		w.duplicate(ctx, j, rec.Result)
-		return true
-	case err == nil && rec.Status == idempotency.StatusClaimed:
-		w.deferDelivery(j, rec.LeaseUntil)
-		return true
-	case err == nil:
-		return false
-	case !errors.Is(err, idempotency.ErrNotFound):
-		w.recordTrouble(ctx, j, "expiry check", err)
-		return true
+	for probed := false; ; probed = true {
+		rec, err := w.store.Get(ctx, j.h.name, j.key)
+		switch {
+		case err == nil && rec.Status == idempotency.StatusCompleted:
+			w.duplicate(ctx, j, rec.Result)
+			return true
+		case err == nil && rec.Status == idempotency.StatusClaimed:
+			w.deferDelivery(j, rec.LeaseUntil)
+			return true
+		case err == nil:
+			return false
+		case !errors.Is(err, idempotency.ErrNotFound):
+			w.recordTrouble(ctx, j, "expiry check", err)
+			return true
+		case probed:
+			return false
+		}
+		// No record: a same-database run may hold its claim uncommitted.
+		// Once it is not running, the record is read again (it may have
+		// committed in between).
+		switch running, err := w.store.Running(ctx, j.h.name, j.key); {
+		case err != nil:
+			w.recordTrouble(ctx, j, "expiry check", err)
+			return true
+		case running:
+			w.deferDelivery(j, time.Time{})
+			return true
+		}
 	}
-	switch running, err := w.store.Running(ctx, j.h.name, j.key); {
-	case err != nil:
-		w.recordTrouble(ctx, j, "expiry check", err)
-		return true
-	case running:
-		w.deferDelivery(j, time.Time{})
-		return true
-	}
-	return false
 }
 
 // expired reports whether msg's expiry has passed.
