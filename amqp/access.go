@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"go.uber.org/zap"
+
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 )
 
@@ -192,5 +194,42 @@ func (p *Publisher) CheckWrite(ctx context.Context, exchange, routingKey string)
 	if exchange == DefaultExchange {
 		exchange = ""
 	}
-	return p.withChannel(ctx, func(ch *amqp091.Channel) error { return CheckWriteOn(ctx, ch, exchange, routingKey) })
+	// The check publishes: while the broker blocks publishing (a resource
+	// alarm) it reads nothing more from the connection, and the check
+	// would wait for the alarm to end. It is left out then (a refusal
+	// still shows at the first publish), rather than keep the worker from
+	// consuming for as long as the alarm lasts.
+	done := make(chan error, 1)
+	go func() {
+		done <- p.withChannel(ctx, func(ch *amqp091.Channel) error {
+			if p.blocked() {
+				return errCheckBlocked
+			}
+			return CheckWriteOn(ctx, ch, exchange, routingKey)
+		})
+	}()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-done:
+			if errors.Is(err, errCheckBlocked) {
+				p.log.Warn("publish permission not checked: the broker blocks publishing (a resource alarm)", zap.String("exchange", exchangeName(exchange)))
+				return nil
+			}
+			return err
+		case <-tick.C:
+			if p.blocked() {
+				// The check's goroutine ends when the alarm does (or the
+				// connection closes).
+				p.log.Warn("publish permission not checked: the broker blocks publishing (a resource alarm)", zap.String("exchange", exchangeName(exchange)))
+				return nil
+			}
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
+
+// errCheckBlocked: CheckWrite found the broker blocking publishing.
+var errCheckBlocked = errors.New("amqp: publishing blocked by the broker")

@@ -23,11 +23,12 @@ type PublishOptions struct {
 	// instead of the message silently vanishing.
 	Mandatory bool
 	// Timeout bounds the publish, from the call to the broker's confirm, as
-	// a deadline on ctx would, except that it does not run out while the
-	// broker blocks the publisher's connection (a memory or disk alarm: the
-	// broker stops reading from connections that publish): the publish
-	// waits out the alarm, sent or not, instead of failing with
-	// ErrUnconfirmed and being sent again after it as a second copy. When it
+	// a deadline on ctx would, except that only unblocked time counts: the
+	// time the broker blocks the publisher's connection (a memory or disk
+	// alarm: the broker stops reading from connections that publish) does
+	// not, so the publish waits out the alarm, sent or not, and then has
+	// the unblocked time it had left, instead of failing with
+	// ErrUnconfirmed and being sent again as a second copy. When it
 	// runs out, the error wraps context.DeadlineExceeded. 0: ctx alone
 	// bounds the publish.
 	Timeout time.Duration
@@ -152,30 +153,36 @@ func (p *Publisher) Publish(ctx context.Context, exchange, routingKey string, ms
 // PublishOptions.Timeout.
 var errPublishTimeout = fmt.Errorf("amqp: no confirm within the publish timeout: %w", context.DeadlineExceeded)
 
-// withTimeout returns ctx, ended after d unless the broker blocks the
-// publisher's connection when d has passed: then it runs another d, for as
-// long as the block lasts. A publish waiting on a blocked connection is
-// not given up; one whose confirm the broker owes on a connection it
-// reads is. stop releases the timer.
+// withTimeout returns ctx, ended once d of unblocked time has passed: time
+// during which the broker blocks a connection of the publisher does not
+// count. A publish waiting on a blocked connection is not given up, nor one
+// whose block ended with time left; one whose confirm the broker owes on a
+// connection it reads for d in all is. The block is sampled every
+// d/40 (at most every 250 ms). stop releases the timer.
 func (p *Publisher) withTimeout(ctx context.Context, d time.Duration) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	done := make(chan struct{})
+	step := min(max(d/40, time.Millisecond), 250*time.Millisecond)
 	go func() {
-		t := time.NewTimer(d)
+		t := time.NewTicker(step)
 		defer t.Stop()
+		var used time.Duration
+		last := time.Now()
 		for {
 			select {
 			case <-done:
 				return
 			case <-ctx.Done():
 				return
-			case <-t.C:
-				if p.blocked() {
-					t.Reset(d)
-					continue
+			case now := <-t.C:
+				if !p.blocked() {
+					used += now.Sub(last)
 				}
-				cancel(errPublishTimeout)
-				return
+				last = now
+				if used >= d {
+					cancel(errPublishTimeout)
+					return
+				}
 			}
 		}
 	}()

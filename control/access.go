@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"go.uber.org/zap"
+
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
 
 	"github.com/onceler/onceler/amqp"
@@ -25,7 +27,39 @@ func (c *Controller) CheckAccess(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer func() { _ = conn.Close() }()
+	// The publish checks wait, as the methods after them and the close do,
+	// while the broker blocks the connection (a resource alarm): the check
+	// then ends unfinished, rather than keep the worker from starting for
+	// as long as the alarm lasts; its goroutine closes the connection when
+	// the alarm ends.
+	blocked := conn.NotifyBlocked(make(chan amqp091.Blocking, 4))
+	done := make(chan error, 1)
+	go func() {
+		defer func() { _ = conn.Close() }()
+		done <- c.checkAccess(ctx, conn)
+	}()
+	for {
+		select {
+		case err := <-done:
+			return err
+		case b, ok := <-blocked:
+			if !ok {
+				blocked = nil
+				continue
+			}
+			if b.Active {
+				c.log.Warn("remote control: permissions not all checked: the broker blocks publishing (a resource alarm)",
+					zap.String("reason", b.Reason))
+				return nil
+			}
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// checkAccess is CheckAccess's steps on conn.
+func (c *Controller) checkAccess(ctx context.Context, conn *amqp091.Connection) error {
 	q := c.queueName()
 	steps := []struct {
 		op, name, what string

@@ -50,6 +50,10 @@ type job struct {
 	// abandoned: the task did not return by its hard time limit and runs on
 	// unwatched; its outcome is unknown.
 	abandoned bool
+	// completed: the record holds this run's success as completed (its
+	// result is what finish is given), so a redelivery is answered from
+	// it (lostWhileRunning).
+	completed bool
 	// named, keyed: an event of this delivery carried the task name, the
 	// operation key's hash (later events leave them out: an event reader
 	// merges a task's events).

@@ -28,7 +28,8 @@ import (
 // finish answers a delivery whose outcome is recorded (or that has no
 // record): the result to the caller, then the ack.
 func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) {
-	if w.lostWhileRunning(j, outcomeOf(taskErr)) {
+	if w.lostWhileRunning(j, taskErr == nil && j.completed) {
+		w.taskMetricsOf(j.h).succeededOf(w.m, j.h.name).Inc()
 		return
 	}
 	msg := j.msg
@@ -98,41 +99,61 @@ func (w *Worker) finish(ctx context.Context, j *job, res []byte, taskErr error) 
 
 // lostWhileRunning reports whether j's delivery was lost while its task ran
 // or waited (its channel closed: a connection loss, or RabbitMQ's
-// consumer_timeout): the transport has the message back and delivers it
-// again, and that redelivery is answered from the record (a completed
-// operation by its stored result and workflow steps; one released or
-// failed by running again, as any redelivery). Answering here as well
-// would send the caller a second result, so nothing is sent: the outcome
-// (succeeded, failed, asked for a retry, already completed) is recorded
-// and the job is forgotten.
-func (w *Worker) lostWhileRunning(j *job, outcome string) bool {
+// consumer_timeout) and its answer is left to the redelivery: then the
+// job is forgotten, nothing sent. It is left only when the redelivery is
+// sure to come and to be answered from the record as this run would
+// answer (redeliveryAnswers): completed says the record holds this run's
+// outcome as completed (a success; a duplicate's stored result). In every
+// other case (a failure, a retry, no record, a message the broker may
+// drop or dead-letter) the run answers as if its delivery were live: its
+// ack fails, and a redelivery, if one comes, is answered again.
+func (w *Worker) lostWhileRunning(j *job, completed bool) bool {
 	if !j.d.stale() {
 		return false
 	}
-	if outcome == "succeeded" {
-		w.taskMetricsOf(j.h).succeededOf(w.m, j.h.name).Inc()
+	if why := w.redeliveryAnswers(j, completed); why != "" {
+		w.log.Info("delivery lost while the task ran (its channel closed); answered here all the same: "+why,
+			w.fields(j, zap.Duration("runtime", j.runtime))...)
+		return false
 	}
 	w.log.Info("delivery lost while the task ran (its channel closed); not answered here: its redelivery is answered from the record",
-		w.fields(j, zap.String("outcome", outcome), zap.Duration("runtime", j.runtime))...)
+		w.fields(j, zap.Duration("runtime", j.runtime))...)
 	w.forget(j)
 	return true
 }
 
-// outcomeOf names a task's outcome for lostWhileRunning.
-func outcomeOf(taskErr error) string {
+// redeliveryAnswers returns "" when the redelivery of j's lost delivery is
+// sure to come and to be answered from the record, else why not: the
+// record holds the outcome as completed (completed); the message is
+// persistent (delivery_mode 2: it survives a broker restart), has no
+// per-message TTL (the broker would drop it when it goes back past it) and
+// no Celery expires (the redelivery would be answered REVOKED); and the
+// redelivery is not the broker's last (x-delivery-limit: the decode stage
+// quarantines that one unrun) nor past Config.MaxAttempts.
+func (w *Worker) redeliveryAnswers(j *job, completed bool) string {
+	wire := j.d.wire()
+	n, lim := j.d.deliveryCount(), j.d.deliveryLimit()
 	switch {
-	case taskErr == nil:
-		return "succeeded"
-	case IsRetry(taskErr):
-		return "asked for a retry"
+	case !completed:
+		return "its outcome is not a completed record a redelivery answers from"
+	case wire.DeliveryMode != 2:
+		return "its message is not persistent: no redelivery after a broker restart"
+	case wire.Expiration != "":
+		return "its message has a TTL: the broker may drop it on its way back"
+	case j.msg != nil && !j.msg.Expires.IsZero():
+		return "its message has an expiry: its redelivery may be answered REVOKED"
+	case lim > 0 && n+1 >= lim:
+		return "its redelivery is the queue's last (x-delivery-limit)"
+	case n+1 > w.cfg.MaxAttempts:
+		return "its redelivery is past the delivery limit (MaxAttempts)"
 	}
-	return "failed"
+	return ""
 }
 
 // duplicate answers a delivery of an operation already completed: the stored
 // result to this delivery's caller, then ack.
 func (w *Worker) duplicate(ctx context.Context, j *job, stored []byte) {
-	if w.lostWhileRunning(j, "already completed") {
+	if w.lostWhileRunning(j, true) {
 		return
 	}
 	w.m.duplicates.WithLabelValues(j.h.name).Inc()

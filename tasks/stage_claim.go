@@ -166,6 +166,7 @@ func (w *Worker) answerClaim(ctx context.Context, j *job, claim idempotency.Clai
 	case idempotency.OutcomeFirst:
 		// same-database: ran and committed here. The result as the record
 		// keeps it, so that this caller and a duplicate's get the same.
+		j.completed = true
 		w.finish(ctx, j, claim.Result, nil)
 	case idempotency.OutcomeCompleted:
 		w.duplicate(ctx, j, claim.Result)

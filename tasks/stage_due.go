@@ -10,6 +10,7 @@ package tasks
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/idempotency"
 )
 
 // due answers a revoked or expired delivery (REVOKED) and holds one whose
@@ -28,7 +30,9 @@ func (w *Worker) due(ctx context.Context, j *job) bool {
 		return false
 	}
 	if expired(msg) {
-		w.revokeDelivery(ctx, j, true)
+		if !w.expiredFromRecord(ctx, j) {
+			w.revokeDelivery(ctx, j, true)
+		}
 		return false
 	}
 	if !msg.ETA.IsZero() {
@@ -42,6 +46,47 @@ func (w *Worker) due(ctx context.Context, j *job) bool {
 		}
 	}
 	return true
+}
+
+// expiredFromRecord answers an expired redelivery from the record when a
+// run of it began before the expiry: a completed operation by its stored
+// result and workflow steps (duplicate), one still running (a
+// same-database transaction in progress, a live claim) by waiting for its
+// outcome. It reports false when the record has nothing of it (or the task
+// has no record): the delivery is answered REVOKED.
+func (w *Worker) expiredFromRecord(ctx context.Context, j *job) bool {
+	if !j.d.redelivered() || w.store == nil || j.h.mode == ModePure || w.cfg.hooks.NoRecord {
+		return false
+	}
+	for probed := false; ; probed = true {
+		rec, err := w.store.Get(ctx, j.h.name, j.key)
+		switch {
+		case err == nil && rec.Status == idempotency.StatusCompleted:
+			w.duplicate(ctx, j, rec.Result)
+			return true
+		case err == nil && rec.Status == idempotency.StatusClaimed:
+			w.deferDelivery(j, rec.LeaseUntil)
+			return true
+		case err == nil:
+			return false
+		case !errors.Is(err, idempotency.ErrNotFound):
+			w.recordTrouble(ctx, j, "expiry check", err)
+			return true
+		case probed:
+			return false
+		}
+		// No record: a same-database run may hold its claim uncommitted.
+		// Once it is not running, the record is read again (it may have
+		// committed in between).
+		switch running, err := w.store.Running(ctx, j.h.name, j.key); {
+		case err != nil:
+			w.recordTrouble(ctx, j, "expiry check", err)
+			return true
+		case running:
+			w.deferDelivery(j, time.Time{})
+			return true
+		}
+	}
 }
 
 // expired reports whether msg's expiry has passed.

@@ -60,6 +60,7 @@ func (o *outsideRun) settle(ctx context.Context, res []byte, taskErr error, leas
 		})
 		switch {
 		case err == nil:
+			j.completed = true
 			w.finish(ctx, j, stored, nil)
 		case errors.Is(err, idempotency.ErrFenced):
 			w.log.Warn("claim was taken over before completion; result discarded", w.fields(j)...)
