@@ -52,9 +52,9 @@ func hungNode(t *testing.T) string {
 // TCP but never answers; the second is the live broker. A broker command
 // ('quarantine list'; 'resolve --retry' and the worker's start-up probe
 // take the same path: a publisher under connectTimeout, 10s) must fail
-// over to the second URL. Each attempt on the first URL lasts the
-// default DialTimeout (30s), longer than the command's 10s, so the list's
-// second URL is never tried and the command fails.
+// over to the second URL: with several URLs each attempt gets its share
+// of the command's time (an attempt lasting the whole default
+// DialTimeout, 30s, would never let the second URL be tried).
 func TestBrokerURLListHungFirstNode(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Pool(t)
@@ -75,9 +75,9 @@ func TestBrokerURLListHungFirstNode(t *testing.T) {
 
 // TestWorkerStartsWithHungFirstNode: 'onceler worker' with the same list
 // (a hung first node, the live broker second) must start and consume from
-// the second URL; its start-up probe (probeBroker, 10s) gives up on the
-// first URL's 30s attempt and the worker exits with "cannot reach
-// RabbitMQ", although its consumer would have failed over.
+// the second URL: its start-up probe (probeBroker, 10s) must not spend
+// its time on the first URL's attempt and exit with "cannot reach
+// RabbitMQ" while its consumer would have failed over.
 func TestWorkerStartsWithHungFirstNode(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Pool(t)

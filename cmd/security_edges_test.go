@@ -160,10 +160,10 @@ func TestPurgeAsRoleWithDocumentedPrivileges(t *testing.T) {
 
 // TestConcurrentMigrateGrantTo: 'onceler migrate' says it is "safe to run
 // again and from several machines at once" (each replica's init step
-// running 'migrate --grant-to worker', say). The grants run after the
-// migration's advisory lock is released, and PostgreSQL refuses concurrent
-// GRANTs on one object ("tuple concurrently updated"), so some of the
-// migrates exit with an error.
+// running 'migrate --grant-to worker', say). PostgreSQL refuses concurrent
+// GRANTs on one object ("tuple concurrently updated"), so the grants must
+// run under the migration's advisory lock: none of the migrates may exit
+// with an error.
 func TestConcurrentMigrateGrantTo(t *testing.T) {
 	t.Parallel()
 	s := newStack(t)

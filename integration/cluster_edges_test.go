@@ -48,12 +48,13 @@ func TestFaultDeliveryLimitZero(t *testing.T) {
 
 // TestFaultClusterQuarantineQueueNodeDown: a 3-node cluster, the work
 // queue a quorum queue (replicated). A worker connected first to node 0
-// declares the work queue's quarantine queue there: a classic queue, on
-// node 0 only. Node 0 stops (stop_app). A worker started now with the
+// declares the work queue's quarantine queue there (a classic one would
+// live on node 0 only). Node 0 stops (stop_app). A worker started now with the
 // cluster's failover list (node 0 first) must fail over to node 1 and
 // consume the quorum queue, whose messages are all there. Declaring the
-// quarantine queue on node 1 is refused (404: its home node is down), and
-// the worker exits at start instead. (A worker already running when node
+// quarantine queue on node 1 must not be refused (a classic quarantine
+// queue whose home node is down answers 404, and the worker would exit at
+// start): it is declared with its work queue's type, quorum. (A worker already running when node
 // 0 stops was seen to keep going, its quarantined message found in the
 // quarantine queue once node 0 was back.)
 func TestFaultClusterQuarantineQueueNodeDown(t *testing.T) {
