@@ -4,13 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,7 +18,6 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
-	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -45,9 +42,7 @@ type skEnv struct {
 	store    *idempotency.Store
 	lease    time.Duration
 
-	mu      sync.Mutex
-	workers []*skWorker
-	seq     int
+	workerProcs
 }
 
 func newSkEnv(t *testing.T) *skEnv {
@@ -204,11 +199,6 @@ type skWorkerOptions struct {
 	MayCrash bool
 }
 
-// skWorker is a worker process, killed when the test ends.
-type skWorker struct {
-	*replay.Process
-}
-
 // startWorker starts onceler worker --sidekiq and waits until it is in
 // Sidekiq's process set.
 func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
@@ -222,11 +212,7 @@ func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 	if o.Queues == "" {
 		o.Queues = e.queue
 	}
-	e.mu.Lock()
-	e.seq++
-	name := testkit.Name(fmt.Sprintf("sk%d", e.seq))
-	e.mu.Unlock()
-	logPath := filepath.Join(e.t.TempDir(), name+".log")
+	name := e.nextName("sk")
 	var env []string
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "ONCELER_") {
@@ -251,59 +237,16 @@ func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
 	}
 	env = append(env, o.Env...)
-	cmd := exec.Command(oncelerBin, "worker")
-	cmd.Env = env
-	p, err := replay.StartProcess(cmd, name, logPath)
-	if err != nil {
-		e.t.Fatal(err)
+	var crashedEarly func(*skWorker) bool
+	if o.MayCrash {
+		crashedEarly = func(w *skWorker) bool { return strings.Contains(w.Log(), `"consuming Sidekiq jobs"`) }
 	}
-	w := &skWorker{p}
-	e.mu.Lock()
-	e.workers = append(e.workers, w)
-	e.mu.Unlock()
-	e.t.Cleanup(func() {
-		w.Kill()
-		if e.t.Failed() {
-			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.State(), w.LogTail(6000))
-		}
-	})
-	ok := testkit.Eventually(60*time.Second, func() bool {
-		return w.Exited() || strings.Contains(w.Log(), `"worker started"`)
-	})
-	if o.MayCrash && w.Exited() && w.Crashed() && strings.Contains(w.Log(), `"consuming Sidekiq jobs"`) {
-		return w
-	}
-	if !ok || w.Exited() {
-		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.Exited(), w.LogTail(4000))
-	}
-	return w
-}
-
-func (e *skEnv) killAll() {
-	e.mu.Lock()
-	ws := append([]*skWorker(nil), e.workers...)
-	e.mu.Unlock()
-	for _, w := range ws {
-		w.Kill()
-	}
+	return e.start(e.t, name, env, crashedEarly)
 }
 
 // stopAll stops every live worker with SIGTERM, failing the test if one
 // does not stop within 30 s.
-func (e *skEnv) stopAll() {
-	e.mu.Lock()
-	ws := append([]*skWorker(nil), e.workers...)
-	e.mu.Unlock()
-	for _, w := range ws {
-		if w.Exited() {
-			continue
-		}
-		if !w.Terminate(30 * time.Second) {
-			e.t.Errorf("worker %s did not stop within 30s after SIGTERM", w.Name)
-			w.Kill()
-		}
-	}
-}
+func (e *skEnv) stopAll() { e.workerProcs.stopAll(e.t) }
 
 // identity is the worker's Sidekiq identity, from its log.
 func (w *skWorker) identity(t *testing.T) string {

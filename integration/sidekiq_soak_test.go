@@ -229,11 +229,9 @@ func TestSidekiqSoak(t *testing.T) {
 		answered += st.Duplicates
 	}
 	redelivered := 0
-	e.mu.Lock()
-	for _, w := range e.workers {
+	for _, w := range e.all() {
 		redelivered += skRecovered(w.Log())
 	}
-	e.mu.Unlock()
 
 	var b strings.Builder
 	fmt.Fprintf(&b, "\nsidekiq soak: %d jobs pushed by Ruby Sidekiq (push_bulk, %d batches), %d operations, %d jobs for an operation pushed before,\n"+

@@ -3,13 +3,11 @@ package integration
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,7 +21,6 @@ import (
 
 	"github.com/onceler/onceler/demo"
 	"github.com/onceler/onceler/idempotency"
-	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/sqs"
@@ -51,9 +48,7 @@ type sqsEnv struct {
 	rdb        *redis.Client
 	lease      time.Duration
 
-	mu      sync.Mutex
-	workers []*skWorker
-	seq     int
+	workerProcs
 }
 
 // sqsEnvOptions shape a test's world.
@@ -292,11 +287,7 @@ func (e *sqsEnv) startWorker(o sqsWorkerOptions) *skWorker {
 	if o.Queues == "" {
 		o.Queues = e.queue
 	}
-	e.mu.Lock()
-	e.seq++
-	name := testkit.Name(fmt.Sprintf("sqs%d", e.seq))
-	e.mu.Unlock()
-	logPath := filepath.Join(e.t.TempDir(), name+".log")
+	name := e.nextName("sqs")
 	var env []string
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "ONCELER_") && !strings.HasPrefix(kv, "AWS_") {
@@ -326,56 +317,13 @@ func (e *sqsEnv) startWorker(o sqsWorkerOptions) *skWorker {
 		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
 	}
 	env = append(env, o.Env...)
-	cmd := exec.Command(oncelerBin, "worker")
-	cmd.Env = env
-	p, err := replay.StartProcess(cmd, name, logPath)
-	if err != nil {
-		e.t.Fatal(err)
+	var crashedEarly func(*skWorker) bool
+	if o.MayCrash {
+		crashedEarly = func(*skWorker) bool { return true }
 	}
-	w := &skWorker{p}
-	e.mu.Lock()
-	e.workers = append(e.workers, w)
-	e.mu.Unlock()
-	e.t.Cleanup(func() {
-		w.Kill()
-		if e.t.Failed() {
-			e.t.Logf("log of worker %s (%s):\n%s", w.Name, w.State(), w.LogTail(6000))
-		}
-	})
-	ok := testkit.Eventually(60*time.Second, func() bool {
-		return w.Exited() || strings.Contains(w.Log(), `"worker started"`)
-	})
-	if o.MayCrash && w.Exited() && w.Crashed() {
-		return w
-	}
-	if !ok || w.Exited() {
-		e.t.Fatalf("worker %s not started (exited %v):\n%s", name, w.Exited(), w.LogTail(4000))
-	}
-	return w
-}
-
-func (e *sqsEnv) killAll() {
-	e.mu.Lock()
-	ws := append([]*skWorker(nil), e.workers...)
-	e.mu.Unlock()
-	for _, w := range ws {
-		w.Kill()
-	}
+	return e.start(e.t, name, env, crashedEarly)
 }
 
 // stopAll stops every live worker with SIGTERM, failing the test if one
 // does not stop within 30 s.
-func (e *sqsEnv) stopAll() {
-	e.mu.Lock()
-	ws := append([]*skWorker(nil), e.workers...)
-	e.mu.Unlock()
-	for _, w := range ws {
-		if w.Exited() {
-			continue
-		}
-		if !w.Terminate(30 * time.Second) {
-			e.t.Errorf("worker %s did not stop within 30s after SIGTERM", w.Name)
-			w.Kill()
-		}
-	}
-}
+func (e *sqsEnv) stopAll() { e.workerProcs.stopAll(e.t) }
