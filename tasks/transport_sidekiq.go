@@ -453,6 +453,12 @@ func (d *sidekiqDelivery[J]) giveBack() error {
 	go func() {
 		defer t.backs.Done()
 		defer d.free()
+		// The fetch comes off the counter before the job is back in its
+		// queue: once there, a fetch (this process's or another's) may
+		// count it again at once, and would see one delivery too many.
+		// If the give-back then fails for good, the job stays unrun in
+		// the working list, so the fetch was no run either way.
+		d.uncountUnstarted()
 		for attempt := 0; ; attempt++ {
 			err := d.settle(func() error {
 				ctx, cancel := context.WithTimeout(t.stopCtx, opTimeout)
@@ -461,7 +467,6 @@ func (d *sidekiqDelivery[J]) giveBack() error {
 			}, false, false)
 			switch {
 			case err == nil:
-				d.uncountUnstarted()
 				return
 			case d.stale():
 				t.log.Debug("Sidekiq job to hand back was recovered by another process; it runs again", zap.String("jid", d.v.JID))
@@ -488,9 +493,9 @@ func (d *sidekiqDelivery[J]) uncountable() bool {
 	return d.t.uncount != nil && d.counted.Load() && !d.began.Load() && !d.uncounted.Swap(true)
 }
 
-// uncountUnstarted takes the fetch of a job handed back (Requeue) off its
-// counter, unless a run of it began: a graceful hand-back is no delivery
-// the poison limit counts.
+// uncountUnstarted takes the fetch of a job to be handed back (Requeue)
+// off its counter, unless a run of it began: a graceful hand-back is no
+// delivery the poison limit counts.
 func (d *sidekiqDelivery[J]) uncountUnstarted() {
 	if !d.uncountable() {
 		return
