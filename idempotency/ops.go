@@ -468,6 +468,16 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 
 // runSolo is RunTx in a transaction of its own.
 func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.Context, tx pgx.Tx) ([]byte, error)) (Claim, error) {
+	return s.runSoloTx(ctx, p, fn, nil)
+}
+
+// runSoloTx is runSolo; committing, when not nil, is called just before
+// the commit (the transaction takes no more locks), or as it returns.
+func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx context.Context, tx pgx.Tx) ([]byte, error), committing func()) (Claim, error) {
+	if committing == nil {
+		committing = func() {}
+	}
+	defer committing()
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: begin: %w", err)
@@ -480,6 +490,7 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 	}
 	c := row.claim(p.Token)
 	if c.Outcome != OutcomeFirst {
+		committing()
 		if err := tx.Commit(ctx); err != nil { // keeps the duplicate count
 			return c, writeError("run tx: commit", err)
 		}
@@ -513,6 +524,7 @@ func (s *Store) runSolo(ctx context.Context, p ClaimParams, fn func(ctx context.
 		// of statements), and nothing of it is left.
 		return Claim{}, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
 	}
+	committing()
 	if err := tx.Commit(ctx); err != nil {
 		if refusedCommit(err) {
 			// Refused for what the task wrote (a deferred constraint):

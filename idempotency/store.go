@@ -89,15 +89,17 @@ type BatchConfig struct {
 	// commits at once in a transaction of its own; calls that come while
 	// others run wait for the next group, which takes as many as fit in
 	// AdaptiveGroupBudget (20 ms) of function time, estimated from recent
-	// functions, up to 256. One group runs at a time (so that groups never
-	// deadlock on each other's row locks); functions slower than 5 ms run
-	// in transactions of their own, in parallel.
+	// functions, up to 256. One group at a time runs its statements (so
+	// that groups never deadlock on each other's row locks), the next
+	// beginning as the last commits; functions slower than 5 ms run in
+	// transactions of their own, in parallel.
 	// 1: off, each call in a transaction of its own.
 	// N > 1: groups of up to N calls (at most 32), GroupFlushers at once.
 	GroupTx int
 	// GroupFlushers is the number of groups running at once, each on one
-	// pool connection. Default 4 for fixed groups (GroupTx > 1), 1 for
-	// adaptive ones.
+	// pool connection. Default 4 for fixed groups (GroupTx > 1). Adaptive
+	// groups (default 2) run their statements one group at a time: the
+	// others are committing.
 	GroupFlushers int
 	// Timeout bounds one flush. Default 30s.
 	Timeout time.Duration
@@ -172,7 +174,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	case cfg.Batch.GroupTx <= 0:
 		cfg.Batch.GroupTx = 0
 		if cfg.Batch.GroupFlushers <= 0 {
-			cfg.Batch.GroupFlushers = 1
+			cfg.Batch.GroupFlushers = 2
 		}
 		s.txg = newTxGroup(s, cfg.Batch)
 	}

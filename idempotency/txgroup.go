@@ -34,11 +34,15 @@ import (
 // queue up, and one group at a time takes as many of them as fit in
 // AdaptiveGroupBudget of function time, estimated from the durations of
 // recent functions: small groups under light load, large ones when the
-// queue is deep. Only one group runs at a time, so two groups never take
-// row locks against each other (deadlocks between groups), and the
-// functions of a group, one after another on one connection, do not wait
-// for each other's locks: the estimate (the median of the last functions
-// of groups and of lone calls) is of their work. When functions are slow
+// queue is deep. Only one group at a time runs its statements (its turn:
+// the claim statement, the functions, the completion statement), so two
+// groups never wait for each other's row locks in a cycle (deadlocks
+// between groups), and the functions of a group, one after another on one
+// connection, do not wait for each other's locks: the estimate (the median
+// of the last functions of groups and of lone calls) is of their work. A
+// group gives up its turn as it commits: the next group runs its
+// statements while the last one's commit is flushed to disk. The committing
+// group takes no more locks, so the next one at most waits for its commit. When functions are slow
 // (the estimate and the last one over adaptiveSlow), calls run in
 // transactions of their own, in parallel, as without groups. Until the
 // estimate is fresh (two measurements, the last within estimateStale) a
@@ -96,6 +100,10 @@ type txGroup struct {
 	flushers int
 	timeout  time.Duration
 
+	// turn is held by the adaptive group running its statements (see
+	// flushNext): capacity 1.
+	turn chan struct{}
+
 	mu     sync.Mutex
 	queue  []*txOp
 	active int
@@ -116,7 +124,7 @@ type txGroup struct {
 }
 
 func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
-	g := &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout}
+	g := &txGroup{s: s, max: cfg.GroupTx, flushers: cfg.GroupFlushers, timeout: cfg.Timeout, turn: make(chan struct{}, 1)}
 	if g.max <= 1 {
 		g.max = 0
 	}
@@ -319,8 +327,16 @@ func (g *txGroup) lead(mine *txOp) {
 }
 
 // flushNext takes one group and runs it; false when there was nothing to
-// take (the flusher slot is given up).
+// take (the flusher slot is given up). An adaptive group takes its members
+// once it has the turn (so that it holds all that queued while the last
+// group ran) and gives the turn up as it commits (flush, runSoloTx).
 func (g *txGroup) flushNext() bool {
+	release := func() {}
+	if g.adaptive() {
+		g.turn <- struct{}{}
+		release = sync.OnceFunc(func() { <-g.turn })
+	}
+	defer release()
 	ops := g.take()
 	if len(ops) == 0 {
 		g.wg.Done()
@@ -330,13 +346,13 @@ func (g *txGroup) flushNext() bool {
 		// Alone: a transaction of its own costs less than a group's.
 		op := ops[0]
 		g.alone.Add(1)
-		c, err := g.s.runSolo(op.ctx, op.p, op.fn)
+		c, err := g.s.runSoloTx(op.ctx, op.p, op.fn, release)
 		op.done <- txResult{c: c, err: err}
 		return true
 	}
 	g.groups.Add(1)
 	g.grouped.Add(int64(len(ops)))
-	g.flush(ops)
+	g.flush(ops, release)
 	return true
 }
 
@@ -369,15 +385,16 @@ type member struct {
 	err    error   // its own answer when it does not commit
 }
 
-// flush runs one group and answers every op of it.
-func (g *txGroup) flush(ops []*txOp) {
+// flush runs one group and answers every op of it. committing is called
+// as the group's transaction commits, once it takes no more locks.
+func (g *txGroup) flush(ops []*txOp, committing func()) {
 	ms := make([]*member, len(ops))
 	for i, op := range ops {
 		ms[i] = &member{op: op}
 	}
 	gctx, cancel := context.WithTimeout(context.Background(), g.timeout)
 	defer cancel()
-	err := g.write(gctx, ms)
+	err := g.write(gctx, ms, committing)
 	for _, m := range ms {
 		switch {
 		case !m.commit:
@@ -401,14 +418,14 @@ func (g *txGroup) flush(ops []*txOp) {
 // connection went), its transaction is rolled back and the group runs again
 // member by member, each in a savepoint, so that one failure stays its own:
 // a function may then run a second time, its first effects rolled back.
-func (g *txGroup) write(ctx context.Context, ms []*member) error {
-	if done, err := g.writeBatched(ctx, ms); done {
+func (g *txGroup) write(ctx context.Context, ms []*member, committing func()) error {
+	if done, err := g.writeBatched(ctx, ms, committing); done {
 		return err
 	}
 	for _, m := range ms {
 		*m = member{op: m.op}
 	}
-	return g.writeEach(ctx, ms)
+	return g.writeEach(ctx, ms, committing)
 }
 
 // lose marks every member that was to commit, or had not had its turn,
@@ -425,7 +442,7 @@ func (g *txGroup) lose(ms []*member, what string, err error) error {
 
 // writeBatched is write's fast path; done is false when the group must run
 // member by member instead (nothing of this attempt commits then).
-func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, err error) {
+func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing func()) (done bool, err error) {
 	var live []*member
 	for _, m := range ms {
 		if m.op.p.AllowMismatch {
@@ -479,11 +496,11 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member) (done bool, er
 			m.err = fmt.Errorf("run tx: %w", context.Cause(m.op.ctx))
 		}
 	}
-	return true, g.finish(ctx, tx, ms)
+	return true, g.finish(ctx, tx, ms, committing)
 }
 
 // writeEach runs the group member by member, each in a savepoint.
-func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
+func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()) (err error) {
 	tx, err := g.s.pool.Begin(ctx)
 	if err != nil {
 		for _, m := range ms {
@@ -556,7 +573,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member) (err error) {
 			continue
 		}
 	}
-	return g.finish(ctx, tx, ms)
+	return g.finish(ctx, tx, ms, committing)
 }
 
 // run runs the member's function in tx and keeps its result.
@@ -632,8 +649,9 @@ func endedTx(tx pgx.Tx) bool {
 	return !tx.Conn().IsClosed() && tx.Conn().PgConn().TxStatus() == 'I'
 }
 
-// finish completes the group's first claims and commits.
-func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
+// finish completes the group's first claims and commits; committing is
+// called just before the commit.
+func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committing func()) error {
 	lost := func(what string, err error) error { return g.lose(ms, what, err) }
 	var firsts []*member
 	for _, m := range ms {
@@ -671,6 +689,7 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member) error {
 	if !slices.ContainsFunc(ms, func(m *member) bool { return m.commit }) {
 		return nil
 	}
+	committing()
 	if err := tx.Commit(ctx); err != nil {
 		if refusedCommit(err) {
 			// Refused for what a task wrote (a deferred constraint): the

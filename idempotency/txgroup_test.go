@@ -321,3 +321,76 @@ func TestAdaptiveGroupsNeverQueueSlowFunctions(t *testing.T) {
 	round("stale")
 	round("known")
 }
+
+// TestAdaptiveGroupOverlapsCommit: an adaptive group gives up its turn as
+// it commits, so the next group runs its functions while the last one's
+// commit is under way (here a commit made slow by a deferred constraint
+// trigger), and every call commits once.
+func TestAdaptiveGroupOverlapsCommit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{})
+	ctx := context.Background()
+	ran, commits := e.schema+".ran", e.schema+".commits"
+	const sleep = 300 * time.Millisecond
+	// The trigger runs at each transaction's commit, sleeps once per
+	// transaction and notes when its sleep began.
+	for _, q := range []string{
+		`CREATE TABLE ` + ran + ` (key text PRIMARY KEY, xid bigint NOT NULL DEFAULT txid_current(), at timestamptz NOT NULL DEFAULT clock_timestamp())`,
+		`CREATE TABLE ` + commits + ` (xid bigint PRIMARY KEY, at timestamptz NOT NULL)`,
+		`CREATE FUNCTION ` + e.schema + `.slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + commits + ` VALUES (txid_current(), clock_timestamp()) ON CONFLICT DO NOTHING;
+			IF FOUND THEN PERFORM pg_sleep(` + fmt.Sprint(sleep.Seconds()) + `); END IF;
+			RETURN NULL;
+		END $$`,
+		`CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ` + ran + ` DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION ` + e.schema + `.slow_commit()`,
+	} {
+		if _, err := e.pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert := func(key string) func(context.Context, pgx.Tx) ([]byte, error) {
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+ran+` (key) VALUES ($1)`, key)
+			return []byte(`1`), err
+		}
+	}
+	// The estimate is learnt from lone calls, then three waves come while
+	// the groups before them commit.
+	for i := range 3 {
+		key := fmt.Sprintf("warm%d", i)
+		if _, err := e.store.RunTx(ctx, params("credit", key), insert(key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var wg sync.WaitGroup
+	const waves, per = 3, 10
+	for w := range waves {
+		for i := range per {
+			wg.Go(func() {
+				time.Sleep(time.Duration(w) * sleep / 3)
+				key := fmt.Sprintf("wave%d-%d", w, i)
+				if _, err := e.store.RunTx(ctx, params("credit", key), insert(key)); err != nil {
+					t.Errorf("%s: %v", key, err)
+				}
+			})
+		}
+	}
+	wg.Wait()
+	if got := e.count(t, `SELECT count(*) FROM `+ran+` WHERE key LIKE 'wave%'`); got != waves*per {
+		t.Fatalf("%d effects, want %d", got, waves*per)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE key LIKE 'wave%' AND status = 'completed'`); got != waves*per {
+		t.Fatalf("%d completed records, want %d", got, waves*per)
+	}
+	// Some function of another transaction ran while a group (a
+	// transaction of several calls) was in its commit.
+	overlaps := e.count(t, `SELECT count(*) FROM `+ran+` f JOIN `+commits+` c
+		ON f.xid <> c.xid AND f.at >= c.at AND f.at < c.at + $1::interval
+		WHERE (SELECT count(*) FROM `+ran+` g WHERE g.xid = c.xid) > 1`, fmt.Sprintf("%d milliseconds", sleep.Milliseconds()))
+	if overlaps == 0 {
+		t.Errorf("no function ran while a group committed: groups ran one after another")
+	}
+	t.Logf("%d functions ran during another group's commit; %d transactions", overlaps,
+		e.count(t, `SELECT count(DISTINCT xid) FROM `+ran+` WHERE key LIKE 'wave%'`))
+}
