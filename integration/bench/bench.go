@@ -64,6 +64,7 @@ type row struct {
 	rate        float64 // tasks/s
 	p50, p99    time.Duration
 	p99Cold     time.Duration // p99 with the warm-up's messages counted too
+	latBusy     float64       // the machine's CPU busy during the latency run, 0 to 1
 	latN        int
 	latRate     float64
 	rssKiB      int64

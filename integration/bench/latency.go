@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -116,9 +117,13 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	// milliseconds: it waits until the run is over.
 	runtime.GC()
 	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	cpu0, cpuErr := machineCPU()
 	sent, err := publishSteady(ctx, b.prod, queue, msgs, r.latRate)
 	if err != nil {
 		return err
+	}
+	if cpu1, err := machineCPU(); cpuErr == nil && err == nil {
+		r.latBusy = cpu1.busySince(cpu0)
 	}
 	o := <-done
 	if o.err != nil {
@@ -193,4 +198,41 @@ func dumpLatencies(path string, sent []time.Time, lat []time.Duration) error {
 		fmt.Fprintf(&sb, "%.3f,%.3f\n", float64(sent[i].Sub(sent[0]).Microseconds())/1000, float64(lat[i].Microseconds())/1000)
 	}
 	return os.WriteFile(path, []byte(sb.String()), 0o644)
+}
+
+// cpuTimes is the machine's CPU time from /proc/stat, in clock ticks: busy
+// (all but idle and iowait) and in all.
+type cpuTimes struct{ busy, total uint64 }
+
+// machineCPU reads the machine's CPU times (Linux).
+func machineCPU() (cpuTimes, error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return cpuTimes{}, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 5 || f[0] != "cpu" {
+		return cpuTimes{}, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var t cpuTimes
+	for i, v := range f[1:] {
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			return cpuTimes{}, fmt.Errorf("/proc/stat: %w", err)
+		}
+		t.total += n
+		if i != 3 && i != 4 { // idle, iowait
+			t.busy += n
+		}
+	}
+	return t, nil
+}
+
+// busySince is the share of the machine's CPU time busy since t0.
+func (t cpuTimes) busySince(t0 cpuTimes) float64 {
+	if t.total <= t0.total {
+		return 0
+	}
+	return float64(t.busy-t0.busy) / float64(t.total-t0.total)
 }

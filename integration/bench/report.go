@@ -59,6 +59,9 @@ func report(o options, rows []row) string {
 		}
 		if r.latN > 0 {
 			load = fmt.Sprintf("%.0f/s", r.latRate)
+			if r.latBusy > 0 {
+				load += fmt.Sprintf(" (CPU %.0f%% busy)", 100*r.latBusy)
+			}
 		}
 		if r.rssKiB > 0 {
 			rss = fmt.Sprintf("%.1f", float64(r.rssKiB)/1024)
