@@ -382,3 +382,33 @@ func TestSQSWorkerRetryRefusedRunsOnce(t *testing.T) {
 		t.Errorf("the task ran %d times in 6 s (retry asked with a 1-minute countdown; %d retry copies sent and refused); want once", n, sends)
 	}
 }
+
+// TestSQSQuarantineKeepsIdempotencyKey: the quarantine copy of a plain
+// message keeps the attributes the worker reads (idempotency_key,
+// retries) ahead of the producer's others: 'onceler quarantine requeue'
+// sends the copy's attributes back, and a message requeued without its
+// idempotency_key is another operation to the record (its key from the
+// task's Key function), which runs the effect again if the producer's
+// other message of that key has run.
+func TestSQSQuarantineKeepsIdempotencyKey(t *testing.T) {
+	f := newStrictSQS(t)
+	attrs := map[string]string{"task": "no.such.task", "idempotency_key": "payment-42", "retries": "1"}
+	for i := range 5 {
+		attrs[fmt.Sprintf("app%d", i)] = "v"
+	}
+	f.add(fakeMessage{id: "m1", body: "[1, 2]", attrs: attrs})
+	_, ch := startSQSTransport(t, f, "q", 10)
+	d := next(t, ch)
+	if err := d.quarantine(context.Background(), quarantineOurs(ReasonUnknownTask, `unknown task "no.such.task"`, "q")); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, a := range sentAttrs(f.lastSent(t)) {
+		got[a.name] = a.value
+	}
+	for _, k := range []string{"idempotency_key", "retries"} {
+		if got[k] != attrs[k] {
+			t.Errorf("quarantine copy's %s = %q, want %q (copy's attributes: %v)", k, got[k], attrs[k], got)
+		}
+	}
+}
