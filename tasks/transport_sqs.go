@@ -82,7 +82,10 @@ type sqsTransport struct {
 	// the deliveries of the group waiting behind it.
 	groups map[string][]*sqsDelivery
 	// pending are the deliveries to hand to the pipeline (consume).
-	pending   []*sqsDelivery
+	pending []*sqsDelivery
+	// stopped: consume has returned; a delivery dispatched after it (the
+	// next of a FIFO group) is handed back instead.
+	stopped   bool
 	readyKick chan struct{}
 	backs     sync.WaitGroup
 	// The extender: started by consume, stopped by close.
@@ -196,6 +199,7 @@ func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) erro
 		case <-ctx.Done():
 			wg.Wait()
 			t.mu.Lock()
+			t.stopped = true
 			ready := t.pending
 			t.pending = nil
 			t.mu.Unlock()
@@ -208,9 +212,16 @@ func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) erro
 	}
 }
 
-// dispatch queues d for the pipeline (consume).
+// dispatch queues d for the pipeline (consume); once consume has returned
+// (the next of a FIFO group whose message settled in the grace period), d
+// is handed back instead.
 func (t *sqsTransport) dispatch(d *sqsDelivery) {
 	t.mu.Lock()
+	if t.stopped {
+		t.mu.Unlock()
+		_ = d.giveBack()
+		return
+	}
 	t.pending = append(t.pending, d)
 	t.mu.Unlock()
 	select {
