@@ -141,13 +141,14 @@ func requeueSQS(ctx context.Context, c *sqs.Client, m sqs.Message, queue string)
 	if err != nil {
 		return err
 	}
-	attrs := map[string]string{}
+	out := sqs.Outgoing{Body: m.Body, Attributes: map[string]string{}, AttributeTypes: map[string]string{}, GroupID: m.GroupID}
 	for k, v := range m.Attributes {
 		if !strings.HasPrefix(k, "x-onceler-") {
-			attrs[k] = v
+			out.Attributes[k] = v
+			out.AttributeTypes[k] = m.AttributeTypes[k]
 		}
 	}
-	if _, err := c.Send(wctx, u, sqs.Outgoing{Body: m.Body, Attributes: attrs, GroupID: m.GroupID}); err != nil {
+	if _, err := c.Send(wctx, u, out); err != nil {
 		return fmt.Errorf("send back to %s: %w", queue, err)
 	}
 	return nil

@@ -173,8 +173,8 @@ func (a *app) resolveRetry(ctx context.Context, store *idempotency.Store, schema
 	if queue, job, ok := tasks.DecodeHeldSidekiq(rec.Message); ok {
 		return a.resolveRetrySidekiq(ctx, store, schema, sidekiqURL, task, key, queue, job)
 	}
-	if queue, body, attrs, ok := tasks.DecodeHeldSQS(rec.Message); ok {
-		return a.resolveRetrySQS(ctx, store, schema, sqsEndpoint, task, key, queue, body, attrs)
+	if queue, m, ok := tasks.DecodeHeldSQS(rec.Message); ok {
+		return a.resolveRetrySQS(ctx, store, schema, sqsEndpoint, task, key, queue, m)
 	}
 	exchange, routingKey, pubMsg, err := tasks.DecodeHeld(rec.Message)
 	if err != nil {
@@ -246,7 +246,7 @@ func describeRoute(exchange, routingKey string) string {
 // resolveRetrySQS is resolveRetry for the record of an SQS message: the
 // queue is looked up first, then the record released and the message sent
 // again to its queue.
-func (a *app) resolveRetrySQS(ctx context.Context, store *idempotency.Store, schema, endpoint, task, key, queue, body string, attrs map[string]string) error {
+func (a *app) resolveRetrySQS(ctx context.Context, store *idempotency.Store, schema, endpoint, task, key, queue string, m sqs.Outgoing) error {
 	c, err := sqs.New(ctx, sqs.Config{Endpoint: endpoint})
 	if err != nil {
 		return err
@@ -263,7 +263,7 @@ func (a *app) resolveRetrySQS(ctx context.Context, store *idempotency.Store, sch
 	}
 	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer wcancel()
-	if _, err := c.Send(wctx, u, sqs.Outgoing{Body: body, Attributes: attrs}); err != nil {
+	if _, err := c.Send(wctx, u, m); err != nil {
 		return fmt.Errorf("record %s %s was released but its SQS message could not be sent again (%s): send it again from its producer",
 			task, key, oneLine(err))
 	}

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
@@ -32,6 +33,10 @@ const (
 	MaxWait = 20 * time.Second
 	// MaxAttributes is the most message attributes of one message.
 	MaxAttributes = 10
+	// MaxMessageSize is a queue's MaximumMessageSize when it reports none
+	// (SQS's default): the most bytes of a message's body and its
+	// attributes' names, data types and values (Size).
+	MaxMessageSize = 262144
 )
 
 // maxConns is the most idle connections a Client keeps to its endpoint.
@@ -42,6 +47,12 @@ const maxConns = 256
 // message is visible again, or was received by someone else), or it was
 // deleted.
 var ErrGone = errors.New("sqs: message no longer in flight under this receipt handle")
+
+// ErrRefused is the error (wrapped) of a send SQS refuses for what the
+// message is: over the queue's size limit or SQS's ten attributes, a
+// character SQS does not take, an invalid attribute. Sending it again
+// gives the same answer.
+var ErrRefused = errors.New("sqs: message refused")
 
 // Config configures a Client.
 type Config struct {
@@ -210,6 +221,9 @@ type QueueInfo struct {
 	DeadLetter string
 	// FIFO: a FIFO queue.
 	FIFO bool
+	// MaxMessageSize is the queue's MaximumMessageSize (MaxMessageSize
+	// when it reports none).
+	MaxMessageSize int
 }
 
 // Info reads the queue's attributes; create: a missing queue is created
@@ -232,6 +246,10 @@ func (c *Client) Info(ctx context.Context, name string, create bool) (QueueInfo,
 		info.Visibility = time.Duration(v) * time.Second
 	}
 	info.DeadLetter = deadLetterName(out.Attributes["RedrivePolicy"])
+	info.MaxMessageSize = MaxMessageSize
+	if v, err := strconv.Atoi(out.Attributes["MaximumMessageSize"]); err == nil && v > 0 {
+		info.MaxMessageSize = v
+	}
 	return info, nil
 }
 
@@ -265,9 +283,13 @@ type Message struct {
 	// Queue is the name of the queue it came from.
 	Queue, QueueURL         string
 	ID, ReceiptHandle, Body string
-	// Attributes are its message attributes of type String or Number (by
-	// name); Binary ones have their bytes as the value.
+	// Attributes are its message attributes' values by name: the text of
+	// a String or Number attribute, the bytes of a Binary one.
 	Attributes map[string]string
+	// AttributeTypes are their data types by name: "String", "Number" or
+	// "Binary", with a custom suffix where the producer gave one
+	// ("Number.int").
+	AttributeTypes map[string]string
 	// ReceiveCount is SQS's ApproximateReceiveCount (0: not reported).
 	ReceiveCount int
 	// GroupID is a FIFO message's group.
@@ -302,11 +324,16 @@ func (c *Client) Receive(ctx context.Context, queue string, n int, wait, visibil
 		msg.ReceiveCount, _ = strconv.Atoi(m.Attributes["ApproximateReceiveCount"])
 		if len(m.MessageAttributes) > 0 {
 			msg.Attributes = make(map[string]string, len(m.MessageAttributes))
+			msg.AttributeTypes = make(map[string]string, len(m.MessageAttributes))
 			for k, v := range m.MessageAttributes {
 				if v.StringValue != nil {
 					msg.Attributes[k] = *v.StringValue
 				} else {
 					msg.Attributes[k] = string(v.BinaryValue)
+				}
+				msg.AttributeTypes[k] = aws.ToString(v.DataType)
+				if msg.AttributeTypes[k] == "" {
+					msg.AttributeTypes[k] = "String"
 				}
 			}
 		}
@@ -544,8 +571,12 @@ func (c *Client) deleteBatch(u string, rs []deleteReq) {
 // Outgoing is a message to send.
 type Outgoing struct {
 	Body string
-	// Attributes are sent as String message attributes.
+	// Attributes are its message attributes' values by name (a Binary
+	// attribute's bytes).
 	Attributes map[string]string
+	// AttributeTypes are their data types by name ("String" where none is
+	// given); a type beginning with "Binary" sends the value as bytes.
+	AttributeTypes map[string]string
 	// Delay is the message's DelaySeconds (cut to MaxDelay; not on a FIFO
 	// queue).
 	Delay time.Duration
@@ -560,7 +591,12 @@ func (c *Client) Send(ctx context.Context, queueURL string, m Outgoing) (string,
 	if len(m.Attributes) > 0 {
 		in.MessageAttributes = make(map[string]types.MessageAttributeValue, len(m.Attributes))
 		for k, v := range m.Attributes {
-			in.MessageAttributes[k] = types.MessageAttributeValue{DataType: aws.String("String"), StringValue: aws.String(v)}
+			dt := m.AttributeType(k)
+			if IsBinary(dt) {
+				in.MessageAttributes[k] = types.MessageAttributeValue{DataType: aws.String(dt), BinaryValue: []byte(v)}
+			} else {
+				in.MessageAttributes[k] = types.MessageAttributeValue{DataType: aws.String(dt), StringValue: aws.String(v)}
+			}
 		}
 	}
 	if strings.HasSuffix(queueURL, ".fifo") {
@@ -578,7 +614,86 @@ func (c *Client) Send(ctx context.Context, queueURL string, m Outgoing) (string,
 	}
 	out, err := c.api.SendMessage(ctx, in)
 	if err != nil {
+		if refused(err) {
+			return "", fmt.Errorf("sqs: send: %w: %w", ErrRefused, err)
+		}
 		return "", fmt.Errorf("sqs: send: %w", err)
 	}
 	return aws.ToString(out.MessageId), nil
+}
+
+// AttributeType is the data type of the attribute named name ("String"
+// where none is given).
+func (m *Outgoing) AttributeType(name string) string {
+	if dt := m.AttributeTypes[name]; dt != "" {
+		return dt
+	}
+	return "String"
+}
+
+// AttributeSize is what one attribute counts towards a message's size
+// against a queue's MaximumMessageSize (with the body's length): its
+// name, data type and value.
+func AttributeSize(name, dataType, value string) int {
+	return len(name) + len(dataType) + len(value)
+}
+
+// IsBinary reports whether an attribute's data type is Binary (or a
+// custom Binary type): its value is bytes.
+func IsBinary(dataType string) bool { return strings.HasPrefix(dataType, "Binary") }
+
+// ValidText reports whether s is text SQS takes in a body or a String or
+// Number attribute: the characters #x9, #xA, #xD, #x20 to #xD7FF, #xE000
+// to #xFFFD and #x10000 to #x10FFFF, in UTF-8.
+func ValidText(s string) bool {
+	for i, r := range s {
+		if !validRune(r) || r == utf8.RuneError && isBad(s[i:]) {
+			return false
+		}
+	}
+	return true
+}
+
+// ValidTextOf is s with each character SQS does not take (and each byte
+// that is not UTF-8) replaced by U+FFFD.
+func ValidTextOf(s string) string {
+	if ValidText(s) {
+		return s
+	}
+	var b strings.Builder
+	for i, r := range s {
+		if !validRune(r) || r == utf8.RuneError && isBad(s[i:]) {
+			r = utf8.RuneError
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+func validRune(r rune) bool {
+	return r == 0x9 || r == 0xA || r == 0xD || r >= 0x20 && r <= 0xD7FF || r >= 0xE000 && r <= 0xFFFD ||
+		r >= 0x10000 && r <= 0x10FFFF
+}
+
+// isBad reports whether s begins with a byte that is not UTF-8.
+func isBad(s string) bool {
+	r, n := utf8.DecodeRuneInString(s)
+	return r == utf8.RuneError && n <= 1
+}
+
+// refused reports whether err is SQS's refusal of a send for what the
+// message is (sending it again gives the same answer).
+func refused(err error) bool {
+	var ae smithy.APIError
+	if !errors.As(err, &ae) {
+		return false
+	}
+	code := strings.ToLower(ae.ErrorCode())
+	for _, c := range []string{"invalidparametervalue", "invalidmessagecontents", "invalidattributename",
+		"invalidattributevalue", "messagetoolong", "toomanyattributes", "unsupportedoperation"} {
+		if strings.Contains(code, c) {
+			return true
+		}
+	}
+	return false
 }

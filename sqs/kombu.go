@@ -65,14 +65,7 @@ func DecodeKombu(body string) (*Kombu, error) {
 	if len(raw) == 0 || raw[0] != '{' {
 		return nil, ErrNotKombu
 	}
-	var probe map[string]json.RawMessage
-	if json.Unmarshal(raw, &probe) != nil {
-		return nil, ErrNotKombu
-	}
-	_, hasBody := probe["body"]
-	_, hasProps := probe["properties"]
-	_, hasType := probe["content-type"]
-	if !hasBody || !hasProps && !hasType {
+	if !isEnvelope(raw) {
 		return nil, ErrNotKombu
 	}
 	var env kombuEnvelope
@@ -103,6 +96,35 @@ func DecodeKombu(body string) (*Kombu, error) {
 		}
 	}
 	return k, nil
+}
+
+// isEnvelope reports whether raw, a JSON object, has the form of kombu's
+// envelope (virtual Channel.prepare_message and _inplace_augment_message):
+// "body" a string, "content-type" a string, and "properties" an object
+// with a "delivery_info" object (kombu's SQS transport itself takes a JSON
+// object without properties.delivery_info for a body of its own, not an
+// envelope). A plain message's keyword arguments named body and
+// properties are not one.
+func isEnvelope(raw []byte) bool {
+	var probe struct {
+		Body        *json.RawMessage `json:"body"`
+		ContentType *json.RawMessage `json:"content-type"`
+		Properties  *json.RawMessage `json:"properties"`
+	}
+	if json.Unmarshal(raw, &probe) != nil || probe.Body == nil || probe.ContentType == nil || probe.Properties == nil {
+		return false
+	}
+	var s string
+	if json.Unmarshal(*probe.Body, &s) != nil || json.Unmarshal(*probe.ContentType, &s) != nil {
+		return false
+	}
+	var props map[string]json.RawMessage
+	if json.Unmarshal(*probe.Properties, &props) != nil || props == nil {
+		return false
+	}
+	var info map[string]json.RawMessage
+	di, ok := props["delivery_info"]
+	return ok && json.Unmarshal(di, &info) == nil && info != nil
 }
 
 // tableValues is v decoded from JSON with each number as the AMQP table

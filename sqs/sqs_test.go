@@ -58,12 +58,15 @@ func TestKombuRoundTrip(t *testing.T) {
 	if m.Task != "t.x" || m.ID != "id-1" || m.Retries != 3 || len(m.Args) != 2 || k.RoutingKey != "q1" {
 		t.Errorf("round trip gave %+v (routing key %q)", m, k.RoutingKey)
 	}
-	for _, plain := range []string{`[1, 2]`, `{"a": 1}`, `not json`, `MTIz`, ``, `{"body": 1}`} {
+	for _, plain := range []string{`[1, 2]`, `{"a": 1}`, `not json`, `MTIz`, ``, `{"body": 1}`,
+		`{"body": "<p>hi</p>", "properties": {"title": "Home"}}`,
+		`{"body": "x", "content-type": "text/html", "properties": {"priority": 0}}`,
+		`{"body": {"a": 1}, "content-type": "application/json", "properties": {"delivery_info": {}}}`} {
 		if _, err := DecodeKombu(plain); err != ErrNotKombu {
 			t.Errorf("DecodeKombu(%q) = %v, want ErrNotKombu", plain, err)
 		}
 	}
-	if _, err := DecodeKombu(`{"body": "%%%", "properties": {"body_encoding": "base64"}}`); err == nil || err == ErrNotKombu {
+	if _, err := DecodeKombu(`{"body": "%%%", "content-type": "application/json", "properties": {"body_encoding": "base64", "delivery_info": {}}}`); err == nil || err == ErrNotKombu {
 		t.Errorf("a broken envelope: %v, want an error other than ErrNotKombu", err)
 	}
 }

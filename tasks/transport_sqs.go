@@ -12,7 +12,11 @@ package tasks
 // unextended) is stale: the queue delivers it again, and the record
 // answers that. Copies (republish, retry, quarantine, chain steps) are
 // sent before the original is deleted: a crash in between leaves two, and
-// the record answers the second.
+// the record answers the second. Every copy keeps within SQS's ten
+// attributes and the queue's MaximumMessageSize, the attributes the worker
+// reads first (copyOf, quarantineCopy); one that cannot, or that SQS
+// refuses for what it is, is an *amqp.RefusedError (sqsRefused), which
+// the pipeline's refused paths take.
 //
 // A message is a Celery message in kombu's envelope (sqs.DecodeKombu) or a
 // plain one: its body the task's arguments as JSON (a list: positional, an
@@ -34,6 +38,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -43,6 +48,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
 	"github.com/onceler/onceler/internal/pause"
@@ -55,8 +61,12 @@ type sqsQueue struct {
 	url        string
 	visibility time.Duration
 	fifo       bool
-	// quarantine is the URL of its quarantine queue.
+	// maxSize is its MaximumMessageSize.
+	maxSize int
+	// quarantine is the URL of its quarantine queue, quarantineMax that
+	// queue's MaximumMessageSize.
 	quarantine, quarantineName string
+	quarantineMax              int
 }
 
 // sqsTransport consumes cfg.Queues through client.
@@ -82,7 +92,10 @@ type sqsTransport struct {
 	// the deliveries of the group waiting behind it.
 	groups map[string][]*sqsDelivery
 	// pending are the deliveries to hand to the pipeline (consume).
-	pending   []*sqsDelivery
+	pending []*sqsDelivery
+	// stopped: consume has returned; a delivery dispatched after it (the
+	// next of a FIFO group) is handed back instead.
+	stopped   bool
 	readyKick chan struct{}
 	backs     sync.WaitGroup
 	// The extender: started by consume, stopped by close.
@@ -119,21 +132,25 @@ func (t *sqsTransport) prepare(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("tasks: %w", err)
 		}
-		sq := &sqsQueue{Queue: q, url: info.URL, fifo: info.FIFO, visibility: t.cfg.Visibility}
+		sq := &sqsQueue{Queue: q, url: info.URL, fifo: info.FIFO, visibility: t.cfg.Visibility, maxSize: info.MaxMessageSize}
 		if sq.visibility <= 0 {
 			sq.visibility = info.Visibility
 		}
 		sq.visibility = min(max(sq.visibility, 2*time.Second), sqs.MaxVisibility)
 		sq.quarantineName = info.DeadLetter
 		if sq.quarantineName != "" {
-			if sq.quarantine, err = c.QueueURL(ctx, sq.quarantineName); err != nil {
+			qi, err := c.Info(ctx, sq.quarantineName, false)
+			if err != nil {
 				return fmt.Errorf("tasks: dead-letter queue of %s: %w", q.Name, err)
 			}
+			sq.quarantine, sq.quarantineMax = qi.URL, qi.MaxMessageSize
 		} else {
 			sq.quarantineName = sqsQuarantineName(q.Name)
-			if sq.quarantine, err = c.CreateQueue(ctx, sq.quarantineName, nil); err != nil {
+			qi, err := c.Info(ctx, sq.quarantineName, true)
+			if err != nil {
 				return fmt.Errorf("tasks: quarantine queue of %s: %w", q.Name, err)
 			}
+			sq.quarantine, sq.quarantineMax = qi.URL, qi.MaxMessageSize
 		}
 		t.queues = append(t.queues, sq)
 		t.byName[q.Name] = sq
@@ -196,6 +213,7 @@ func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) erro
 		case <-ctx.Done():
 			wg.Wait()
 			t.mu.Lock()
+			t.stopped = true
 			ready := t.pending
 			t.pending = nil
 			t.mu.Unlock()
@@ -208,9 +226,16 @@ func (t *sqsTransport) consume(ctx context.Context, receive func(delivery)) erro
 	}
 }
 
-// dispatch queues d for the pipeline (consume).
+// dispatch queues d for the pipeline (consume); once consume has returned
+// (the next of a FIFO group whose message settled in the grace period), d
+// is handed back instead.
 func (t *sqsTransport) dispatch(d *sqsDelivery) {
 	t.mu.Lock()
+	if t.stopped {
+		t.mu.Unlock()
+		_ = d.giveBack()
+		return
+	}
 	t.pending = append(t.pending, d)
 	t.mu.Unlock()
 	select {
@@ -419,7 +444,18 @@ func (t *sqsTransport) sendStep(ctx context.Context, queue string, p *celeryprot
 		return err
 	}
 	_, err = t.client.Send(ctx, u, sqs.Outgoing{Body: body})
-	return err
+	return sqsRefused(queue, err)
+}
+
+// sqsRefused is err, a send to the queue, as an *amqp.RefusedError when
+// SQS refused the message for what it is (sqs.ErrRefused): the pipeline's
+// refused paths take it (amqp.IsPermanent), as a publish RabbitMQ refuses.
+func sqsRefused(queue string, err error) error {
+	if err == nil || !errors.Is(err, sqs.ErrRefused) {
+		return err
+	}
+	return &amqp.RefusedError{Op: "SQS send to queue", RoutingKey: clip.String(queue, 128),
+		Reason: clip.String(err.Error(), 512), Err: err}
 }
 
 // newDelivery is the delivery of a received message.
@@ -620,35 +656,125 @@ func (d *sqsDelivery) giveBack() error {
 	return nil
 }
 
-// copyAttrs is the message's attributes for a copy of it.
-func (d *sqsDelivery) copyAttrs() map[string]string {
-	out := make(map[string]string, len(d.m.Attributes))
-	for k, v := range d.m.Attributes {
-		out[k] = v
+// sqsAttr is one message attribute of a copy.
+type sqsAttr struct{ name, typ, value string }
+
+func (a sqsAttr) size() int { return sqs.AttributeSize(a.name, a.typ, a.value) }
+
+// sqsWorkerRead are the attributes of a plain message the worker reads
+// (sqsWire): a copy keeps them ahead of the producer's others.
+var sqsWorkerRead = []string{"task", "task_id", "retries", "idempotency_key"}
+
+// own is the message's attribute named k.
+func (d *sqsDelivery) own(k string) sqsAttr {
+	typ := d.m.AttributeTypes[k]
+	if typ == "" {
+		typ = "String"
 	}
-	return out
+	return sqsAttr{name: k, typ: typ, value: d.m.Attributes[k]}
 }
 
-// send sends a copy to the queue at u.
-func (d *sqsDelivery) send(ctx context.Context, u string, m sqs.Outgoing) error {
+// ownAttrs are the message's own attributes not in skip: those the worker
+// reads (sqsWorkerRead order), then the others in name order.
+func (d *sqsDelivery) ownAttrs(skip map[string]bool) (read, others []sqsAttr) {
+	for _, k := range sqsWorkerRead {
+		if _, ok := d.m.Attributes[k]; ok && !skip[k] {
+			read = append(read, d.own(k))
+		}
+	}
+	names := make([]string, 0, len(d.m.Attributes))
+	for k := range d.m.Attributes {
+		if !skip[k] && !slices.Contains(sqsWorkerRead, k) {
+			names = append(names, k)
+		}
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		others = append(others, d.own(k))
+	}
+	return read, others
+}
+
+// outgoing is a message of body and attrs.
+func outgoing(body string, attrs []sqsAttr) sqs.Outgoing {
+	m := sqs.Outgoing{Body: body}
+	if len(attrs) > 0 {
+		m.Attributes = make(map[string]string, len(attrs))
+		m.AttributeTypes = make(map[string]string, len(attrs))
+		for _, a := range attrs {
+			m.Attributes[a.name] = a.value
+			m.AttributeTypes[a.name] = a.typ
+		}
+	}
+	return m
+}
+
+// copyOf is a copy of the message to its own queue, with body, ours (the
+// worker's, over the message's own of the same names) and the message's
+// own attributes, within SQS's ten attributes and the queue's
+// MaximumMessageSize: ours and those the worker reads first, then the
+// others in name order while they fit (those left out are logged). A copy
+// whose first ones do not fit is refused before sending
+// (*amqp.RefusedError).
+func (d *sqsDelivery) copyOf(body string, ours []sqsAttr) (sqs.Outgoing, error) {
+	skip := map[string]bool{}
+	for _, a := range ours {
+		skip[a.name] = true
+	}
+	read, others := d.ownAttrs(skip)
+	attrs := append(append([]sqsAttr(nil), ours...), read...)
+	size := len(body)
+	for _, a := range attrs {
+		size += a.size()
+	}
+	if len(attrs) > sqs.MaxAttributes || size > d.q.maxSize {
+		err := fmt.Errorf("%w: a copy of message %s with the attributes the worker reads takes %d attributes and %d bytes (SQS takes %d attributes, queue %s %d bytes)",
+			sqs.ErrRefused, d.m.ID, len(attrs), size, sqs.MaxAttributes, d.q.Name, d.q.maxSize)
+		return sqs.Outgoing{}, sqsRefused(d.q.Name, err)
+	}
+	var left []string
+	for _, a := range others {
+		if len(attrs) >= sqs.MaxAttributes || size+a.size() > d.q.maxSize {
+			left = append(left, a.name)
+			continue
+		}
+		attrs = append(attrs, a)
+		size += a.size()
+	}
+	if len(left) > 0 {
+		d.t.log.Warn("SQS copy leaves out message attributes over SQS's limits", zap.String("queue", d.q.Name),
+			zap.String("message_id", d.m.ID), zap.Strings("left_out", left), zap.Int("max_attributes", sqs.MaxAttributes),
+			zap.Int("max_message_size", d.q.maxSize))
+	}
+	return outgoing(body, attrs), nil
+}
+
+// send sends a copy to the queue at u, named name; SQS's refusal of it
+// is an *amqp.RefusedError.
+func (d *sqsDelivery) send(ctx context.Context, u, name string, m sqs.Outgoing) error {
 	ctx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
 	if m.GroupID == "" {
 		m.GroupID = d.m.GroupID
 	}
 	_, err := d.t.client.Send(ctx, u, m)
-	return err
+	return sqsRefused(name, err)
 }
 
 // republish sends a copy to the queue it came from, delayed until eta as
 // far as SQS delays (15 minutes: a copy due later is held again when it
 // comes).
 func (d *sqsDelivery) republish(ctx context.Context, eta time.Time) error {
-	attrs := d.copyAttrs()
+	var ours []sqsAttr
 	if !d.kombu {
-		attrs["task_id"] = d.wireID()
+		ours = []sqsAttr{{"task_id", "String", d.wireID()}}
 	}
-	return d.send(ctx, d.q.url, sqs.Outgoing{Body: d.m.Body, Attributes: attrs, Delay: time.Until(eta)})
+	m, err := d.copyOf(d.m.Body, ours)
+	if err != nil {
+		return err
+	}
+	m.Delay = time.Until(eta)
+	return d.send(ctx, d.q.url, d.q.Name, m)
 }
 
 // wireID is the task id of the delivery's message as read.
@@ -669,11 +795,13 @@ func (d *sqsDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *R
 		delay = time.Until(next.ETA)
 	}
 	if !d.kombu {
-		attrs := d.copyAttrs()
-		attrs["task"] = next.Task
-		attrs["task_id"] = next.ID
-		attrs["retries"] = strconv.Itoa(next.Retries)
-		return d.send(ctx, d.q.url, sqs.Outgoing{Body: d.m.Body, Attributes: attrs, Delay: delay})
+		m, err := d.copyOf(d.m.Body, []sqsAttr{{"task", "String", next.Task}, {"task_id", "String", next.ID},
+			{"retries", "String", strconv.Itoa(next.Retries)}})
+		if err != nil {
+			return err
+		}
+		m.Delay = delay
+		return d.send(ctx, d.q.url, d.q.Name, m)
 	}
 	pub, err := celeryproto.EncodeTask(next, celeryproto.EncodeOptions{Protocol: 2, Serializer: next.Serializer()})
 	if err != nil {
@@ -683,76 +811,295 @@ func (d *sqsDelivery) retry(ctx context.Context, next *celeryproto.Message, _ *R
 	if err != nil {
 		return &encodeError{err}
 	}
-	return d.send(ctx, d.q.url, sqs.Outgoing{Body: body, Delay: delay})
+	if len(body) > d.q.maxSize {
+		err := fmt.Errorf("%w: the retry of message %s takes %d bytes in kombu's envelope (queue %s takes %d)",
+			sqs.ErrRefused, d.m.ID, len(body), d.q.Name, d.q.maxSize)
+		return sqsRefused(d.q.Name, err)
+	}
+	return d.send(ctx, d.q.url, d.q.Name, sqs.Outgoing{Body: body, Delay: delay})
 }
 
+// minCutDetail is the shortest HeaderDetail a quarantine copy cut to fit
+// keeps; shorter, it is left out.
+const minCutDetail = 64
+
 // quarantine sends a copy (the body as it came) to the queue's quarantine
-// queue, ours as message attributes beside the message's own, at most
-// sqs.MaxAttributes in all: ours first (and a plain message's task_id and
-// task), then the message's own in name order; those left out are named
-// in HeaderTruncated.
+// queue, ours as message attributes beside the message's own
+// (quarantineCopy). A copy SQS refuses all the same goes again with the
+// reason alone.
 func (d *sqsDelivery) quarantine(ctx context.Context, ours map[string]any) error {
-	attrs := map[string]string{}
-	keys := make([]string, 0, len(ours))
-	for k := range ours {
-		keys = append(keys, k)
+	m, cut := d.quarantineCopy(ours)
+	if cut {
+		d.t.log.Error("SQS quarantine copy's body cut to fit the quarantine queue's maximum message size",
+			zap.String("queue", d.q.Name), zap.String("quarantine_queue", d.q.quarantineName), zap.String("message_id", d.m.ID),
+			zap.Int("body_bytes", len(d.m.Body)), zap.Int("max_message_size", d.q.quarantineMax))
 	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		attrs[k] = clip.String(fmt.Sprint(ours[k]), maxQuarantineValue)
+	err := d.send(ctx, d.q.quarantine, d.q.quarantineName, m)
+	if amqp.IsPermanent(err) {
+		// The reason alone (and a plain message's task id), beside the
+		// body: the message's own attributes could not go.
+		attrs := []sqsAttr{{HeaderReason, "String", sqs.ValidTextOf(clip.String(fmt.Sprint(ours[HeaderReason]), maxQuarantineValue))}}
+		if !d.kombu {
+			attrs = append(attrs, sqsAttr{"task_id", "String", sqs.ValidTextOf(d.wireID())})
+		}
+		note := sqsAttr{HeaderTruncated, "String", sqs.ValidTextOf(clip.String("all other attributes left out: "+err.Error(), 512))}
+		attrs = append(attrs, note)
+		body := m.Body
+		size := len(body)
+		for _, a := range attrs {
+			size += a.size()
+		}
+		if size > d.q.quarantineMax {
+			body = clip.Prefix(body, max(len(body)-(size-d.q.quarantineMax), 0))
+		}
+		m2 := outgoing(body, attrs)
+		m2.GroupID = m.GroupID
+		err = d.send(ctx, d.q.quarantine, d.q.quarantineName, m2)
+	}
+	return err
+}
+
+// quarantineCopy is the quarantine copy of the message: its body and, at
+// most sqs.MaxAttributes in all, in this order: HeaderReason, a plain
+// message's task_id and task, the message's own attributes the worker
+// reads (retries, idempotency_key: 'onceler quarantine requeue' sends
+// them back), HeaderDetail, ours but HeaderQueue and HeaderTime, those
+// two, then the message's own others in name order; those left out are
+// named in HeaderTruncated. A copy over the quarantine queue's
+// MaximumMessageSize is cut to fit, the body kept whole first:
+// HeaderDetail shortened (or left out), then ours but HeaderReason left
+// out, the message's own others (the largest first), HeaderTruncated,
+// HeaderReason, and those the worker reads. A body that does not fit even
+// alone is cut (cut reports it), as HeaderTruncated says.
+func (d *sqsDelivery) quarantineCopy(ours map[string]any) (m sqs.Outgoing, cut bool) {
+	text := func(k string, v any) sqsAttr {
+		return sqsAttr{k, "String", sqs.ValidTextOf(clip.String(fmt.Sprint(v), maxQuarantineValue))}
+	}
+	var attrs []sqsAttr
+	add := func(a sqsAttr) {
+		if !slices.ContainsFunc(attrs, func(b sqsAttr) bool { return b.name == a.name }) {
+			attrs = append(attrs, a)
+		}
+	}
+	if v, ok := ours[HeaderReason]; ok {
+		add(text(HeaderReason, v))
 	}
 	if !d.kombu {
 		// A plain message's task id is its first message id: the copy's
 		// differs ('onceler quarantine' names messages by it).
-		attrs["task_id"] = d.wireID()
-		if task := d.m.Attributes["task"]; task != "" {
-			attrs["task"] = task
+		add(sqsAttr{"task_id", "String", sqs.ValidTextOf(d.wireID())})
+	}
+	mine := func(a sqsAttr) bool { _, ok := ours[a.name]; return ok }
+	read, others := d.ownAttrs(nil)
+	for _, a := range read {
+		if !mine(a) {
+			add(a)
 		}
 	}
-	own := make([]string, 0, len(d.m.Attributes))
-	for k := range d.m.Attributes {
-		if _, mine := attrs[k]; !mine {
-			own = append(own, k)
+	if v, ok := ours[HeaderDetail]; ok {
+		add(text(HeaderDetail, v))
+	}
+	rest := make([]string, 0, len(ours))
+	for k := range ours {
+		if k != HeaderQueue && k != HeaderTime {
+			rest = append(rest, k)
 		}
 	}
-	sort.Strings(own)
-	var left []string
-	for _, k := range own {
-		if len(attrs) >= sqs.MaxAttributes-1 {
-			left = append(left, k)
+	sort.Strings(rest)
+	for _, k := range append(rest, HeaderQueue, HeaderTime) {
+		if v, ok := ours[k]; ok {
+			add(text(k, v))
+		}
+	}
+	for _, a := range others {
+		if !mine(a) {
+			add(a)
+		}
+	}
+	var left, shortened []string
+	if len(attrs) > sqs.MaxAttributes {
+		for _, a := range attrs[sqs.MaxAttributes-1:] {
+			left = append(left, a.name)
+		}
+		attrs = attrs[:sqs.MaxAttributes-1]
+	}
+	body, limit := d.m.Body, d.q.quarantineMax
+	note := func() string {
+		var parts []string
+		if len(left) > 0 {
+			parts = append(parts, "left out: "+strings.Join(left, ", "))
+		}
+		if len(shortened) > 0 {
+			parts = append(parts, "cut: "+strings.Join(shortened, ", "))
+		}
+		if cut {
+			parts = append(parts, fmt.Sprintf("body cut to its first %d of %d bytes", len(body), len(d.m.Body)))
+		}
+		return sqs.ValidTextOf(clip.String(strings.Join(parts, "; "), 256))
+	}
+	drop := func(i int) {
+		left = append(left, attrs[i].name)
+		attrs = slices.Delete(attrs, i, i+1)
+	}
+	index := func(match func(sqsAttr) bool) int { return slices.IndexFunc(attrs, match) }
+	noNote := false
+	for {
+		n := ""
+		if !noNote {
+			n = note()
+		}
+		if n != "" && len(attrs) >= sqs.MaxAttributes {
+			// Room for the note among the ten.
+			drop(len(attrs) - 1)
 			continue
 		}
-		attrs[k] = d.m.Attributes[k]
+		size := len(body)
+		for _, a := range attrs {
+			size += a.size()
+		}
+		if n != "" {
+			size += sqs.AttributeSize(HeaderTruncated, "String", n)
+		}
+		excess := size - limit
+		if excess <= 0 {
+			break
+		}
+		// The note grows by a name or two with each cut: room for it.
+		const slack = 64
+		detail := index(func(a sqsAttr) bool { return a.name == HeaderDetail })
+		ourLast := -1
+		for i, a := range attrs {
+			if mine(a) && a.name != HeaderReason && a.name != HeaderDetail {
+				ourLast = i
+			}
+		}
+		ownOther := largest(attrs, func(a sqsAttr) bool { return !mine(a) && !slices.Contains(sqsWorkerRead, a.name) })
+		reason := index(func(a sqsAttr) bool { return a.name == HeaderReason })
+		readAttr := -1
+		for _, k := range []string{"retries", "idempotency_key", "task", "task_id"} {
+			if readAttr = index(func(a sqsAttr) bool { return a.name == k }); readAttr >= 0 {
+				break
+			}
+		}
+		switch {
+		case detail >= 0:
+			if keep := len(attrs[detail].value) - excess - slack; keep >= minCutDetail {
+				attrs[detail].value = clip.Prefix(attrs[detail].value, keep)
+				if !slices.Contains(shortened, HeaderDetail) {
+					shortened = append(shortened, HeaderDetail)
+				}
+			} else {
+				drop(detail)
+			}
+		case ourLast >= 0:
+			drop(ourLast)
+		case ownOther >= 0:
+			drop(ownOther)
+		case n != "" && !cut:
+			noNote = true
+		case reason >= 0:
+			drop(reason)
+		case readAttr >= 0:
+			drop(readAttr)
+		case len(body) > 0:
+			// The body alone does not fit: cut, and said so.
+			body = clip.Prefix(body, max(len(body)-excess-slack, 0))
+			cut, noNote = true, false
+		default:
+			// Nothing left to cut: sent as it is, for SQS to answer.
+			noNote = true
+		}
+		if noNote && len(body) == 0 && len(attrs) == 0 {
+			break
+		}
 	}
-	if len(left) > 0 {
-		attrs[HeaderTruncated] = clip.String("attributes left out (SQS takes 10): "+strings.Join(left, ", "), maxDetail)
+	if !noNote {
+		if n := note(); n != "" {
+			attrs = append(attrs, sqsAttr{HeaderTruncated, "String", n})
+		}
 	}
-	return d.send(ctx, d.q.quarantine, sqs.Outgoing{Body: d.m.Body, Attributes: attrs})
+	return outgoing(body, attrs), cut
+}
+
+// largest is the index of the largest of attrs that match, -1 when none
+// does.
+func largest(attrs []sqsAttr, match func(sqsAttr) bool) int {
+	best := -1
+	for i, a := range attrs {
+		if match(a) && (best < 0 || a.size() > attrs[best].size()) {
+			best = i
+		}
+	}
+	return best
 }
 
 // keep: a held record keeps the message's queue, body and attributes
+// with their data types, a Binary attribute's bytes as they are
 // (DecodeHeldSQS).
 func (d *sqsDelivery) keep() ([]byte, error) {
-	return json.Marshal(heldSQS{Queue: d.q.Name, Body: d.m.Body, Attributes: d.m.Attributes, CapturedAt: time.Now().UTC()})
+	h := heldSQS{Queue: d.q.Name, Body: d.m.Body, CapturedAt: time.Now().UTC()}
+	for k, v := range d.m.Attributes {
+		typ := d.own(k).typ
+		if sqs.IsBinary(typ) {
+			if h.Binary == nil {
+				h.Binary = map[string][]byte{}
+			}
+			h.Binary[k] = []byte(v)
+		} else {
+			if h.Attributes == nil {
+				h.Attributes = map[string]string{}
+			}
+			h.Attributes[k] = v
+		}
+		if typ != "String" {
+			if h.Types == nil {
+				h.Types = map[string]string{}
+			}
+			h.Types[k] = typ
+		}
+	}
+	b, err := json.Marshal(h)
+	if err != nil {
+		return nil, fmt.Errorf("encode held SQS message: %w", err)
+	}
+	return b, nil
 }
 
-// heldSQS is the form of an SQS message kept in a held record.
+// heldSQS is the form of an SQS message kept in a held record: String and
+// Number attributes as text, Binary ones as bytes (base64 in JSON), the
+// data type of each that is not "String".
 type heldSQS struct {
 	Queue      string            `json:"sqs_queue"`
 	Body       string            `json:"sqs_body"`
 	Attributes map[string]string `json:"sqs_attributes,omitempty"`
+	Binary     map[string][]byte `json:"sqs_binary_attributes,omitempty"`
+	Types      map[string]string `json:"sqs_attribute_types,omitempty"`
 	CapturedAt time.Time         `json:"captured_at"`
 }
 
 // DecodeHeldSQS reads the message kept in a held record of an SQS message
-// (idempotency Record.Message): its queue, body and attributes, to send
-// it again. ok is false for a record that keeps another form or nothing.
-func DecodeHeldSQS(b []byte) (queue, body string, attrs map[string]string, ok bool) {
+// (idempotency Record.Message): its queue, and the message (body,
+// attributes and their data types) to send it again. ok is false for a
+// record that keeps another form or nothing.
+func DecodeHeldSQS(b []byte) (queue string, m sqs.Outgoing, ok bool) {
 	var h heldSQS
 	if !bytes.Contains(b, []byte(`"sqs_queue"`)) || json.Unmarshal(b, &h) != nil || h.Queue == "" {
-		return "", "", nil, false
+		return "", sqs.Outgoing{}, false
 	}
-	return h.Queue, h.Body, h.Attributes, true
+	m = sqs.Outgoing{Body: h.Body, Attributes: h.Attributes, AttributeTypes: h.Types}
+	for k, v := range h.Binary {
+		if m.Attributes == nil {
+			m.Attributes = map[string]string{}
+		}
+		m.Attributes[k] = string(v)
+		if !sqs.IsBinary(m.AttributeType(k)) {
+			if m.AttributeTypes == nil {
+				m.AttributeTypes = map[string]string{}
+			}
+			m.AttributeTypes[k] = "Binary"
+		}
+	}
+	return h.Queue, m, true
 }
 
 // stepSender is a transport that sends workflow steps itself (SQS: to the
