@@ -7,17 +7,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/onceler/onceler/demo"
-	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
@@ -32,17 +27,11 @@ const skHeartbeat = 500 * time.Millisecond
 
 // skEnv is one test's Sidekiq world.
 type skEnv struct {
-	t        *testing.T
 	redisURL string
 	rdb      *redis.Client
 	queue    string
-	dbURL    string
-	schema   string
-	pool     *pgxpool.Pool
-	store    *idempotency.Store
-	lease    time.Duration
 
-	workerProcs
+	queueEnv
 }
 
 func newSkEnv(t *testing.T) *skEnv {
@@ -50,7 +39,7 @@ func newSkEnv(t *testing.T) *skEnv {
 	addr := testkit.RedisAddr(t)
 	testkit.RequireRubySidekiq(t)
 	dbURL := testkit.Postgres.URL(t)
-	e := &skEnv{t: t, queue: "default", dbURL: dbURL, lease: 2 * time.Second}
+	e := &skEnv{queue: "default", queueEnv: queueEnv{t: t, dbURL: dbURL, lease: 2 * time.Second}}
 	e.lockRedis(addr)
 	e.setup()
 	return e
@@ -62,7 +51,7 @@ func newSkEnvAt(t *testing.T, addr string) *skEnv {
 	t.Helper()
 	testkit.RequireRubySidekiq(t)
 	dbURL := testkit.Postgres.URL(t)
-	e := &skEnv{t: t, queue: "default", dbURL: dbURL, lease: 2 * time.Second}
+	e := &skEnv{queue: "default", queueEnv: queueEnv{t: t, dbURL: dbURL, lease: 2 * time.Second}}
 	e.rdb = redis.NewClient(&redis.Options{Addr: addr, DisableIdentity: true})
 	e.redisURL = "redis://" + addr + "/0"
 	t.Cleanup(func() { _ = e.rdb.Close() })
@@ -71,39 +60,7 @@ func newSkEnvAt(t *testing.T, addr string) *skEnv {
 }
 
 // setup creates the test's record schema and the demo tables.
-func (e *skEnv) setup() {
-	t, dbURL := e.t, e.dbURL
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		t.Fatalf("open pool: %v", err)
-	}
-	t.Cleanup(pool.Close)
-	e.pool = pool
-	e.schema = testkit.Name("sk")
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{e.schema}.Sanitize()); err != nil {
-		t.Fatalf("create schema: %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{e.schema}.Sanitize()+" CASCADE")
-	})
-	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
-	if err != nil {
-		t.Fatalf("open record: %v", err)
-	}
-	t.Cleanup(store.Close)
-	if err := store.Migrate(ctx); err != nil {
-		t.Fatalf("migrate record: %v", err)
-	}
-	if err := demo.Migrate(ctx, pool); err != nil {
-		t.Fatalf("demo tables: %v", err)
-	}
-	e.store = store
-	t.Cleanup(e.killAll)
-}
+func (e *skEnv) setup() { e.setupRecord("sk") }
 
 // lockRedis takes a free Redis database for the test, flushed when it
 // ends.
@@ -188,65 +145,22 @@ func (e *skEnv) idle() bool {
 }
 
 // skWorkerOptions are the settings of one worker process.
-type skWorkerOptions struct {
-	CrashAt, CrashTask    string
-	NoRecord              bool
-	Concurrency, Prefetch int
-	Queues                string
-	Env                   []string
-	// MayCrash: the worker may crash (its crash injection) before the
-	// harness sees it started.
-	MayCrash bool
-}
+type skWorkerOptions = queueWorkerOptions
 
 // startWorker starts onceler worker --sidekiq and waits until it is in
 // Sidekiq's process set.
 func (e *skEnv) startWorker(o skWorkerOptions) *skWorker {
 	e.t.Helper()
-	if o.Concurrency <= 0 {
-		o.Concurrency = 4
-	}
-	if o.Prefetch <= 0 {
-		o.Prefetch = 2 * o.Concurrency
-	}
-	if o.Queues == "" {
-		o.Queues = e.queue
-	}
 	name := e.nextName("sk")
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "ONCELER_") {
-			env = append(env, kv)
-		}
-	}
-	env = append(env,
+	env := e.workerEnv(o, name, e.queue, []string{"ONCELER_"},
 		"ONCELER_SIDEKIQ="+e.redisURL,
-		"ONCELER_SIDEKIQ_HEARTBEAT="+skHeartbeat.String(),
-		"ONCELER_QUEUES="+o.Queues,
-		"ONCELER_DATABASE_URL="+e.dbURL,
-		"ONCELER_SCHEMA="+e.schema,
-		"ONCELER_LEASE="+e.lease.String(),
-		"ONCELER_HOSTNAME="+name,
-		"ONCELER_CONCURRENCY="+strconv.Itoa(o.Concurrency),
-		"ONCELER_PREFETCH="+strconv.Itoa(o.Prefetch),
-		"ONCELER_GRACE=5s",
-		"ONCELER_LOG_FORMAT=json",
-		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
-	)
-	if o.CrashAt != "" {
-		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
-	}
-	env = append(env, o.Env...)
+		"ONCELER_SIDEKIQ_HEARTBEAT="+skHeartbeat.String())
 	var crashedEarly func(*skWorker) bool
 	if o.MayCrash {
 		crashedEarly = func(w *skWorker) bool { return strings.Contains(w.Log(), `"consuming Sidekiq jobs"`) }
 	}
 	return e.start(e.t, name, env, crashedEarly)
 }
-
-// stopAll stops every live worker with SIGTERM, failing the test if one
-// does not stop within 30 s.
-func (e *skEnv) stopAll() { e.workerProcs.stopAll(e.t) }
 
 // identity is the worker's Sidekiq identity, from its log.
 func (w *skWorker) identity(t *testing.T) string {

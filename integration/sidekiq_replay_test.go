@@ -16,7 +16,6 @@ import (
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/integration/replay"
 	"github.com/onceler/onceler/internal/testkit"
-	"github.com/onceler/onceler/internal/workerhooks"
 	"github.com/onceler/onceler/tasks"
 )
 
@@ -54,10 +53,7 @@ func skTargets() []skTarget {
 // a worker killed while the job sits unstarted in its working list.
 const skInWorkingList replay.Scenario = "killed_in_working_list"
 
-func skScenarios() []replay.Scenario {
-	return []replay.Scenario{replay.ScenarioRepeated, replay.ScenarioConcurrent, replay.ScenarioCrashAfterClaim,
-		replay.ScenarioCrashAfterEffect, skInWorkingList, replay.ScenarioMany}
-}
+func skScenarios() []replay.Scenario { return queueScenarios(skInWorkingList) }
 
 // TestSidekiqReplay replays demo tasks pushed by Ruby Sidekiq to onceler
 // workers (--sidekiq): the same job three times, two workers at once, a
@@ -68,213 +64,77 @@ func skScenarios() []replay.Scenario {
 // effect count the Celery suite guarantees (replay.Expect) and every job
 // leaves Redis; with --no-record each scenario shows a duplicate effect.
 func TestSidekiqReplay(t *testing.T) {
-	t.Parallel()
-	for _, tg := range skTargets() {
-		t.Run(tg.task, func(t *testing.T) {
-			t.Parallel()
-			for _, s := range skScenarios() {
-				t.Run(string(s), func(t *testing.T) {
-					t.Run("record", func(t *testing.T) { skReplay(t, tg, s, false) })
-					t.Run("no_record", func(t *testing.T) { skReplay(t, tg, s, true) })
-				})
-			}
-		})
-	}
+	runQueueReplay(t, skTargets(), func(tg skTarget) string { return tg.task }, skScenarios(), skReplay)
 }
 
-type skRun struct {
-	t        *testing.T
-	e        *skEnv
-	tg       skTarget
-	noRecord bool
-	prefix   string
-	ops      []string
-}
-
-func (r *skRun) job(op string) map[string]any {
-	return map[string]any{"class": r.tg.task, "args": r.tg.args(op)}
-}
-
-func (r *skRun) worker(o skWorkerOptions) *skWorker {
-	o.NoRecord = r.noRecord
-	return r.e.startWorker(o)
+// skJob is the Sidekiq job of target tg for operation op.
+func skJob(tg skTarget, op string) map[string]any {
+	return map[string]any{"class": tg.task, "args": tg.args(op)}
 }
 
 func skReplay(t *testing.T, tg skTarget, s replay.Scenario, noRecord bool) {
-	r := &skRun{t: t, e: newSkEnv(t), tg: tg, noRecord: noRecord, prefix: testkit.Name("skr")}
-	op := func(i int) string { return fmt.Sprintf("%s-%d", r.prefix, i) }
-	start := time.Now()
-	switch s {
-	case replay.ScenarioRepeated:
-		// The same job (same jid) pushed three times in a row.
-		r.worker(skWorkerOptions{})
-		var jobs []map[string]any
-		for i := range 3 {
-			r.ops = append(r.ops, op(i))
-			for range 3 {
-				j := r.job(op(i))
-				j["jid"] = fmt.Sprintf("%024x", i+1)
-				jobs = append(jobs, j)
+	e := newSkEnv(t)
+	r := &queueRun{t: t, e: &e.queueEnv, tg: tg, noRecord: noRecord, prefix: testkit.Name("skr")}
+	r.tr = queueTransport{items: "jobs", idleName: "Redis", idle: e.idle, startWorker: e.startWorker,
+		send: func(ops []string, same bool) {
+			jobs := make([]map[string]any, len(ops))
+			for i, op := range ops {
+				jobs[i] = skJob(tg, op)
+				if same {
+					jobs[i]["jid"] = fmt.Sprintf("%024x", slices.Index(r.ops, op)+1)
+				}
 			}
-		}
-		r.e.push(jobs...)
-	case replay.ScenarioConcurrent:
-		r.worker(skWorkerOptions{})
-		r.worker(skWorkerOptions{})
-		var jobs []map[string]any
-		for i := range 5 {
-			r.ops = append(r.ops, op(i))
-			jobs = append(jobs, r.job(op(i)), r.job(op(i)))
-		}
-		r.e.push(jobs...)
-	case replay.ScenarioCrashAfterClaim, replay.ScenarioCrashAfterEffect:
-		at := workerhooks.AfterClaim
-		if s == replay.ScenarioCrashAfterEffect {
-			at = workerhooks.AfterEffect
-		}
-		w1 := r.worker(skWorkerOptions{CrashAt: at, CrashTask: tg.task, Concurrency: 1, Prefetch: 1})
-		id := w1.identity(t)
-		r.ops = []string{op(0)}
-		r.e.push(r.job(op(0)))
-		if !testkit.Eventually(60*time.Second, w1.Exited) || !w1.Crashed() {
-			t.Fatalf("worker armed with %s did not crash: %s", at, w1.LogTail(3000))
-		}
-		r.afterKill(id)
-	case skInWorkingList:
-		// A worker running one job at a time takes a slow job and, behind
-		// it, the operation's job, which waits unstarted in its working
-		// list when the worker is killed.
-		w1 := r.worker(skWorkerOptions{Concurrency: 1, Prefetch: 2})
-		id := w1.identity(t)
-		r.ops = []string{op(0)}
-		r.e.push(map[string]any{"class": demo.TaskSleep, "args": []any{r.prefix + "-slow", 5}}, r.job(op(0)))
-		working := "onceler:working:" + id + ":" + r.e.queue
-		testkit.WaitFor(t, "both jobs in the working list", 30*time.Second, func() bool {
-			n, err := r.e.rdb.LLen(context.Background(), working).Result()
-			return err == nil && n == 2
-		})
-		w1.Kill()
-		r.afterKill(id)
-	case replay.ScenarioMany:
-		r.worker(skWorkerOptions{})
-		r.worker(skWorkerOptions{})
-		var jobs []map[string]any
-		for i := range 30 {
-			r.ops = append(r.ops, op(i))
-			jobs = append(jobs, r.job(op(i)))
-			if i%5 == 4 {
-				jobs = append(jobs, r.job(op(i-2)))
+			e.push(jobs...)
+		},
+		own: skInWorkingList,
+		runOwn: func(r *queueRun) {
+			// A worker running one job at a time takes a slow job and,
+			// behind it, the operation's job, which waits unstarted in
+			// its working list when the worker is killed.
+			w1 := r.worker(skWorkerOptions{Concurrency: 1, Prefetch: 2})
+			id := w1.identity(t)
+			r.ops = []string{r.op(0)}
+			e.push(map[string]any{"class": demo.TaskSleep, "args": []any{r.prefix + "-slow", 5}}, skJob(tg, r.op(0)))
+			working := "onceler:working:" + id + ":" + e.queue
+			testkit.WaitFor(t, "both jobs in the working list", 30*time.Second, func() bool {
+				n, err := e.rdb.LLen(context.Background(), working).Result()
+				return err == nil && n == 2
+			})
+			w1.Kill()
+			r.tr.afterKill(r, w1)
+		},
+		afterKill: func(r *queueRun, w *skWorker) { skAfterKill(r, e, w) },
+		setAside: func(t *testing.T) {
+			var dead []map[string]any
+			e.ruby(&dead, "dead", nil)
+			if len(dead) != 0 {
+				t.Errorf("dead set: %v, want empty", dead)
 			}
-		}
-		r.e.push(jobs...)
+		},
+		resolveHeld: func(ctx context.Context, r *queueRun) { skResolveHeld(ctx, r, e) },
 	}
-	r.check(s, start)
+	r.run(s)
 }
 
-// afterKill waits until the killed worker counts as dead (its heartbeat
-// key expired), then starts another, which recovers its jobs, and pushes
-// the operation again (a producer whose call timed out).
-func (r *skRun) afterKill(identity string) {
+// skAfterKill waits until the killed worker w counts as dead (its
+// heartbeat key expired), then starts another, which recovers its jobs,
+// and pushes the operation again (a producer whose call timed out).
+func skAfterKill(r *queueRun, e *skEnv, w *skWorker) {
+	identity := w.identity(r.t)
 	testkit.WaitFor(r.t, "the killed worker's heartbeat to expire", time.Minute, func() bool {
-		n, err := r.e.rdb.Exists(context.Background(), identity).Result()
+		n, err := e.rdb.Exists(context.Background(), identity).Result()
 		return err == nil && n == 0
 	})
 	r.worker(skWorkerOptions{})
-	r.e.push(r.job(r.ops[0]))
+	e.push(skJob(r.tg, r.ops[0]))
 }
 
-func (r *skRun) check(s replay.Scenario, start time.Time) {
-	t, e := r.t, r.e
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	want := replay.Expect(s, r.tg.mode, r.tg.policy)
-	if s == skInWorkingList {
-		want = replay.Expect(replay.ScenarioRepeated, r.tg.mode, r.tg.policy)
-	}
-	done := func() bool {
-		if !e.idle() {
-			return false
-		}
-		if r.noRecord {
-			return true
-		}
-		for _, op := range r.ops {
-			rec, err := e.store.Get(ctx, r.tg.task, op)
-			if err != nil || rec.Status != want.Status {
-				return false
-			}
-		}
-		return true
-	}
-	if !testkit.Eventually(90*time.Second, done) {
-		t.Errorf("jobs not all settled within 90s (Redis idle %v)", e.idle())
-	}
-	time.Sleep(500 * time.Millisecond)
-	e.stopAll()
-	var dead []map[string]any
-	e.ruby(&dead, "dead", nil)
-	if len(dead) != 0 {
-		t.Errorf("dead set: %v, want empty", dead)
-	}
-	counts := make([]int, len(r.ops))
-	for i, op := range r.ops {
-		n, err := r.tg.effects(ctx, e.pool, op)
-		if err != nil {
-			t.Fatalf("count effects of %s: %v", op, err)
-		}
-		counts[i] = n
-	}
-	if r.noRecord {
-		dup := 0
-		for _, n := range counts {
-			if n > 1 {
-				dup++
-			}
-		}
-		if dup == 0 {
-			t.Errorf("without the record, %s showed no duplicate effect (effects per operation %v)", s, counts)
-		} else {
-			t.Logf("without the record, as expected: %d of %d operations had their effect more than once (max %d)", dup, len(r.ops), slices.Max(counts))
-		}
-		return
-	}
-	for i, op := range r.ops {
-		if counts[i] != want.Effects {
-			t.Errorf("operation %s: %d effects, want %d (%s, mode %s, policy %s)", op, counts[i], want.Effects, s, r.tg.mode, r.tg.policy)
-		}
-		rec, err := e.store.Get(ctx, r.tg.task, op)
-		if err != nil {
-			t.Errorf("operation %s: record: %v", op, err)
-		} else if rec.Status != want.Status {
-			t.Errorf("operation %s: record %s (%s), want %s", op, rec.Status, rec.Reason, want.Status)
-		}
-	}
-	if want.Takeover {
-		var n int64
-		stats, err := e.store.Repeats(ctx, start.Add(-time.Minute))
-		for _, st := range stats {
-			if st.Task == r.tg.task {
-				n = st.Takeovers
-			}
-		}
-		if err != nil || n < 1 {
-			t.Errorf("takeovers counted: %d (err %v), want at least 1", n, err)
-		}
-	}
-	if n, err := e.store.StaleClaims(ctx); err != nil || n != 0 {
-		t.Errorf("stale claims: %d (err %v), want 0", n, err)
-	}
-	if want.Status == idempotency.StatusHeld && !t.Failed() {
-		r.resolveHeld(ctx)
-	}
-}
-
-// resolveHeld does what a person does with a held operation: --completed
+// skResolveHeld does what a person does with a held operation: --completed
 // when its effect happened, else 'onceler resolve --retry --sidekiq',
 // which releases the record and pushes the kept job again; a worker runs
 // it, and the operation has its effect once.
-func (r *skRun) resolveHeld(ctx context.Context) {
-	t, e := r.t, r.e
+func skResolveHeld(ctx context.Context, r *queueRun, e *skEnv) {
+	t := r.t
 	for _, op := range r.ops {
 		n, err := r.tg.effects(ctx, e.pool, op)
 		if err != nil {

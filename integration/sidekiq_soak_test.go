@@ -14,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/tasks"
@@ -54,12 +52,7 @@ func TestSidekiqSoak(t *testing.T) {
 	targets := skTargets()
 	weights := []int{0, 0, 0, 1, 1, 2} // credit, charge, email
 	prefix := testkit.Name("sks")
-	type op struct {
-		tg   int
-		key  string
-		jobs int
-	}
-	var ops []*op
+	var ops []*soakOp
 	type job struct {
 		tg   int
 		args []any
@@ -68,11 +61,11 @@ func TestSidekiqSoak(t *testing.T) {
 	for len(jobs) < total {
 		if len(ops) > 10 && rng.IntN(6) == 0 {
 			o := ops[rng.IntN(len(ops))]
-			o.jobs++
+			o.sends++
 			jobs = append(jobs, job{o.tg, targets[o.tg].args(o.key)})
 			continue
 		}
-		o := &op{tg: weights[rng.IntN(len(weights))], key: fmt.Sprintf("%s-%d", prefix, len(ops)), jobs: 1}
+		o := &soakOp{tg: weights[rng.IntN(len(weights))], key: fmt.Sprintf("%s-%d", prefix, len(ops)), sends: 1}
 		ops = append(ops, o)
 		jobs = append(jobs, job{o.tg, targets[o.tg].args(o.key)})
 	}
@@ -94,44 +87,33 @@ func TestSidekiqSoak(t *testing.T) {
 		}
 	}
 
-	start := time.Now()
-	deadline := start.Add(150 * time.Second)
-	var kills, restarts, pushed, sent int
+	var restarts int
 	var redisDown time.Duration
-	nextPush, nextKill := start, start.Add(3*time.Second)
-	lastLog := start.Add(-8 * time.Second)
-	for time.Now().Before(deadline) {
-		now := time.Now()
-		switch {
-		case sent < nb && !now.Before(nextPush):
+	settled := func() bool { return skSoakSettled(t, e, prefix, len(ops)) }
+	d := &soakDriver{t: t, rng: rng, batches: nb, sent: "jobs pushed",
+		send: func(b int) int {
 			var n int
-			e.rubyIn(&n, "push_bulk", nil, batches[sent])
-			pushed += n
-			sent++
-			nextPush = nextPush.Add(3 * time.Second)
-		case restarts == 0 && sent >= nb/2:
-			redisDown = rs.restart(t)
-			t.Logf("%s: restarted Redis (SHUTDOWN, append-only file kept) in %s", time.Since(start).Round(time.Second), redisDown.Round(time.Millisecond))
-			restarts++
-		case sent < nb && !now.Before(nextKill):
-			i := rng.IntN(len(workers))
-			workers[i].Kill()
-			kills++
-			workers[i] = e.startWorker(opts)
-			nextKill = time.Now().Add(time.Duration(2000+rng.IntN(3000)) * time.Millisecond)
-		}
-		if sent == nb && skSoakSettled(t, e, prefix, len(ops)) {
-			break
-		}
-		if time.Since(lastLog) > 10*time.Second {
-			t.Logf("%s: %d jobs pushed, %d of %d operations settled, %d kills", time.Since(start).Round(time.Second), pushed,
-				skSoakCount(e, prefix), len(ops), kills)
-			lastLog = time.Now()
-		}
-		time.Sleep(100 * time.Millisecond)
+			e.rubyIn(&n, "push_bulk", nil, batches[b])
+			return n
+		},
+		startWorker: func() *skWorker { return e.startWorker(opts) },
+		settled:     settled,
+		count:       func() int { return soakCount(&e.queueEnv, prefix) },
+		ops:         len(ops),
 	}
+	// Redis restarted once, when half the batches are pushed.
+	d.fault = func(sent int) bool {
+		if restarts != 0 || sent < nb/2 {
+			return false
+		}
+		redisDown = rs.restart(t)
+		t.Logf("%s: restarted Redis (SHUTDOWN, append-only file kept) in %s", time.Since(d.start).Round(time.Second), redisDown.Round(time.Millisecond))
+		restarts++
+		return true
+	}
+	start, pushed, kills := d.run(workers, 150*time.Second)
 	drained := time.Since(start)
-	if !skSoakSettled(t, e, prefix, len(ops)) {
+	if !settled() {
 		t.Errorf("after %s: jobs or claims left (Redis idle %v)", drained.Round(time.Second), e.idle())
 	}
 	if pushed != len(jobs) {
@@ -170,48 +152,13 @@ func TestSidekiqSoak(t *testing.T) {
 		resent++
 	}
 	if resent > 0 {
-		testkit.WaitFor(t, "the jobs pushed again run", time.Minute, func() bool { return skSoakSettled(t, e, prefix, len(ops)) })
+		testkit.WaitFor(t, "the jobs pushed again run", time.Minute, settled)
 	}
 	time.Sleep(500 * time.Millisecond)
 	e.stopAll()
 
 	// Every operation: one effect, a completed record; Redis empty.
-	effects := map[string]map[string]int{}
-	for _, tg := range targets {
-		effects[tg.task] = skSoakEffects(t, e, tg.task, prefix)
-	}
-	status := map[string]string{}
-	rows, err := e.pool.Query(ctx, `SELECT task, key, status FROM `+pgx.Identifier{e.schema, "records"}.Sanitize()+` WHERE key LIKE $1 || '-%'`, prefix)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var task, key, st string
-		if err := rows.Scan(&task, &key, &st); err != nil {
-			t.Fatal(err)
-		}
-		status[task+"/"+key] = st
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	type row struct{ ops, jobs, lost, dups, notCompleted int }
-	per := make([]row, len(targets))
-	for _, o := range ops {
-		tg := targets[o.tg]
-		r := &per[o.tg]
-		r.ops++
-		r.jobs += o.jobs
-		switch n := effects[tg.task][o.key]; {
-		case n == 0:
-			r.lost++
-		case n > 1:
-			r.dups++
-		}
-		if status[tg.task+"/"+o.key] != string(idempotency.StatusCompleted) {
-			r.notCompleted++
-		}
-	}
+	per := soakOutcome(t, &e.queueEnv, targets, prefix, ops)
 	var dead []map[string]any
 	e.ruby(&dead, "dead", nil)
 	if !e.idle() || len(dead) != 0 {
@@ -239,24 +186,7 @@ func TestSidekiqSoak(t *testing.T) {
 	fmt.Fprintf(&b, "faults: %d kill -9 (each restarted), %d Redis restart (down %s)\n", kills, restarts, redisDown.Round(time.Millisecond))
 	fmt.Fprintf(&b, "redeliveries: %d jobs of killed workers recovered to their queue; %d deliveries answered from the record (duplicates);\n"+
 		"%d emails held by the policy (worker killed mid-send), %d of them pushed again by onceler resolve --retry\n\n", redelivered, answered, held, resent)
-	fmt.Fprintf(&b, "%-22s %6s %6s %5s %10s %13s\n", "task", "ops", "jobs", "lost", "unexp.dup", "not completed")
-	var sum row
-	for i, tg := range targets {
-		r := per[i]
-		sum.ops += r.ops
-		sum.jobs += r.jobs
-		sum.lost += r.lost
-		sum.dups += r.dups
-		sum.notCompleted += r.notCompleted
-		fmt.Fprintf(&b, "%-22s %6d %6d %5d %10d %13d\n", tg.task, r.ops, r.jobs, r.lost, r.dups, r.notCompleted)
-	}
-	fmt.Fprintf(&b, "%-22s %6d %6d %5d %10d %13d\n", "total", sum.ops, sum.jobs, sum.lost, sum.dups, sum.notCompleted)
-	b.WriteString("\nlost: an operation with no effect; unexp.dup: an operation with more than one effect;\n" +
-		"not completed: an operation whose record is not completed at the end.\n")
-	t.Log(b.String())
-	if sum.lost != 0 || sum.dups != 0 || sum.notCompleted != 0 {
-		t.Errorf("sidekiq soak: %d lost, %d unexpected duplicates, %d not completed, want 0, 0 and 0", sum.lost, sum.dups, sum.notCompleted)
-	}
+	soakReport(t, "sidekiq", b.String(), "jobs", targets, per)
 	if kills == 0 || restarts == 0 {
 		t.Errorf("sidekiq soak: %d kills and %d Redis restarts, want some of each", kills, restarts)
 	}
@@ -266,52 +196,7 @@ func TestSidekiqSoak(t *testing.T) {
 // n operations under prefix has a record that is not claimed.
 func skSoakSettled(t *testing.T, e *skEnv, prefix string, n int) bool {
 	t.Helper()
-	return e.idle() && skSoakCount(e, prefix) == n
-}
-
-// skSoakCount counts the operations under prefix whose record is not
-// claimed (-1 on error).
-func skSoakCount(e *skEnv, prefix string) int {
-	var settled int
-	err := e.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{e.schema, "records"}.Sanitize()+
-		` WHERE key LIKE $1 || '-%' AND status <> 'claimed'`, prefix).Scan(&settled)
-	if err != nil {
-		return -1
-	}
-	return settled
-}
-
-// skSoakEffects counts the effects of task's operations under prefix, by
-// operation.
-func skSoakEffects(t *testing.T, e *skEnv, task, prefix string) map[string]int {
-	t.Helper()
-	var q string
-	switch task {
-	case skTargets()[0].task:
-		q = `SELECT entry_id, count(*) FROM onceler_demo.ledger WHERE entry_id LIKE $1 || '-%' GROUP BY 1`
-	case skTargets()[1].task:
-		q = `SELECT order_id, count(*) FROM onceler_demo.gateway_calls WHERE order_id LIKE $1 || '-%' GROUP BY 1`
-	default:
-		q = `SELECT message_id, count(*) FROM onceler_demo.email_sends WHERE message_id LIKE $1 || '-%' GROUP BY 1`
-	}
-	rows, err := e.pool.Query(context.Background(), q, prefix)
-	if err != nil {
-		t.Fatalf("count effects of %s: %v", task, err)
-	}
-	defer rows.Close()
-	out := map[string]int{}
-	for rows.Next() {
-		var k string
-		var n int
-		if err := rows.Scan(&k, &n); err != nil {
-			t.Fatal(err)
-		}
-		out[k] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
+	return e.idle() && soakCount(&e.queueEnv, prefix) == n
 }
 
 // skRecovered sums the jobs a worker's log says it recovered from dead

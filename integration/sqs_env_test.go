@@ -15,12 +15,8 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/onceler/onceler/demo"
-	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/sqs"
@@ -34,21 +30,15 @@ import (
 
 // sqsEnv is one test's SQS world.
 type sqsEnv struct {
-	t          *testing.T
 	endpoint   string
 	client     *sqs.Client
 	queue      string
 	queueURL   string
 	visibility time.Duration
-	dbURL      string
-	schema     string
-	pool       *pgxpool.Pool
-	store      *idempotency.Store
 	redisURL   string
 	rdb        *redis.Client
-	lease      time.Duration
 
-	workerProcs
+	queueEnv
 }
 
 // sqsEnvOptions shape a test's world.
@@ -70,8 +60,8 @@ func newSQSEnv(t *testing.T, o sqsEnvOptions) *sqsEnv {
 	if o.Visibility <= 0 {
 		o.Visibility = 4 * time.Second
 	}
-	e := &sqsEnv{t: t, endpoint: ep, dbURL: dbURL, lease: 2 * time.Second, visibility: o.Visibility,
-		queue: strings.ReplaceAll(testkit.Name("sqs"), "_", "-")}
+	e := &sqsEnv{endpoint: ep, visibility: o.Visibility, queue: strings.ReplaceAll(testkit.Name("sqs"), "_", "-"),
+		queueEnv: queueEnv{t: t, dbURL: dbURL, lease: 2 * time.Second}}
 	if o.FIFO {
 		e.queue += ".fifo"
 	}
@@ -101,34 +91,7 @@ func newSQSEnv(t *testing.T, o sqsEnvOptions) *sqsEnv {
 	if !o.NoRedis {
 		e.redisURL, e.rdb = testkit.RedisDB(t, testkit.RedisAddr(t))
 	}
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		t.Fatalf("open pool: %v", err)
-	}
-	t.Cleanup(pool.Close)
-	e.pool = pool
-	e.schema = testkit.Name("sqs")
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{e.schema}.Sanitize()); err != nil {
-		t.Fatalf("create schema: %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{e.schema}.Sanitize()+" CASCADE")
-	})
-	store, err := idempotency.New(pool, idempotency.Config{Schema: e.schema})
-	if err != nil {
-		t.Fatalf("open record: %v", err)
-	}
-	t.Cleanup(store.Close)
-	if err := store.Migrate(ctx); err != nil {
-		t.Fatalf("migrate record: %v", err)
-	}
-	if err := demo.Migrate(ctx, pool); err != nil {
-		t.Fatalf("demo tables: %v", err)
-	}
-	e.store = store
-	t.Cleanup(e.killAll)
+	e.setupRecord("sqs")
 	return e
 }
 
@@ -264,66 +227,23 @@ func (e *sqsEnv) drain(q string, want int) []sqs.Message {
 }
 
 // sqsWorkerOptions are the settings of one worker process.
-type sqsWorkerOptions struct {
-	CrashAt, CrashTask    string
-	NoRecord              bool
-	Concurrency, Prefetch int
-	// Queues is --queues (default: the test's queue).
-	Queues string
-	Env    []string
-	// MayCrash: the worker may crash before the harness sees it started.
-	MayCrash bool
-}
+type sqsWorkerOptions = queueWorkerOptions
 
 // startWorker starts onceler worker --sqs and waits until it consumes.
 func (e *sqsEnv) startWorker(o sqsWorkerOptions) *skWorker {
 	e.t.Helper()
-	if o.Concurrency <= 0 {
-		o.Concurrency = 4
-	}
-	if o.Prefetch <= 0 {
-		o.Prefetch = 2 * o.Concurrency
-	}
-	if o.Queues == "" {
-		o.Queues = e.queue
-	}
 	name := e.nextName("sqs")
-	var env []string
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "ONCELER_") && !strings.HasPrefix(kv, "AWS_") {
-			env = append(env, kv)
-		}
-	}
-	env = append(env, testkit.SQSEnv()...)
-	env = append(env,
+	transport := append(testkit.SQSEnv(),
 		"ONCELER_SQS=true",
 		"ONCELER_SQS_ENDPOINT="+e.endpoint,
-		"ONCELER_SQS_WAIT=1s",
-		"ONCELER_QUEUES="+o.Queues,
-		"ONCELER_DATABASE_URL="+e.dbURL,
-		"ONCELER_SCHEMA="+e.schema,
-		"ONCELER_LEASE="+e.lease.String(),
-		"ONCELER_HOSTNAME="+name,
-		"ONCELER_CONCURRENCY="+strconv.Itoa(o.Concurrency),
-		"ONCELER_PREFETCH="+strconv.Itoa(o.Prefetch),
-		"ONCELER_GRACE=5s",
-		"ONCELER_LOG_FORMAT=json",
-		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
-	)
+		"ONCELER_SQS_WAIT=1s")
 	if e.redisURL != "" {
-		env = append(env, "ONCELER_RESULT_BACKEND="+e.redisURL)
+		transport = append(transport, "ONCELER_RESULT_BACKEND="+e.redisURL)
 	}
-	if o.CrashAt != "" {
-		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
-	}
-	env = append(env, o.Env...)
+	env := e.workerEnv(o, name, e.queue, []string{"ONCELER_", "AWS_"}, transport...)
 	var crashedEarly func(*skWorker) bool
 	if o.MayCrash {
 		crashedEarly = func(*skWorker) bool { return true }
 	}
 	return e.start(e.t, name, env, crashedEarly)
 }
-
-// stopAll stops every live worker with SIGTERM, failing the test if one
-// does not stop within 30 s.
-func (e *sqsEnv) stopAll() { e.workerProcs.stopAll(e.t) }

@@ -11,10 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/onceler/onceler/celeryproto"
-	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/sqs"
 )
@@ -44,15 +41,10 @@ func TestSQSSoak(t *testing.T) {
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 17))
 	targets := sqsTargets()
 	prefix := testkit.Name("sqss")
-	type op struct {
-		tg   int
-		key  string
-		msgs int
-	}
-	var ops []*op
+	var ops []*soakOp
 	var msgs []sqs.Outgoing
 	run := &sqsRun{}
-	encode := func(o *op) sqs.Outgoing {
+	encode := func(o *soakOp) sqs.Outgoing {
 		tg := targets[o.tg]
 		if !tg.celery {
 			m := run.plainMessage(tg.task, tg.args(o.key))
@@ -73,11 +65,11 @@ func TestSQSSoak(t *testing.T) {
 	for len(msgs) < total {
 		if len(ops) > 10 && rng.IntN(6) == 0 {
 			o := ops[rng.IntN(len(ops))]
-			o.msgs++
+			o.sends++
 			msgs = append(msgs, encode(o))
 			continue
 		}
-		o := &op{tg: rng.IntN(len(targets)), key: fmt.Sprintf("%s-%d", prefix, len(ops)), msgs: 1}
+		o := &soakOp{tg: rng.IntN(len(targets)), key: fmt.Sprintf("%s-%d", prefix, len(ops)), sends: 1}
 		ops = append(ops, o)
 		msgs = append(msgs, encode(o))
 	}
@@ -114,35 +106,12 @@ func TestSQSSoak(t *testing.T) {
 		return sent
 	}
 
-	start := time.Now()
-	deadline := start.Add(240 * time.Second)
-	var kills, sentMsgs, sent int
-	nextSend, nextKill := start, start.Add(3*time.Second)
-	lastLog := start.Add(-8 * time.Second)
-	for time.Now().Before(deadline) {
-		now := time.Now()
-		switch {
-		case sent < nb && !now.Before(nextSend):
-			sentMsgs += sendBatch(sent)
-			sent++
-			nextSend = nextSend.Add(3 * time.Second)
-		case sent < nb && !now.Before(nextKill):
-			i := rng.IntN(len(workers))
-			workers[i].Kill()
-			kills++
-			workers[i] = e.startWorker(opts)
-			nextKill = time.Now().Add(time.Duration(2000+rng.IntN(3000)) * time.Millisecond)
-		}
-		if sent == nb && sqsSoakSettled(e, prefix, len(ops)) {
-			break
-		}
-		if time.Since(lastLog) > 10*time.Second {
-			t.Logf("%s: %d messages sent, %d of %d operations settled, %d kills", time.Since(start).Round(time.Second), sentMsgs,
-				sqsSoakCount(e, prefix), len(ops), kills)
-			lastLog = time.Now()
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	d := &soakDriver{t: t, rng: rng, batches: nb, sent: "messages sent", send: sendBatch,
+		startWorker: func() *skWorker { return e.startWorker(opts) },
+		settled:     func() bool { return sqsSoakSettled(e, prefix, len(ops)) },
+		count:       func() int { return soakCount(&e.queueEnv, prefix) },
+		ops:         len(ops)}
+	start, sentMsgs, kills := d.run(workers, 240*time.Second)
 	drained := time.Since(start)
 	if !sqsSoakSettled(e, prefix, len(ops)) {
 		t.Errorf("after %s: messages or claims left (queue idle %v)", drained.Round(time.Second), e.idle())
@@ -153,42 +122,11 @@ func TestSQSSoak(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	e.stopAll()
 
-	effects := map[string]map[string]int{}
-	for _, tg := range targets {
-		effects[tg.task] = skSoakEffects(t, &skEnv{pool: e.pool}, tg.task, prefix)
+	sk := make([]skTarget, len(targets))
+	for i, tg := range targets {
+		sk[i] = tg.skTarget
 	}
-	status := map[string]string{}
-	rows, err := e.pool.Query(ctx, `SELECT task, key, status FROM `+pgx.Identifier{e.schema, "records"}.Sanitize()+` WHERE key LIKE $1 || '-%'`, prefix)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var task, key, st string
-		if err := rows.Scan(&task, &key, &st); err != nil {
-			t.Fatal(err)
-		}
-		status[task+"/"+key] = st
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	type row struct{ ops, msgs, lost, dups, notCompleted int }
-	per := make([]row, len(targets))
-	for _, o := range ops {
-		tg := targets[o.tg]
-		r := &per[o.tg]
-		r.ops++
-		r.msgs += o.msgs
-		switch n := effects[tg.task][o.key]; {
-		case n == 0:
-			r.lost++
-		case n > 1:
-			r.dups++
-		}
-		if status[tg.task+"/"+o.key] != string(idempotency.StatusCompleted) {
-			r.notCompleted++
-		}
-	}
+	per := soakOutcome(t, &e.queueEnv, sk, prefix, ops)
 	if !e.idle() {
 		t.Errorf("queue not empty at the end")
 	}
@@ -213,24 +151,7 @@ func TestSQSSoak(t *testing.T) {
 		drained.Round(time.Second), float64(len(msgs))/drained.Seconds())
 	fmt.Fprintf(&b, "faults: %d kill -9 (each restarted; a killed worker's messages come back past their 4 s visibility timeout)\n", kills)
 	fmt.Fprintf(&b, "redeliveries: %d deliveries answered from the record (duplicates), %d claims taken over\n\n", answered, takeovers)
-	fmt.Fprintf(&b, "%-22s %6s %6s %5s %10s %13s\n", "task", "ops", "msgs", "lost", "unexp.dup", "not completed")
-	var sum row
-	for i, tg := range targets {
-		r := per[i]
-		sum.ops += r.ops
-		sum.msgs += r.msgs
-		sum.lost += r.lost
-		sum.dups += r.dups
-		sum.notCompleted += r.notCompleted
-		fmt.Fprintf(&b, "%-22s %6d %6d %5d %10d %13d\n", tg.task, r.ops, r.msgs, r.lost, r.dups, r.notCompleted)
-	}
-	fmt.Fprintf(&b, "%-22s %6d %6d %5d %10d %13d\n", "total", sum.ops, sum.msgs, sum.lost, sum.dups, sum.notCompleted)
-	b.WriteString("\nlost: an operation with no effect; unexp.dup: an operation with more than one effect;\n" +
-		"not completed: an operation whose record is not completed at the end.\n")
-	t.Log(b.String())
-	if sum.lost != 0 || sum.dups != 0 || sum.notCompleted != 0 {
-		t.Errorf("sqs soak: %d lost, %d unexpected duplicates, %d not completed, want 0, 0 and 0", sum.lost, sum.dups, sum.notCompleted)
-	}
+	soakReport(t, "sqs", b.String(), "msgs", sk, per)
 	if kills == 0 {
 		t.Error("sqs soak: no kill")
 	}
@@ -239,17 +160,5 @@ func TestSQSSoak(t *testing.T) {
 // sqsSoakSettled reports whether the queue is empty and every one of the n
 // operations under prefix has a record that is not claimed.
 func sqsSoakSettled(e *sqsEnv, prefix string, n int) bool {
-	return e.idle() && sqsSoakCount(e, prefix) == n
-}
-
-// sqsSoakCount counts the operations under prefix whose record is not
-// claimed (-1 on error).
-func sqsSoakCount(e *sqsEnv, prefix string) int {
-	var settled int
-	err := e.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{e.schema, "records"}.Sanitize()+
-		` WHERE key LIKE $1 || '-%' AND status <> 'claimed'`, prefix).Scan(&settled)
-	if err != nil {
-		return -1
-	}
-	return settled
+	return e.idle() && soakCount(&e.queueEnv, prefix) == n
 }

@@ -353,16 +353,11 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 			if c := res.Counts; c["tx_grouped"]+c["tx_alone"] > 0 {
 				fmt.Fprintf(os.Stderr, "(%s) transaction groups: %.0f tasks in %.0f groups, %.0f alone\n", sc.ID, c["tx_grouped"], c["tx_groups"], c["tx_alone"])
 			}
-			r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
-			r.rssKiB = res.PeakRSSKiB
-			r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)
-			r.pgCPUUS = float64(res.PGCPU.Microseconds()) / float64(r.n)
+			r.measured(res)
 		}
-		c1, err := b.commits.read(ctx)
-		if err != nil {
+		if err := b.commitsSince(ctx, &r, c0); err != nil {
 			return err
 		}
-		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
 		if err := b.verify(ctx, sc, spec, queue, schema, reply, ops); err != nil || !sc.Redis {
 			return err
 		}

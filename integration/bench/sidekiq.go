@@ -10,15 +10,10 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/sidekiq"
 	"github.com/onceler/onceler/tasks"
 )
@@ -107,29 +102,9 @@ func (b *bench) drainSidekiq(ctx context.Context, sc scenario) row {
 		}
 		job := b.consumerJob(sc.Kind, queue, schema, r.n)
 		job.SidekiqURL, job.Identity = b.o.redisURL, identity
-		if sc.ID == b.o.profiled {
-			job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
-		}
-		self0 := testkit.CPUTime()
-		rpid := redisPID(b.o.redisURL)
-		rcpu0 := procCPU(rpid)
-		res, err := spawn(ctx, job, nil)
-		if rpid > 0 {
-			r.brokerCPUUS = float64((procCPU(rpid) - rcpu0).Microseconds()) / float64(r.n)
-		}
-		r.benchCPUUS = float64((testkit.CPUTime() - self0).Microseconds()) / float64(r.n)
-		if err != nil {
+		if _, err := b.drainQueued(ctx, sc, &r, job, redisPID(b.o.redisURL), c0); err != nil {
 			return err
 		}
-		r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
-		r.rssKiB = res.PeakRSSKiB
-		r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)
-		r.pgCPUUS = float64(res.PGCPU.Microseconds()) / float64(r.n)
-		c1, err := b.commits.read(ctx)
-		if err != nil {
-			return err
-		}
-		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
 		// Every job gone from the queue and the working list, every
 		// operation completed in the record.
 		for _, k := range []string{"queue:" + queue, sidekiq.WorkingKey(identity, queue)} {
@@ -145,16 +120,7 @@ func (b *bench) drainSidekiq(ctx context.Context, sc scenario) row {
 		if sc.Kind == "sidekiq-raw" {
 			return nil
 		}
-		return withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
-			var n int
-			if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{schema}.Sanitize()+".records WHERE status = 'completed'").Scan(&n); err != nil {
-				return fmt.Errorf("count completed records: %w", err)
-			}
-			if n != len(ops) {
-				return fmt.Errorf("%d completed records, want %d", n, len(ops))
-			}
-			return nil
-		})
+		return verifyCompleted(ctx, b.o.dbURL, schema, len(ops))
 	}()
 	return r
 }
@@ -178,47 +144,29 @@ func runSidekiqRaw(ctx context.Context, job childJob) (childResult, error) {
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
-	cpu0 := testkit.CPUTime()
-	window := make(chan struct{}, max(1, job.Prefetch))
-	work := make(chan string, max(1, job.Prefetch))
-	var done atomic.Int64
-	var first, last atomic.Int64
-	var failed atomic.Value
-	var wg sync.WaitGroup
-	for range max(1, job.Concurrency) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for v := range work {
-				if err := rdb.LRem(ctx, working, 1, v).Err(); err != nil {
-					failed.Store(fmt.Errorf("sidekiq-raw: lrem: %w", err))
-				}
-				now := time.Now().UnixNano()
-				if done.Add(1) == 1 {
-					first.Store(now)
-				}
-				last.Store(now)
-				<-window
-			}
-		}()
-	}
+	set := startRawSettlers(job, func(v string) error {
+		if err := rdb.LRem(ctx, working, 1, v).Err(); err != nil {
+			return fmt.Errorf("sidekiq-raw: lrem: %w", err)
+		}
+		return nil
+	})
 	var fetchErr error
 	for fetched := 0; fetched < job.Expect; {
-		if err, _ := failed.Load().(error); err != nil {
+		if err := set.err(); err != nil {
 			fetchErr = err
 			break
 		}
 		select {
-		case window <- struct{}{}:
+		case set.window <- struct{}{}:
 		case <-ctx.Done():
-			fetchErr = fmt.Errorf("sidekiq-raw: %d of %d after the timeout", done.Load(), job.Expect)
+			fetchErr = fmt.Errorf("sidekiq-raw: %d of %d after the timeout", set.done.Load(), job.Expect)
 		}
 		if fetchErr != nil {
 			break
 		}
 		v, err := rdb.LMove(ctx, queue, working, "RIGHT", "LEFT").Result()
 		if errors.Is(err, redis.Nil) {
-			<-window
+			<-set.window
 			fetchErr = fmt.Errorf("sidekiq-raw: queue empty after %d of %d jobs", fetched, job.Expect)
 			break
 		}
@@ -227,16 +175,11 @@ func runSidekiqRaw(ctx context.Context, job childJob) (childResult, error) {
 			break
 		}
 		fetched++
-		work <- v
+		set.work <- v
 	}
-	close(work)
-	wg.Wait()
-	res.CPU = testkit.CPUTime() - cpu0
-	res.Done = int(done.Load())
-	res.First, res.Last = time.Unix(0, first.Load()), time.Unix(0, last.Load())
-	res.Elapsed = res.Last.Sub(res.First)
+	res = set.finish()
 	if fetchErr == nil {
-		fetchErr, _ = failed.Load().(error)
+		fetchErr = set.err()
 	}
 	return res, fetchErr
 }

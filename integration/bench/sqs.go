@@ -14,12 +14,9 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/celeryproto"
-	"github.com/onceler/onceler/internal/testkit"
 	"github.com/onceler/onceler/sqs"
 )
 
@@ -80,32 +77,13 @@ func (b *bench) drainSQS(ctx context.Context, sc scenario) row {
 		}
 		job := b.consumerJob(sc.Kind, queue, schema, r.n)
 		job.SQSEndpoint = b.o.sqsEndpoint
-		if sc.ID == b.o.profiled {
-			job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
-		}
-		self0 := testkit.CPUTime()
-		spid := procPID("goaws")
-		scpu0 := procCPU(spid)
-		res, err := spawn(ctx, job, nil)
-		if spid > 0 {
-			r.brokerCPUUS = float64((procCPU(spid) - scpu0).Microseconds()) / float64(r.n)
-		}
-		r.benchCPUUS = float64((testkit.CPUTime() - self0).Microseconds()) / float64(r.n)
+		res, err := b.drainQueued(ctx, sc, &r, job, procPID("goaws"), c0)
 		if err != nil {
 			return err
 		}
-		r.rate = float64(res.Done-1) / res.Elapsed.Seconds()
-		r.rssKiB = res.PeakRSSKiB
-		r.cpuUS = float64(res.CPU.Microseconds()) / float64(r.n)
-		r.pgCPUUS = float64(res.PGCPU.Microseconds()) / float64(r.n)
 		if n := res.Counts["receive_errors"]; n > 0 {
 			r.note = fmt.Sprintf("%.0f receives failed; their messages came back after the 5 s visibility timeout", n)
 		}
-		c1, err := b.commits.read(ctx)
-		if err != nil {
-			return err
-		}
-		r.commits = float64(c1-c0-int64(r.polls)) / float64(r.n)
 		// Every message deleted, every operation completed in the record.
 		info, err := c.API().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{QueueUrl: aws.String(qurl),
 			AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameApproximateNumberOfMessages,
@@ -119,16 +97,7 @@ func (b *bench) drainSQS(ctx context.Context, sc scenario) row {
 		if sc.Kind == "sqs-raw" {
 			return nil
 		}
-		return withPool(ctx, b.o.dbURL, func(pool *pgxpool.Pool) error {
-			var n int
-			if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{schema}.Sanitize()+".records WHERE status = 'completed'").Scan(&n); err != nil {
-				return fmt.Errorf("count completed records: %w", err)
-			}
-			if n != len(ops) {
-				return fmt.Errorf("%d completed records, want %d", n, len(ops))
-			}
-			return nil
-		})
+		return verifyCompleted(ctx, b.o.dbURL, schema, len(ops))
 	}()
 	return r
 }
@@ -184,42 +153,25 @@ func runSQSRaw(ctx context.Context, job childJob) (childResult, error) {
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
-	cpu0 := testkit.CPUTime()
-	window := make(chan struct{}, max(1, job.Prefetch))
-	work := make(chan string, max(1, job.Prefetch))
-	var done, received, receiveErrors atomic.Int64
-	var first, last atomic.Int64
-	var failed atomic.Value
-	var wg sync.WaitGroup
-	for range max(1, job.Concurrency) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for h := range work {
-				if err := c.Delete(ctx, qurl, h); err != nil {
-					failed.Store(fmt.Errorf("sqs-raw: delete: %w", err))
-				}
-				now := time.Now().UnixNano()
-				if done.Add(1) == 1 {
-					first.Store(now)
-				}
-				last.Store(now)
-				<-window
-			}
-		}()
-	}
+	set := startRawSettlers(job, func(h string) error {
+		if err := c.Delete(ctx, qurl, h); err != nil {
+			return fmt.Errorf("sqs-raw: delete: %w", err)
+		}
+		return nil
+	})
+	var received, receiveErrors atomic.Int64
 	pollers := min(max(job.Prefetch/sqs.MaxBatch, 1), 8) // as the worker's transport
 	var pwg sync.WaitGroup
 	for range pollers {
 		pwg.Add(1)
 		go func() {
 			defer pwg.Done()
-			for received.Load() < int64(job.Expect) && failed.Load() == nil && ctx.Err() == nil {
+			for received.Load() < int64(job.Expect) && set.err() == nil && ctx.Err() == nil {
 				n := 0
 				for n < sqs.MaxBatch {
 					if n > 0 {
 						select {
-						case window <- struct{}{}:
+						case set.window <- struct{}{}:
 							n++
 							continue
 						default:
@@ -227,7 +179,7 @@ func runSQSRaw(ctx context.Context, job childJob) (childResult, error) {
 						break
 					}
 					select {
-					case window <- struct{}{}:
+					case set.window <- struct{}{}:
 						n++
 					case <-ctx.Done():
 						return
@@ -235,7 +187,7 @@ func runSQSRaw(ctx context.Context, job childJob) (childResult, error) {
 				}
 				msgs, err := c.Receive(ctx, job.Queue, n, time.Second, 0)
 				for range n - len(msgs) {
-					<-window
+					<-set.window
 				}
 				if err != nil {
 					if ctx.Err() != nil {
@@ -249,20 +201,15 @@ func runSQSRaw(ctx context.Context, job childJob) (childResult, error) {
 				}
 				received.Add(int64(len(msgs)))
 				for _, m := range msgs {
-					work <- m.ReceiptHandle
+					set.work <- m.ReceiptHandle
 				}
 			}
 		}()
 	}
 	pwg.Wait()
-	close(work)
-	wg.Wait()
-	res.CPU = testkit.CPUTime() - cpu0
-	res.Done = int(done.Load())
-	res.First, res.Last = time.Unix(0, first.Load()), time.Unix(0, last.Load())
-	res.Elapsed = res.Last.Sub(res.First)
+	res = set.finish()
 	res.Counts = map[string]float64{"receive_errors": float64(receiveErrors.Load())}
-	err, _ = failed.Load().(error)
+	err = set.err()
 	if err == nil && res.Done < job.Expect {
 		err = fmt.Errorf("sqs-raw: %d of %d", res.Done, job.Expect)
 	}

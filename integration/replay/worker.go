@@ -45,6 +45,26 @@ type Worker struct {
 	e *Env
 }
 
+// WorkerSettings is the environment the test harnesses give every onceler
+// worker besides its transport, database, schema, queues and lease: its
+// node name, concurrency and prefetch, a 5 s grace, JSON logs, whether it
+// runs without the record, and its crash injection (at crashAt, in
+// crashTask; none when crashAt is empty).
+func WorkerSettings(name string, concurrency, prefetch int, noRecord bool, crashAt, crashTask string) []string {
+	env := []string{
+		"ONCELER_HOSTNAME=" + name,
+		"ONCELER_CONCURRENCY=" + strconv.Itoa(concurrency),
+		"ONCELER_PREFETCH=" + strconv.Itoa(prefetch),
+		"ONCELER_GRACE=5s",
+		"ONCELER_LOG_FORMAT=json",
+		"ONCELER_NO_RECORD=" + strconv.FormatBool(noRecord),
+	}
+	if crashAt != "" {
+		env = append(env, "ONCELER_CRASH_AT="+crashAt, "ONCELER_CRASH_TASK="+crashTask)
+	}
+	return env
+}
+
 // StartWorker starts a worker process on the Env's queue and schema and
 // waits until it consumes.
 func (e *Env) StartWorker(o WorkerOptions) *Worker {
@@ -87,17 +107,9 @@ func (e *Env) StartWorker(o WorkerOptions) *Worker {
 		"ONCELER_SCHEMA="+e.Schema,
 		"ONCELER_QUEUES="+e.Queue,
 		"ONCELER_LEASE="+e.cfg.Lease.String(),
-		"ONCELER_HOSTNAME="+name,
-		"ONCELER_CONCURRENCY="+strconv.Itoa(o.Concurrency),
-		"ONCELER_PREFETCH="+strconv.Itoa(o.Prefetch),
-		"ONCELER_GRACE=5s",
-		"ONCELER_LOG_FORMAT=json",
-		"ONCELER_NO_RECORD="+strconv.FormatBool(o.NoRecord),
 		"ONCELER_QUORUM="+strconv.FormatBool(e.cfg.Quorum),
 	)
-	if o.CrashAt != "" {
-		env = append(env, "ONCELER_CRASH_AT="+o.CrashAt, "ONCELER_CRASH_TASK="+o.CrashTask)
-	}
+	env = append(env, WorkerSettings(name, o.Concurrency, o.Prefetch, o.NoRecord, o.CrashAt, o.CrashTask)...)
 	if e.cfg.ResultBackend != "" {
 		env = append(env, "ONCELER_RESULT_BACKEND="+e.cfg.ResultBackend)
 	}
