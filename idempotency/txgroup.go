@@ -112,6 +112,7 @@ type txGroup struct {
 	wg     sync.WaitGroup
 
 	stuck    atomic.Bool  // adaptive: a group's function has run past adaptiveStuck
+	stuckAt  atomic.Int64 // adaptive: when a function last ran past adaptiveStuck, unix ns
 	est      atomic.Int64 // adaptive: recent functions' duration, ns (see observe)
 	last     atomic.Int64 // adaptive: the last function's duration, ns
 	measured atomic.Int64 // adaptive: when est was last renewed, unix ns
@@ -182,11 +183,22 @@ func (g *txGroup) fresh() bool {
 }
 
 // slow reports whether recent functions were slow, the last one too: calls
-// run alone. Their durations are not measured (beside each other they would
-// measure each other's lock waits too): once the estimate is stale, a probe
-// measures again, and a fast one ends it.
+// run alone. Recent functions are slow when their estimate is, over three
+// measurements at least (the first calls on new connections prepare their
+// statements, and two of them alone do not make the tasks slow), or when a
+// function ran past adaptiveStuck within estimateStale (the functions of a
+// group taken before then are fast no more). The durations of calls run
+// alone are not measured (beside each other they would measure each
+// other's lock waits too): once the estimate is stale, a probe measures
+// again, and a fast one ends it.
 func (g *txGroup) slow() bool {
-	return g.fresh() && time.Duration(g.est.Load()) >= adaptiveSlow && time.Duration(g.last.Load()) >= adaptiveSlow
+	if !g.fresh() || time.Duration(g.last.Load()) < adaptiveSlow {
+		return false
+	}
+	if g.samples.Load() >= 3 && time.Duration(g.est.Load()) >= adaptiveSlow {
+		return true
+	}
+	return time.Since(time.Unix(0, g.stuckAt.Load())) < estimateStale
 }
 
 // releaseQueued answers every queued call "run alone", and makes the calls
@@ -199,6 +211,7 @@ func (g *txGroup) releaseQueued(ended *bool) {
 		return // it returned as the timer fired
 	}
 	g.stuck.Store(true)
+	g.stuckAt.Store(time.Now().UnixNano())
 	for _, op := range g.queue {
 		if op.state == opQueued {
 			op.state = opCancelled // dropped from the queue by the next take
