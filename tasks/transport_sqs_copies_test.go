@@ -14,7 +14,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/onceler/onceler/amqp"
-	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/sqs"
@@ -148,16 +147,10 @@ func TestSQSSendRefusalIsPermanent(t *testing.T) {
 	f.add(fakeMessage{id: "m1", body: body, attrs: map[string]string{"task": "demo.add"}})
 	_, ch := startSQSTransport(t, f, "q", 10)
 	d := next(t, ch)
-	msg, err := celeryproto.Decode(d.wire())
-	if err != nil {
-		t.Fatal(err)
-	}
-	nxt := *msg
-	nxt.Retries++
-	if err := d.retry(context.Background(), &nxt, &RetryRequest{}); !amqp.IsPermanent(err) {
+	if err := d.retry(context.Background(), nextTry(t, d), &RetryRequest{}); !amqp.IsPermanent(err) {
 		t.Errorf("retry SQS refuses: %v; want a refusal (amqp.IsPermanent)", err)
 	}
-	err = d.quarantine(context.Background(), quarantineOurs(ReasonUnknownTask, "x", "q"))
+	err := d.quarantine(context.Background(), quarantineOurs(ReasonUnknownTask, "x", "q"))
 	if !amqp.IsPermanent(err) {
 		t.Errorf("quarantine copy SQS refuses: %v; want a refusal (amqp.IsPermanent)", err)
 	}

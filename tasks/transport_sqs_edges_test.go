@@ -193,21 +193,13 @@ func TestSQSQuarantineCopyFitsMessageSize(t *testing.T) {
 // ten give twelve, which SQS refuses).
 func TestSQSRetryCopyAttributeLimit(t *testing.T) {
 	f := newStrictSQS(t)
-	attrs := map[string]string{"task": "demo.add"}
-	for i := range 9 {
-		attrs[fmt.Sprintf("trace%d", i)] = "v"
-	}
+	attrs := tenAttributes()
 	f.add(fakeMessage{id: "m1", body: "[1, 2]", attrs: attrs})
 	_, ch := startSQSTransport(t, f, "q", 10)
 	d := next(t, ch)
-	msg, err := celeryproto.Decode(d.wire())
-	if err != nil {
-		t.Fatal(err)
-	}
-	nxt := *msg
-	nxt.Retries++
+	nxt := nextTry(t, d)
 	nxt.ETA = time.Now().Add(time.Second)
-	if err := d.retry(context.Background(), &nxt, &RetryRequest{Countdown: time.Second}); err != nil {
+	if err := d.retry(context.Background(), nxt, &RetryRequest{Countdown: time.Second}); err != nil {
 		t.Fatalf("retry of a plain message with %d attributes: %v (sent %d attributes)", len(attrs), err, len(sentAttrs(f.lastSent(t))))
 	}
 }
@@ -218,10 +210,7 @@ func TestSQSRetryCopyAttributeLimit(t *testing.T) {
 // added gives eleven, which SQS refuses).
 func TestSQSRepublishCopyAttributeLimit(t *testing.T) {
 	f := newStrictSQS(t)
-	attrs := map[string]string{"task": "demo.add"}
-	for i := range 9 {
-		attrs[fmt.Sprintf("trace%d", i)] = "v"
-	}
+	attrs := tenAttributes()
 	f.add(fakeMessage{id: "m1", body: "[1, 2]", attrs: attrs})
 	_, ch := startSQSTransport(t, f, "q", 10)
 	d := next(t, ch)
@@ -411,4 +400,27 @@ func TestSQSQuarantineKeepsIdempotencyKey(t *testing.T) {
 			t.Errorf("quarantine copy's %s = %q, want %q (copy's attributes: %v)", k, got[k], attrs[k], got)
 		}
 	}
+}
+
+// tenAttributes is a plain message's attributes at SQS's limit of ten: its
+// task and nine of the producer's.
+func tenAttributes() map[string]string {
+	attrs := map[string]string{"task": "demo.add"}
+	for i := range 9 {
+		attrs[fmt.Sprintf("trace%d", i)] = "v"
+	}
+	return attrs
+}
+
+// nextTry is the message of d, decoded, as its retry sends it: one more
+// try.
+func nextTry(t *testing.T, d delivery) *celeryproto.Message {
+	t.Helper()
+	msg, err := celeryproto.Decode(d.wire())
+	if err != nil {
+		t.Fatal(err)
+	}
+	nxt := *msg
+	nxt.Retries++
+	return &nxt
 }
