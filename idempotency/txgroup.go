@@ -323,30 +323,50 @@ func (g *txGroup) run(ctx context.Context, p ClaimParams, fn func(context.Contex
 }
 
 // lead runs groups in the caller's goroutine until its own op is answered,
-// then hands the rest of the queue to a goroutine of its own.
+// then hands the rest of the queue to a goroutine of its own. An adaptive
+// leader that finds the turn taken hands over at once too: the caller
+// waits for its answer, not for the turn, so that a call released to run
+// alone (releaseQueued) is not held behind the group that has the turn.
 func (g *txGroup) lead(mine *txOp) {
-	for g.flushNext() {
+	for {
+		if g.adaptive() {
+			select {
+			case g.turn <- struct{}{}:
+			default:
+				go g.flushAll()
+				return
+			}
+		}
+		if !g.flushNext(true) {
+			return
+		}
 		g.mu.Lock()
 		own := mine.state != opQueued
 		g.mu.Unlock()
 		if own {
-			go func() {
-				for g.flushNext() {
-				}
-			}()
+			go g.flushAll()
 			return
 		}
+	}
+}
+
+// flushAll runs groups until there is nothing to take.
+func (g *txGroup) flushAll() {
+	for g.flushNext(false) {
 	}
 }
 
 // flushNext takes one group and runs it; false when there was nothing to
 // take (the flusher slot is given up). An adaptive group takes its members
 // once it has the turn (so that it holds all that queued while the last
-// group ran) and gives the turn up as it commits (flush, runSoloTx).
-func (g *txGroup) flushNext() bool {
+// group ran; haveTurn: the caller took it) and gives the turn up as it
+// commits (flush, runSoloTx).
+func (g *txGroup) flushNext(haveTurn bool) bool {
 	release := func() {}
 	if g.adaptive() {
-		g.turn <- struct{}{}
+		if !haveTurn {
+			g.turn <- struct{}{}
+		}
 		release = sync.OnceFunc(func() { <-g.turn })
 	}
 	defer release()

@@ -349,28 +349,33 @@ func TestAdaptiveGroupOverlapsCommit(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	insert := func(key string) func(context.Context, pgx.Tx) ([]byte, error) {
+	insert := func(key, table string) func(context.Context, pgx.Tx) ([]byte, error) {
 		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-			_, err := tx.Exec(ctx, `INSERT INTO `+ran+` (key) VALUES ($1)`, key)
+			_, err := tx.Exec(ctx, `INSERT INTO `+table+` (key) VALUES ($1)`, key)
 			return []byte(`1`), err
 		}
 	}
-	// The estimate is learnt from lone calls, then three waves come while
-	// the groups before them commit.
-	for i := range 3 {
+	// The estimate is learnt from lone calls (committed at once: their
+	// table has no trigger), then waves come while the groups before them
+	// commit.
+	warm := e.schema + ".warm"
+	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+warm+` (key text PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 8 {
 		key := fmt.Sprintf("warm%d", i)
-		if _, err := e.store.RunTx(ctx, params("credit", key), insert(key)); err != nil {
+		if _, err := e.store.RunTx(ctx, params("credit", key), insert(key, warm)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	var wg sync.WaitGroup
-	const waves, per = 3, 10
+	const waves, per = 4, 10
 	for w := range waves {
 		for i := range per {
 			wg.Go(func() {
 				time.Sleep(time.Duration(w) * sleep / 3)
 				key := fmt.Sprintf("wave%d-%d", w, i)
-				if _, err := e.store.RunTx(ctx, params("credit", key), insert(key)); err != nil {
+				if _, err := e.store.RunTx(ctx, params("credit", key), insert(key, ran)); err != nil {
 					t.Errorf("%s: %v", key, err)
 				}
 			})
