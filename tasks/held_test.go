@@ -32,7 +32,9 @@ func TestETADoesNotStarve(t *testing.T) {
 			r := e.start(testRegistry(t, fx), cfg)
 			replyTo, replies := e.replyQueue()
 			const held, quick = 40, 10
-			due := time.Now().Add(5 * time.Second)
+			// Far enough ahead that the holds, the prefetch's growth and
+			// the immediate tasks fit before it on a slow, busy machine.
+			due := time.Now().Add(12 * time.Second)
 			for i := range held {
 				m := payMessage("t.pay", i, fmt.Sprintf("eta-%d", i), replyTo)
 				m.ETA = due
