@@ -18,6 +18,8 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/aws/smithy-go"
 	"go.uber.org/zap"
+
+	"github.com/onceler/onceler/celeryproto"
 )
 
 // Limits of SQS itself.
@@ -606,7 +608,7 @@ func (c *Client) Send(ctx context.Context, queueURL string, m Outgoing) (string,
 		}
 		d := m.DedupID
 		if d == "" {
-			d = newID()
+			d = celeryproto.NewTaskID()
 		}
 		in.MessageGroupId, in.MessageDeduplicationId = aws.String(g), aws.String(d)
 	} else if m.Delay > 0 {

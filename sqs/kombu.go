@@ -2,9 +2,7 @@ package sqs
 
 import (
 	"bytes"
-	"crypto/rand"
 	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -167,7 +165,7 @@ func EncodeKombu(p *celeryproto.Publishing, routingKey string) (string, error) {
 		Body: base64.StdEncoding.EncodeToString(p.Body), ContentEncoding: p.ContentEncoding, ContentType: p.ContentType,
 		Headers: hj,
 		Properties: kombuProperties{CorrelationID: p.CorrelationID, ReplyTo: p.ReplyTo, DeliveryMode: max(p.DeliveryMode, 2),
-			DeliveryInfo: kombuDeliveryInfo{RoutingKey: routingKey}, Priority: p.Priority, BodyEncoding: "base64", DeliveryTag: newID()},
+			DeliveryInfo: kombuDeliveryInfo{RoutingKey: routingKey}, Priority: p.Priority, BodyEncoding: "base64", DeliveryTag: celeryproto.NewTaskID()},
 	}
 	b, err := json.Marshal(env)
 	if err != nil {
@@ -200,14 +198,4 @@ func jsonValues(v any) any {
 		return out
 	}
 	return v
-}
-
-// newID is a random version 4 UUID.
-func newID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
 }

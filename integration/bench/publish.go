@@ -1,7 +1,6 @@
 package main
 
 import (
-	"crypto/rand"
 	"fmt"
 	"os"
 	"strconv"
@@ -61,7 +60,7 @@ func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
 	ops := s.ops()
 	out := make([]*celeryproto.Publishing, len(ops))
 	for i, op := range ops {
-		id := uuid4()
+		id := celeryproto.NewTaskID()
 		args, repr := []any{op}, "['"+op+"']"
 		if s.Task == taskCredit {
 			acct := s.account(i)
@@ -79,13 +78,4 @@ func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
 		out[i] = p
 	}
 	return out, ops, nil
-}
-
-// uuid4 returns a random UUID string, as Celery's task ids.
-func uuid4() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
