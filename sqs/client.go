@@ -367,6 +367,16 @@ func gone(err error) bool {
 		strings.Contains(code, "invalidparametervalue") && strings.Contains(strings.ToLower(ae.ErrorMessage()), "receipt handle")
 }
 
+// batchEntryError is the error of one failed entry of a batch call (op):
+// ErrGone when the entry's receipt handle is not in flight (any more).
+func batchEntryError(op string, f types.BatchResultErrorEntry) error {
+	code := aws.ToString(f.Code)
+	if c := strings.ToLower(code); strings.Contains(c, "receipthandle") || strings.Contains(c, "notinflight") {
+		return fmt.Errorf("%w (%s)", ErrGone, code)
+	}
+	return fmt.Errorf("sqs: %s: %s: %s", op, code, aws.ToString(f.Message))
+}
+
 // Visibility is one message's new visibility timeout.
 type Visibility struct {
 	QueueURL, ReceiptHandle string
@@ -435,11 +445,7 @@ func (c *Client) SetVisibility(ctx context.Context, vs []Visibility) []error {
 					if k < 0 || k >= len(part) {
 						continue
 					}
-					e := fmt.Errorf("sqs: change visibility: %s: %s", aws.ToString(f.Code), aws.ToString(f.Message))
-					if c := strings.ToLower(aws.ToString(f.Code)); strings.Contains(c, "receipthandle") || strings.Contains(c, "notinflight") {
-						e = fmt.Errorf("%w (%s)", ErrGone, aws.ToString(f.Code))
-					}
-					errs[part[k]] = e
+					errs[part[k]] = batchEntryError("change visibility", f)
 				}
 			}
 		}
@@ -559,11 +565,7 @@ func (c *Client) deleteBatch(u string, rs []deleteReq) {
 		if i < 0 || i >= len(rs) {
 			continue
 		}
-		e := fmt.Errorf("sqs: delete: %s: %s", aws.ToString(f.Code), aws.ToString(f.Message))
-		if code := strings.ToLower(aws.ToString(f.Code)); strings.Contains(code, "receipthandle") || strings.Contains(code, "notinflight") {
-			e = fmt.Errorf("%w (%s)", ErrGone, aws.ToString(f.Code))
-		}
-		errs[i] = e
+		errs[i] = batchEntryError("delete", f)
 	}
 	for i, r := range rs {
 		r.done <- errs[i]
