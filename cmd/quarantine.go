@@ -253,6 +253,13 @@ func (q *quarantine) run(ctx context.Context, action string) ([]quarantined, err
 		}
 		return nil, brokerError("quarantine", cfg, err)
 	}
+	return q.report(action, listed, seen, moved)
+}
+
+// report prints what a run of action over seen messages did (list: the
+// messages, unless they are printed as JSON, which the caller does with
+// what it returns; else how many were moved).
+func (q *quarantine) report(action string, listed []quarantined, seen, moved int) ([]quarantined, error) {
 	if action == "list" {
 		if !q.asJSON {
 			printQuarantined(q.a.stdout, q.qname, listed, seen, q.limit > 0 && seen == q.limit)

@@ -113,14 +113,7 @@ func (q *quarantine) runSQS(ctx context.Context, action string) ([]quarantined, 
 			keep = append(keep, sqs.Visibility{QueueURL: qurl, ReceiptHandle: m.ReceiptHandle})
 		}
 	}
-	if action == "list" {
-		if !q.asJSON {
-			printQuarantined(q.a.stdout, q.qname, listed, seen, q.limit > 0 && seen == q.limit)
-		}
-		return listed, nil
-	}
-	fmt.Fprintf(q.a.stdout, "%s %d of %d message(s) in %s\n", pastTense(action), moved, seen, q.qname)
-	return nil, nil
+	return q.report(action, listed, seen, moved)
 }
 
 // sqsQuarantineName is the quarantine queue of an SQS queue without a
