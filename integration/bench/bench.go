@@ -62,10 +62,8 @@ type row struct {
 	sc          scenario
 	n           int
 	rate        float64 // tasks/s
-	p50, p99    time.Duration
-	p99Cold     time.Duration // p99 with the warm-up's messages counted too
-	latBusy     float64       // the machine's CPU busy during the latency run, 0 to 1
-	latN        int
+	lat         latStats // the worker at half load
+	floor       latStats // the raw consumer at the same load: the broker path's own latency
 	latRate     float64
 	rssKiB      int64
 	commits     float64 // per task
@@ -165,12 +163,23 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 				r.latRate = b.o.latencyRate
 			}
 			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s after %.0f s of warm-up...\n", r.sc.ID, r.latRate, b.o.latencySecs, b.o.latencyWarmup)
-			if err := b.latency(ctx, r); err != nil {
+			if err := b.latency(ctx, r.sc, r.latRate, &r.lat); err != nil {
 				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
 				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)
 				continue
 			}
-			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks\n", r.sc.ID, r.p50, r.p99, r.latN)
+			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks\n", r.sc.ID, r.lat.p50, r.lat.p99, r.lat.n)
+			// The same load through the broker alone: the raw consumer
+			// acknowledging each message as it arrives, the latency the
+			// worker's own cannot go below on this machine.
+			floor := r.sc
+			floor.ID, floor.Kind, floor.Replies = r.sc.ID+"-floor", "raw", false
+			if err := b.latency(ctx, floor, r.latRate, &r.floor); err != nil {
+				errs = append(errs, fmt.Errorf("(%s) latency of the raw consumer: %w", r.sc.ID, err))
+				fmt.Fprintf(os.Stderr, "(%s) raw consumer's latency failed: %v\n", r.sc.ID, err)
+				continue
+			}
+			fmt.Fprintf(os.Stderr, "(%s) raw consumer at the same load: p50 %v p99 %v\n", r.sc.ID, r.floor.p50, r.floor.p99)
 		}
 	}
 	return rows, errors.Join(errs...)

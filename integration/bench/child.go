@@ -138,6 +138,10 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("raw: consume: %w", err)
 	}
+	var obs *doneObserver
+	if job.DoneFile != "" {
+		obs = newDoneObserver(job.Expect)
+	}
 	fmt.Println("READY")
 	stop := startProfile(job)
 	defer stop()
@@ -155,6 +159,9 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 			}
 			res.Done++
 			now := time.Now()
+			if obs != nil {
+				obs.done[d.CorrelationId] = now
+			}
 			if res.Done == 1 {
 				res.First = now
 			}
@@ -163,8 +170,15 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 	}
 	res.CPU = testkit.CPUTime() - cpu0
 	res.Elapsed = res.Last.Sub(res.First)
+	if obs != nil {
+		if err := obs.write(job.DoneFile); err != nil {
+			return res, fmt.Errorf("raw: done file: %w", err)
+		}
+	}
 	return res, nil
 }
+
+var _ tasks.TaskEventObserver = (*doneObserver)(nil)
 
 // outsideArgs are the arguments of the bench tasks: one operation id.
 type outsideArgs struct {
@@ -231,7 +245,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	var obs *doneObserver
 	var taskObs tasks.Observer // stays a nil interface without DoneFile or Events
 	if job.DoneFile != "" {
-		obs = newDoneObserver()
+		obs = newDoneObserver(job.Expect)
 		taskObs = obs
 	}
 	hostname := "onceler-bench@" + strconv.Itoa(os.Getpid())

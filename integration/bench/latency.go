@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/onceler/onceler/amqp"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -15,16 +16,25 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
-// latency runs the worker of r's scenario on an empty queue, publishes at
-// r.latRate for the configured duration, and measures each task from the
+// latStats is what a latency run measured.
+type latStats struct {
+	n        int
+	p50, p99 time.Duration
+	p99Cold  time.Duration // p99 with the warm-up's messages counted too
+	busy     float64       // the machine's CPU busy while publishing, 0 to 1
+}
+
+// latency runs the consumer of scenario sc on an empty queue, publishes at
+// rate for the configured duration, and measures each message from the
 // moment it was handed to the publisher to its end: the result's arrival on
 // reply_to when results are published, else the moment the worker reported
 // the task succeeded (task-succeeded, emitted once the record's completion
-// or the same-database transaction committed, just before the ack).
-func (b *bench) latency(ctx context.Context, r *row) error {
-	sc := r.sc
-	warm := int(r.latRate * b.o.latencyWarmup)
-	n := warm + max(200, int(r.latRate*b.o.latencySecs))
+// or the same-database transaction committed, just before the ack); for the
+// raw consumer (sc.Kind "raw"), the moment the delivery arrived, acked at
+// once.
+func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *latStats) error {
+	warm := int(rate * b.o.latencyWarmup)
+	n := warm + max(200, int(rate*b.o.latencySecs))
 	queue, schema := b.names(sc, "-lat")
 	reply := ""
 	if sc.Replies {
@@ -42,7 +52,7 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 			return err
 		}
 	}
-	if sc.Task == taskCredit {
+	if sc.Task == taskCredit && sc.Kind != "raw" {
 		if err := setupLedger(ctx, b.o.dbURL); err != nil {
 			return err
 		}
@@ -95,8 +105,18 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 		_ = f.Close()
 		defer func() { _ = os.Remove(doneFile) }()
 	}
-	job := b.consumerJob("worker", queue, schema, n)
+	kind := "worker"
+	if sc.Kind == "raw" {
+		kind = "raw"
+		if err := b.pub.Declare(ctx, amqp.CeleryQueue(queue)); err != nil {
+			return err
+		}
+	}
+	job := b.consumerJob(kind, queue, schema, n)
 	job.DoneFile = doneFile
+	if sc.ID+"-latency" == b.o.profiled {
+		job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
+	}
 	ready := make(chan struct{})
 	type outcome struct {
 		res childResult
@@ -118,12 +138,12 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	runtime.GC()
 	defer debug.SetGCPercent(debug.SetGCPercent(-1))
 	cpu0, cpuErr := machineCPU()
-	sent, err := publishSteady(ctx, b.prod, queue, msgs, r.latRate)
+	sent, err := publishSteady(ctx, b.prod, queue, msgs, rate)
 	if err != nil {
 		return err
 	}
 	if cpu1, err := machineCPU(); cpuErr == nil && err == nil {
-		r.latBusy = cpu1.busySince(cpu0)
+		out.busy = cpu1.busySince(cpu0)
 	}
 	o := <-done
 	if o.err != nil {
@@ -159,10 +179,10 @@ func (b *bench) latency(ctx context.Context, r *row) error {
 	}
 	lat := slices.Clone(all[warm:])
 	sortDurations(lat)
-	r.latN, r.p50, r.p99 = len(lat), percentile(lat, 0.50), percentile(lat, 0.99)
+	out.n, out.p50, out.p99 = len(lat), percentile(lat, 0.50), percentile(lat, 0.99)
 	if warm > 0 {
 		sortDurations(all)
-		r.p99Cold = percentile(all, 0.99)
+		out.p99Cold = percentile(all, 0.99)
 	}
 	return nil
 }
