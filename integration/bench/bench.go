@@ -61,7 +61,7 @@ const pairedWith = "b"
 type row struct {
 	sc          scenario
 	n           int
-	rate        float64 // tasks/s
+	rate        float64  // tasks/s
 	lat         latStats // the worker at half load
 	floor       latStats // the raw consumer at the same load: the broker path's own latency
 	latRate     float64
