@@ -168,7 +168,8 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)
 				continue
 			}
-			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks\n", r.sc.ID, r.lat.p50, r.lat.p99, r.lat.n)
+			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks; CPU µs/task: worker %.0f, PostgreSQL %.0f\n",
+				r.sc.ID, r.lat.p50, r.lat.p99, r.lat.n, r.lat.cpuUS, r.lat.pgCPUUS)
 			// The same load through the broker alone: the raw consumer
 			// acknowledging each message as it arrives, the latency the
 			// worker's own cannot go below on this machine.

@@ -22,6 +22,8 @@ type latStats struct {
 	p50, p99 time.Duration
 	p99Cold  time.Duration // p99 with the warm-up's messages counted too
 	busy     float64       // the machine's CPU busy while publishing, 0 to 1
+	cpuUS    float64       // the consumer's CPU per message
+	pgCPUUS  float64       // its PostgreSQL backends' CPU per message
 }
 
 // latency runs the consumer of scenario sc on an empty queue, publishes at
@@ -149,6 +151,8 @@ func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *lat
 	if o.err != nil {
 		return o.err
 	}
+	out.cpuUS = float64(o.res.CPU.Microseconds()) / float64(n)
+	out.pgCPUUS = float64(o.res.PGCPU.Microseconds()) / float64(n)
 	if reply != "" {
 		replies.Wait()
 	}

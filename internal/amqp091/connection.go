@@ -195,8 +195,13 @@ type Connection struct {
 
 	rpc       chan message
 	writer    *writer
-	sends     chan time.Time     // timestamps of each frame sent
-	deadlines chan readDeadliner // heartbeater updates read deadlines
+	// onceler: the time of the last flush (unix nanoseconds), read by the
+	// heartbeater on its ticks, and the read deadline the reader keeps
+	// ahead of each frame (0: none yet), set by the heartbeater. They
+	// replace upstream's channels, which woke the heartbeater's goroutine
+	// for every frame read and every write.
+	lastSend    atomic.Int64
+	readTimeout atomic.Int64
 
 	allocator *allocator // id generator valid after openTune
 	channels  map[uint16]*Channel
@@ -432,10 +437,8 @@ func Open(conn io.ReadWriteCloser, config Config) (*Connection, error) {
 		channels:              make(map[uint16]*Channel),
 		topologyConfiguration: make(map[uint16]*TopologyConfiguration),
 		rpc:                   make(chan message),
-		sends:                 make(chan time.Time),
 		errors:                make(chan *Error, 1),
 		close:                 make(chan struct{}),
-		deadlines:             make(chan readDeadliner, 1),
 		// TODO: Connection has Config and also an atomic int for MaxFrameSize. Duplication to simplify.
 		Config:    config,
 		lifeCycle: newLifeCycle(),
@@ -760,13 +763,9 @@ func (c *Connection) send(f frame) error {
 			Reason: err.Error(),
 		})
 	} else {
-		// Broadcast we sent a frame, reducing heartbeats, only
-		// if there is something that can receive - like a non-reentrant
-		// call or if the heartbeater isn't running
-		select {
-		case c.sends <- time.Now():
-		default:
-		}
+		// Record that we sent a frame, reducing heartbeats (onceler: an
+		// atomic store instead of a channel send that woke the heartbeater).
+		c.lastSend.Store(time.Now().UnixNano())
 	}
 
 	return err
@@ -827,13 +826,9 @@ func (c *Connection) flush() (err error) {
 		// to sending per Frame vice per "group of related Frames" and for the case of
 		// small messages time.Now() is (relatively) expensive.
 		if err == nil {
-			// Broadcast we sent a frame, reducing heartbeats, only
-			// if there is something that can receive - like a non-reentrant
-			// call or if the heartbeater isn't running
-			select {
-			case c.sends <- time.Now():
-			default:
-			}
+			// Record that we sent a frame, reducing heartbeats (onceler: an
+			// atomic store instead of a channel send that woke the heartbeater).
+			c.lastSend.Store(time.Now().UnixNano())
 		}
 	}
 
@@ -1020,6 +1015,7 @@ func (c *Connection) reader(r io.Reader) {
 	buf := bufio.NewReader(r)
 	frames := &reader{r: buf, maxFrameSize: &c.maxFrameSize}
 	conn, haveDeadliner := r.(readDeadliner)
+	var deadlineSet time.Time
 
 	defer close(c.rpc)
 
@@ -1032,22 +1028,32 @@ func (c *Connection) reader(r io.Reader) {
 
 		c.demux(frame)
 
-		if haveDeadliner {
-			select {
-			case c.deadlines <- conn:
-			default:
-				// On c.Close() c.heartbeater() might exit just before c.deadlines <- conn is called.
-				// Which results in this goroutine being stuck forever.
+		// onceler: the reader moves its own read deadline, at most every
+		// quarter of the heartbeat interval (the deadline is three
+		// intervals ahead, so it still covers two of the server's
+		// heartbeats), instead of handing each frame's conn to the
+		// heartbeater's goroutine.
+		if t := c.readTimeout.Load(); haveDeadliner && t > 0 {
+			if now := time.Now(); now.Sub(deadlineSet) >= time.Duration(t)/(4*maxServerHeartbeatsInFlight) {
+				if err := conn.SetReadDeadline(now.Add(time.Duration(t))); err != nil {
+					var opErr *net.OpError
+					if !errors.As(err, &opErr) {
+						Logger.Printf("error setting read deadline in reader: %+v", err)
+					}
+				}
+				deadlineSet = now
 			}
 		}
 	}
 }
 
+// maxServerHeartbeatsInFlight is how many heartbeat intervals the reader
+// waits for a frame before it gives the connection up.
+const maxServerHeartbeatsInFlight = 3
+
 // Ensures that at least one frame is being sent at the tuned interval with a
 // jitter tolerance of 1s
 func (c *Connection) heartbeater(interval time.Duration, done chan struct{}) {
-	const maxServerHeartbeatsInFlight = 3
-
 	var sendTicks <-chan time.Time
 	if interval > 0 {
 		ticker := time.NewTicker(interval)
@@ -1055,38 +1061,18 @@ func (c *Connection) heartbeater(interval time.Duration, done chan struct{}) {
 		sendTicks = ticker.C
 	}
 
-	lastSent := time.Now()
+	c.lastSend.CompareAndSwap(0, time.Now().UnixNano())
 
 	for {
 		select {
-		case at, stillSending := <-c.sends:
-			// When actively sending, depend on sent frames to reset server timer
-			if stillSending {
-				lastSent = at
-			} else {
-				return
-			}
-
 		case at := <-sendTicks:
-			// When idle, fill the space with a heartbeat frame
-			if at.Sub(lastSent) > interval-time.Second {
+			// When idle, fill the space with a heartbeat frame (onceler:
+			// the last send is read here, not received for every frame)
+			if at.Sub(time.Unix(0, c.lastSend.Load())) > interval-time.Second {
 				if err := c.send(&heartbeatFrame{}); err != nil {
 					// send heartbeats even after close/closeOk so we
 					// tick until the connection starts erroring
 					return
-				}
-			}
-
-		case conn := <-c.deadlines:
-			// When reading, reset our side of the deadline, if we've negotiated one with
-			// a deadline that covers at least 2 server heartbeats
-			if interval > 0 {
-				if err := conn.SetReadDeadline(time.Now().Add(maxServerHeartbeatsInFlight * interval)); err != nil {
-					var opErr *net.OpError
-					if !errors.As(err, &opErr) {
-						Logger.Printf("error setting read deadline in heartbeater: %+v", err)
-						return
-					}
 				}
 			}
 
@@ -1447,6 +1433,13 @@ func (c *Connection) openComplete() error {
 		SetDeadline(time.Time) error
 	}); ok {
 		_ = deadliner.SetDeadline(time.Time{})
+	}
+	// onceler: from the next frame on, the reader keeps a read deadline
+	// that covers at least 2 server heartbeats ahead (the heartbeater's
+	// interval is half the heartbeat). Set only now, after the handshake's
+	// deadline was cleared, so that the first frame after it sets one.
+	if hb := c.Config.Heartbeat; hb > 0 {
+		c.readTimeout.Store(int64(maxServerHeartbeatsInFlight * hb / 2))
 	}
 
 	// Zero out credentials after successful open-ok
