@@ -193,8 +193,8 @@ type Connection struct {
 
 	conn io.ReadWriteCloser
 
-	rpc       chan message
-	writer    *writer
+	rpc    chan message
+	writer *writer
 	// onceler: the time of the last flush (unix nanoseconds), read by the
 	// heartbeater on its ticks, and the read deadline the reader keeps
 	// ahead of each frame (0: none yet), set by the heartbeater. They
