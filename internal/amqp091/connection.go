@@ -197,7 +197,7 @@ type Connection struct {
 	writer *writer
 	// onceler: the time of the last flush (unix nanoseconds), read by the
 	// heartbeater on its ticks, and the read deadline the reader keeps
-	// ahead of each frame (0: none yet), set by the heartbeater. They
+	// ahead of each frame (0: none yet), set once the connection is open. They
 	// replace upstream's channels, which woke the heartbeater's goroutine
 	// for every frame read and every write.
 	lastSend    atomic.Int64
