@@ -2,90 +2,25 @@ package amqp091
 
 import (
 	"errors"
-	"io"
 	"net"
 	"net/url"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
 
-// freezeProxy forwards TCP between a client and the broker; once frozen it
-// stops passing the broker's bytes to the client (a broker gone silent, its
-// socket still open) while the client's still reach the broker.
-type freezeProxy struct {
-	ln     net.Listener
-	target string
-	frozen atomic.Bool
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	conns  []net.Conn
-}
-
-func newFreezeProxy(t *testing.T, target string) *freezeProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &freezeProxy{ln: ln, target: target}
-	p.wg.Go(p.accept)
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
-	return p
-}
-
-func (p *freezeProxy) accept() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		s, err := net.Dial("tcp", p.target)
-		if err != nil {
-			_ = c.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, c, s)
-		p.mu.Unlock()
-		p.wg.Go(func() { _, _ = io.Copy(s, c) })
-		p.wg.Go(func() {
-			buf := make([]byte, 32<<10)
-			for {
-				n, err := s.Read(buf)
-				if n > 0 && !p.frozen.Load() {
-					if _, werr := c.Write(buf[:n]); werr != nil {
-						return
-					}
-				}
-				if err != nil {
-					return
-				}
-			}
-		})
-	}
-}
-
-func proxiedURL(t *testing.T) (string, *freezeProxy) {
+// proxiedURL is the broker's URL through a proxy the test can freeze.
+func proxiedURL(t *testing.T) (string, *testenv.CutProxy) {
 	t.Helper()
 	raw := testkit.Rabbit.URL(t)
 	u, err := url.Parse(raw)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := newFreezeProxy(t, u.Host)
-	u.Host = p.ln.Addr().String()
+	p := testenv.NewCutProxy(t, u.Host)
+	u.Host = p.Addr()
 	return u.String(), p
 }
 
@@ -134,7 +69,7 @@ func TestSilentBrokerGivenUp(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	p.frozen.Store(true)
+	p.Freeze()
 	start := time.Now()
 	select {
 	case e := <-closed:

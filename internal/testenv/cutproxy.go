@@ -12,7 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// CutProxy forwards TCP to PostgreSQL; when armed with a byte pattern, it
+// CutProxy forwards TCP to a server (PostgreSQL, or any other when only
+// Freeze is used); when armed with a byte pattern, it
 // forwards the first client write containing it, lets the server answer it
 // (up to its ReadyForQuery: a statement sent with its Sync has committed by
 // then) and cuts the connection instead of passing the answer on: the write
@@ -25,6 +26,7 @@ type CutProxy struct {
 	arm    []byte
 	drop   bool // the armed write is not passed on: it never reaches the server
 	lost   int
+	frozen bool // the server's bytes are no longer passed on
 	conns  []net.Conn
 	wg     sync.WaitGroup
 }
@@ -70,6 +72,21 @@ func (p *CutProxy) ArmDrop(pattern string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.arm, p.drop = []byte(pattern), true
+}
+
+// Freeze stops passing the server's bytes on to the clients, the
+// connections left open: a server gone silent (no answer, no heartbeat)
+// without closing its socket. The clients' bytes still reach it.
+func (p *CutProxy) Freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.frozen = true
+}
+
+func (p *CutProxy) isFrozen() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.frozen
 }
 
 // Lost is how many of the cut connections' last writes the server answered
@@ -125,7 +142,7 @@ func (p *CutProxy) back(c, s net.Conn, cut <-chan struct{}) {
 				return
 			}
 		default:
-			if n > 0 {
+			if n > 0 && !p.isFrozen() {
 				if _, werr := c.Write(buf[:n]); werr != nil {
 					return
 				}
