@@ -195,11 +195,13 @@ type Connection struct {
 
 	rpc    chan message
 	writer *writer
-	// onceler: the time of the last flush (unix nanoseconds), read by the
-	// heartbeater on its ticks, and the read deadline the reader keeps
-	// ahead of each frame (0: none yet), set once the connection is open. They
-	// replace upstream's channels, which woke the heartbeater's goroutine
-	// for every frame read and every write.
+	// onceler: the time of the last flush (nanoseconds since epoch, on the
+	// monotonic clock, so that a step of the wall clock does not stop the
+	// heartbeats), read by the heartbeater on its ticks, and the read
+	// deadline the reader keeps ahead of each frame (0: none), set once the
+	// connection is open. They replace upstream's channels, which woke the
+	// heartbeater's goroutine for every frame read and every write.
+	epoch       time.Time
 	lastSend    atomic.Int64
 	readTimeout atomic.Int64
 
@@ -442,6 +444,7 @@ func Open(conn io.ReadWriteCloser, config Config) (*Connection, error) {
 		// TODO: Connection has Config and also an atomic int for MaxFrameSize. Duplication to simplify.
 		Config:    config,
 		lifeCycle: newLifeCycle(),
+		epoch:     time.Now(),
 	}
 	// Before max frame size is negotiated in Tune, the spec sets a ceiling of 4096 bytes
 	c.maxFrameSize.Store(frameMinSize)
@@ -765,7 +768,7 @@ func (c *Connection) send(f frame) error {
 	} else {
 		// Record that we sent a frame, reducing heartbeats (onceler: an
 		// atomic store instead of a channel send that woke the heartbeater).
-		c.lastSend.Store(time.Now().UnixNano())
+		c.lastSend.Store(int64(time.Since(c.epoch)))
 	}
 
 	return err
@@ -828,7 +831,7 @@ func (c *Connection) flush() (err error) {
 		if err == nil {
 			// Record that we sent a frame, reducing heartbeats (onceler: an
 			// atomic store instead of a channel send that woke the heartbeater).
-			c.lastSend.Store(time.Now().UnixNano())
+			c.lastSend.Store(int64(time.Since(c.epoch)))
 		}
 	}
 
@@ -1061,14 +1064,14 @@ func (c *Connection) heartbeater(interval time.Duration, done chan struct{}) {
 		sendTicks = ticker.C
 	}
 
-	c.lastSend.CompareAndSwap(0, time.Now().UnixNano())
+	c.lastSend.CompareAndSwap(0, int64(time.Since(c.epoch)))
 
 	for {
 		select {
 		case at := <-sendTicks:
 			// When idle, fill the space with a heartbeat frame (onceler:
 			// the last send is read here, not received for every frame)
-			if at.Sub(time.Unix(0, c.lastSend.Load())) > interval-time.Second {
+			if at.Sub(c.epoch)-time.Duration(c.lastSend.Load()) > interval-time.Second {
 				if err := c.send(&heartbeatFrame{}); err != nil {
 					// send heartbeats even after close/closeOk so we
 					// tick until the connection starts erroring
@@ -1434,13 +1437,20 @@ func (c *Connection) openComplete() error {
 	}); ok {
 		_ = deadliner.SetDeadline(time.Time{})
 	}
-	// onceler: from the next frame on, the reader keeps a read deadline
-	// that covers at least 2 server heartbeats ahead (the heartbeater's
-	// interval is half the heartbeat). Set only now, after the handshake's
-	// deadline was cleared, so that the first frame after it sets one.
+	// onceler: from now on the reader keeps a read deadline that covers
+	// at least 2 server heartbeats ahead (the heartbeater's interval is half
+	// the heartbeat), none when heartbeats are off. Stored only now, after
+	// the handshake's deadline was cleared, and the first deadline set here:
+	// the reader may have read open-ok before the store, and a broker silent
+	// from then on must still be given up.
+	var timeout time.Duration
 	if hb := c.Config.Heartbeat; hb > 0 {
-		c.readTimeout.Store(int64(maxServerHeartbeatsInFlight * hb / 2))
+		timeout = maxServerHeartbeatsInFlight * hb / 2
+		if deadliner, ok := c.conn.(readDeadliner); ok {
+			_ = deadliner.SetReadDeadline(time.Now().Add(timeout))
+		}
 	}
+	c.readTimeout.Store(int64(timeout))
 
 	// Zero out credentials after successful open-ok
 	for i := range c.Config.SASL {
@@ -1838,6 +1848,11 @@ func (c *Connection) resetState() {
 
 	// Re-create the rpc channel so we don't read stale messages from the previous connection
 	c.rpc = make(chan message)
+
+	// onceler: no read deadline until the new connection is open (its
+	// heartbeat may differ, or be off).
+	c.readTimeout.Store(0)
+	c.lastSend.Store(0)
 }
 
 // IsRecoveryEnabled checks if the recovery is enabled.
