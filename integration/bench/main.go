@@ -125,7 +125,7 @@ func run() error {
 	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's measured rate)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in the -profile scenario to this file")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in the -profile scenario to this file")
-	fs.StringVar(&o.profiled, "profile", "b", "the scenario whose worker -cpuprofile and -memprofile profile (for (f): its first round)")
+	fs.StringVar(&o.profiled, "profile", "b", "the scenario whose worker -cpuprofile and -memprofile profile (for (f): its first round; b-latency: (b)'s latency run)")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit of one scenario")
 	fs.BoolVar(&o.debug, "debug", false, "log the worker's debug output to stderr")
 	if err := fs.Parse(os.Args[1:]); err != nil {
