@@ -200,16 +200,18 @@ func (e *sqsEnv) depth(q string) int {
 func (e *sqsEnv) idle() bool { return e.depth(e.queue) == 0 }
 
 // drain receives the messages of the queue named q (each is deleted)
-// until it has want of them, or finds none for 10 s. A receive whose
+// until it has want of them, or finds none for 40 s. A receive whose
 // response is cut off (goaws, now and then) leaves its messages in flight
-// for the 2 s visibility timeout drain receives with: they come again.
+// until the queue's visibility timeout ends (goaws ignores the 2 s drain
+// asks for, and a queue the worker creates has SQS's default of 30 s):
+// they come again then.
 func (e *sqsEnv) drain(q string, want int) []sqs.Message {
 	e.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var all []sqs.Message
 	quiet := time.Now()
-	for len(all) < want && time.Since(quiet) < 10*time.Second {
+	for len(all) < want && time.Since(quiet) < 40*time.Second {
 		msgs, err := e.client.Receive(ctx, q, sqs.MaxBatch, 0, 2*time.Second)
 		if err != nil || len(msgs) == 0 {
 			time.Sleep(200 * time.Millisecond)
