@@ -284,6 +284,17 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 // Ref returns the Ref of this operation with token t.
 func (p ClaimParams) Ref(t Token) Ref { return Ref{Task: p.Task, Key: p.Key, Token: t} }
 
+// inTx is p as a claim made in the task's own transaction (RunTx) writes
+// it: without the message. Such a claim commits only with its completion,
+// which clears the message, so storing it would only write it twice; the
+// rare paths where a claim commits alone (a task that ended its
+// transaction itself) hold it with the message they carry, and a
+// redelivery brings its own.
+func (p ClaimParams) inTx() ClaimParams {
+	p.Message = nil
+	return p
+}
+
 // settle records the claim ref as skipped or held (lapsedOnly: a stale
 // claim of another delivery, settled only while its lease is over; false:
 // the caller's own takeover); when another delivery moved the record first,

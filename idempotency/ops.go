@@ -484,7 +484,7 @@ func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx contex
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// Errors before the commit are definite: nothing was committed.
-	row, err := s.claimRow(ctx, tx, p, false)
+	row, err := s.claimRow(ctx, tx, p.inTx(), false)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: claim: %w", err)
 	}

@@ -493,7 +493,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		return false, nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	rows, err := tx.Query(ctx, g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p }))...)
+	rows, err := tx.Query(ctx, g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p.inTx() }))...)
 	if err != nil {
 		return false, nil
 	}
@@ -553,7 +553,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()
 		b := &pgx.Batch{}
 		b.Queue("SAVEPOINT onceler_task")
 		b.Queue(g.s.q.claimOne, m.op.p.Task, m.op.p.Key, string(m.op.p.Token), m.op.p.Owner, m.op.p.TaskID,
-			m.op.p.Fingerprint, m.op.p.Lease.Microseconds(), m.op.p.Message, false, m.op.p.AllowMismatch)
+			m.op.p.Fingerprint, m.op.p.Lease.Microseconds(), m.op.p.inTx().Message, false, m.op.p.AllowMismatch)
 		br := tx.SendBatch(ctx, b)
 		_, serr := br.Exec()
 		var row claimRow
@@ -692,6 +692,9 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 			firsts = append(firsts, m)
 		}
 	}
+	// The group takes no more locks but its own records' (its claims hold
+	// them): the next group may run its functions.
+	committing()
 	if len(firsts) > 0 {
 		// All completions in one statement, as a flush of the batcher
 		// writes them: the records are this transaction's own, locked by
@@ -722,7 +725,6 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 	if !slices.ContainsFunc(ms, func(m *member) bool { return m.commit }) {
 		return nil
 	}
-	committing()
 	if err := tx.Commit(ctx); err != nil {
 		if refusedCommit(err) {
 			// Refused for what a task wrote (a deferred constraint): the
