@@ -15,6 +15,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/uuid"
 )
 
 // ReasonPublishRefused is the quarantine reason of a message whose
@@ -472,10 +473,7 @@ func (w *Worker) publishRefused(ctx context.Context, j *job, err error) {
 // It has the form of a version 4 UUID.
 func stepID(parent, kind string, index int) string {
 	sum := sha256.Sum256([]byte("onceler step\x00" + parent + "\x00" + kind + "\x00" + strconv.Itoa(index)))
-	b := sum[:16]
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+	return uuid.Form([16]byte(sum[:16]))
 }
 
 // refuseWorkflow answers a message whose workflow cannot be carried out

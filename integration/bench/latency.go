@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"github.com/onceler/onceler/amqp"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -14,6 +13,8 @@ import (
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceler/onceler/amqp"
 )
 
 // latStats is what a latency run measured.

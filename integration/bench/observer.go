@@ -4,10 +4,11 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"github.com/onceler/onceler/celeryproto"
 	"os"
 	"sync"
 	"time"
+
+	"github.com/onceler/onceler/celeryproto"
 )
 
 // doneObserver records when each task's outcome was committed: the worker

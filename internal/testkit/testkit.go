@@ -18,6 +18,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/onceler/onceler/internal/uuid"
 )
 
 const (
@@ -138,14 +140,7 @@ func Name(prefix string) string {
 }
 
 // NewID returns a new task id (a random version 4 UUID, as Celery makes).
-func NewID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
-}
+func NewID() string { return uuid.New() }
 
 // RedisAddr returns the Redis of the tests, ONCELER_TEST_REDIS_ADDR, else
 // 127.0.0.1:6379, when it answers; otherwise it skips tb (fails it when
