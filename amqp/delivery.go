@@ -3,10 +3,12 @@ package amqp
 import (
 	"errors"
 	"fmt"
+	"math"
 	"sync/atomic"
 
 	"github.com/onceler/onceler/celeryproto"
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // Delivery is one message handed over by the broker. Ack, Nack and Reject
@@ -149,23 +151,8 @@ func newDelivery(m *amqp091.Delivery, queue string, quorum bool, st *channelStat
 		ch:         st,
 	}
 	if v, ok := d.Headers["x-delivery-count"]; ok && quorum && m.Redelivered {
-		d.DeliveryCount = max(0, intValue(v))
+		n, _ := intval.Int(v)
+		d.DeliveryCount = int(min(max(n, 0), math.MaxInt32))
 	}
 	return d
-}
-
-func intValue(v any) int {
-	switch x := v.(type) {
-	case int64:
-		return int(x)
-	case int32:
-		return int(x)
-	case int16:
-		return int(x)
-	case int8:
-		return int(x)
-	case int:
-		return x
-	}
-	return 0
 }

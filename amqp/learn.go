@@ -4,12 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"math"
 	"reflect"
 	"regexp"
 	"strconv"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // maxLearnSteps bounds the declares that learn the arguments of one queue:
@@ -169,55 +169,13 @@ func sameArgs(a, b map[string]any) bool {
 	return true
 }
 
+// sameArg compares two queue arguments; numbers by value, as RabbitMQ
+// acts on a whole double (1.0 from JSON, a Python float in kombu's
+// queue_arguments) as on the integer.
 func sameArg(a, b any) bool {
-	if x, ok := intArg(a); ok {
-		y, ok := intArg(b)
+	if x, ok := intval.Whole(a); ok {
+		y, ok := intval.Whole(b)
 		return ok && x == y
 	}
 	return reflect.DeepEqual(a, b)
-}
-
-func intArg(v any) (int64, bool) {
-	switch x := v.(type) {
-	case int:
-		return int64(x), true
-	case int8:
-		return int64(x), true
-	case int16:
-		return int64(x), true
-	case int32:
-		return int64(x), true
-	case int64:
-		return x, true
-	case uint8:
-		return int64(x), true
-	case uint16:
-		return int64(x), true
-	case uint32:
-		return int64(x), true
-	case uint:
-		if uint64(x) <= math.MaxInt64 {
-			return int64(x), true
-		}
-	case uint64:
-		if x <= math.MaxInt64 {
-			return int64(x), true
-		}
-	case float32:
-		return wholeFloat(float64(x))
-	case float64:
-		// RabbitMQ acts on a whole double (1.0 from JSON, a Python float
-		// in kombu's queue_arguments) as on the integer.
-		return wholeFloat(x)
-	}
-	return 0, false
-}
-
-// wholeFloat returns f as an integer when it is a whole number within
-// int64's range.
-func wholeFloat(f float64) (int64, bool) {
-	if f != math.Trunc(f) || math.IsInf(f, 0) || f < math.MinInt64 || f >= math.MaxInt64 {
-		return 0, false
-	}
-	return int64(f), true
 }

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/intval"
 	"github.com/onceler/onceler/internal/testenv"
 	"github.com/onceler/onceler/internal/testkit"
 )
@@ -143,4 +144,11 @@ func must(t *testing.T, err error, what string, args ...any) {
 	if err != nil {
 		t.Fatalf("%s: %v", fmt.Sprintf(what, args...), err)
 	}
+}
+
+// intOf reads an integer header value the broker handed back; 0 when it is
+// none.
+func intOf(v any) int64 {
+	n, _ := intval.Int(v)
+	return n
 }

@@ -56,9 +56,9 @@ func TestPublishConfirmedRoundTrip(t *testing.T) {
 		t.Fatalf("nested table arrived as %T, want map[string]any", h["stamps"])
 	}
 	tl, _ := h["timelimit"].([]any)
-	if h["task"] != "t.add" || intValue(h["retries"]) != 2 || h["eta"] != nil || h["ignore_result"] != false ||
+	if h["task"] != "t.add" || intOf(h["retries"]) != 2 || h["eta"] != nil || h["ignore_result"] != false ||
 		len(tl) != 2 || tl[0] != int64(30) || tl[1] != nil ||
-		fmt.Sprint(stamps["a"]) != "[x y]" || intValue(stamps["n"]) != 5 ||
+		fmt.Sprint(stamps["a"]) != "[x y]" || intOf(stamps["n"]) != 5 ||
 		!h["when"].(time.Time).Equal(when) || string(h["raw"].([]byte)) != "\x00\x01" {
 		t.Fatalf("headers differ: %#v", h)
 	}

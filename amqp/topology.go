@@ -7,6 +7,7 @@ import (
 	"math"
 
 	amqp091 "github.com/onceler/onceler/internal/amqp091"
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // QueueSpec describes a queue, the exchange it is bound to and the binding,
@@ -79,7 +80,7 @@ func (q QueueSpec) isQuorum() bool {
 // none: a priority queue hands out its ready messages highest priority
 // first.
 func (q QueueSpec) MaxPriority() int {
-	n, _ := intArg(q.Args["x-max-priority"])
+	n, _ := intval.Whole(q.Args["x-max-priority"])
 	return int(n)
 }
 
@@ -102,7 +103,7 @@ func (q QueueSpec) deliveryLimit() (int, bool) {
 	if !q.isQuorum() {
 		return 0, false
 	}
-	n, ok := intArg(q.Args["x-delivery-limit"])
+	n, ok := intval.Whole(q.Args["x-delivery-limit"])
 	if !ok || n < 0 {
 		return 0, false
 	}

@@ -69,7 +69,7 @@ func TestCeleryQueueMatchesKombu(t *testing.T) {
 		h := d.Headers
 		tl, _ := h["timelimit"].([]any)
 		if h["task"] != "probe.add" || h["id"] != d.CorrelationID || h["lang"] != "py" ||
-			intValue(h["retries"]) != 0 || h["eta"] != nil || len(tl) != 2 || tl[0] != nil || tl[1] != nil {
+			intOf(h["retries"]) != 0 || h["eta"] != nil || len(tl) != 2 || tl[0] != nil || tl[1] != nil {
 			t.Fatalf("celery headers arrived as %#v", h)
 		}
 		if d.ContentType != "application/json" || d.ContentEncoding != "utf-8" || d.DeliveryMode != 2 || d.Exchange != "" {

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // Field readers: each accepts what the wire may hold for a field (header
@@ -63,41 +65,11 @@ const maxRetries = 1 << 20
 
 // intValue accepts every integer width, integral floats and nil (ok false).
 func intValue(k string, v any) (int64, bool, error) {
-	switch x := v.(type) {
-	case nil:
+	if v == nil {
 		return 0, false, nil
-	case int64:
-		return x, true, nil
-	case int:
-		return int64(x), true, nil
-	case int8:
-		return int64(x), true, nil
-	case int16:
-		return int64(x), true, nil
-	case int32:
-		return int64(x), true, nil
-	case uint8:
-		return int64(x), true, nil
-	case uint16:
-		return int64(x), true, nil
-	case uint32:
-		return int64(x), true, nil
-	case uint64:
-		if x <= math.MaxInt64 {
-			return int64(x), true, nil
-		}
-	case uint:
-		if uint64(x) <= math.MaxInt64 {
-			return int64(x), true, nil
-		}
-	case float64:
-		if x == math.Trunc(x) && math.Abs(x) < 1<<53 {
-			return int64(x), true, nil
-		}
-	case float32:
-		if float64(x) == math.Trunc(float64(x)) && math.Abs(float64(x)) < 1<<24 {
-			return int64(x), true, nil
-		}
+	}
+	if n, ok := intval.Whole(v); ok {
+		return n, true, nil
 	}
 	return 0, false, badField(k, v, "an integer")
 }

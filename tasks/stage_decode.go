@@ -17,6 +17,7 @@ import (
 	"github.com/onceler/onceler/amqp"
 	"github.com/onceler/onceler/celeryproto"
 	"github.com/onceler/onceler/internal/clip"
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // decode decodes j's delivery through the memory budget (w.dec) and checks
@@ -93,27 +94,7 @@ func (w *Worker) passOn(ctx context.Context, j *job, deliveries, limit int) {
 // before it was republished on its queue's last allowed delivery; 0 when
 // absent or unreadable.
 func carriedDeliveries(h map[string]any) int {
-	var n int64
-	switch x := h[HeaderDeliveries].(type) {
-	case int:
-		n = int64(x)
-	case int8:
-		n = int64(x)
-	case int16:
-		n = int64(x)
-	case int32:
-		n = int64(x)
-	case int64:
-		n = x
-	case uint8:
-		n = int64(x)
-	case uint16:
-		n = int64(x)
-	case uint32:
-		n = int64(x)
-	case float64:
-		n = int64(x)
-	}
+	n, _ := intval.Whole(h[HeaderDeliveries])
 	return int(min(max(n, 0), 1<<20))
 }
 
