@@ -330,6 +330,7 @@
 //	onceler_eta_requeued_total                due later, sent back: ETA holds fill half the budget
 //	onceler_stalled                           1 while every slot is held without progress
 //	onceler_memory_collections_total          collections run before a large decode
+//	onceler_receive_failures_total            failed SQS receives and Sidekiq fetches, tried again
 //
 // Worker.HealthHandler serves /healthz (the worker runs) and /readyz (it is
 // consuming, its database answers and it is not stalled: Worker.Stalled).

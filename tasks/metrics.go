@@ -39,6 +39,7 @@ type metrics struct {
 	etaRequeued prometheus.Counter
 	stalled     prometheus.Gauge
 	collections prometheus.Counter
+	recvFails   prometheus.Counter
 }
 
 // newMetrics makes the collectors and registers them with reg (none when
@@ -86,13 +87,15 @@ func newMetrics(reg prometheus.Registerer, lapsed func(context.Context) (int64, 
 			Help: "1 while the worker holds every slot without settling a delivery (readiness fails), else 0."}),
 		collections: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "memory_collections_total",
 			Help: "Garbage collections run before a large decode because the heap, garbage included, would pass the memory budget."}),
+		recvFails: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "receive_failures_total",
+			Help: "Receives from SQS and fetches from Sidekiq's Redis that failed and are tried again (each is logged)."}),
 	}
 	if reg == nil {
 		return m, nil
 	}
 	cs := []prometheus.Collector{m.received, m.succeeded, m.failed, m.retried, m.skRetries, m.revoked, m.duplicates,
 		m.deferred, m.stale, m.held, m.quarantined, m.steps, m.abandoned, m.inFlight, m.scheduled, m.taskSeconds, m.claimSecs, m.reconnects,
-		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections}
+		m.memBudget, m.memCharged, m.memWaiting, m.etaRequeued, m.stalled, m.collections, m.recvFails}
 	if lapsed != nil {
 		m.lapsed = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: ns, Name: "claims_lapsed",
 			Help: "Claims in the record whose lease has lapsed without an outcome (read at a scrape, at most once a second; NaN when the record does not answer)."},

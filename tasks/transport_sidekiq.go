@@ -101,6 +101,7 @@ type sidekiqTransport[J comparable] struct {
 	limit    int // the window's cap for the memory budget (0: none)
 	kick     chan struct{}
 	failing  atomic.Bool // the last fetch failed
+	failed   func()      // counts a failed fetch (the worker's metric); nil: none
 	// held are the deliveries whose job may still be in the working
 	// list (not settled, not stale), checked every sidekiqHeldCheck.
 	held map[*sidekiqDelivery[J]]struct{}
@@ -141,6 +142,10 @@ func (t *sidekiqTransport[J]) consume(ctx context.Context, receive func(delivery
 				return nil
 			}
 			t.failing.Store(true)
+			if t.failed != nil {
+				t.failed()
+			}
+			t.log.Warn("Sidekiq fetch failed; retrying", zap.Error(err))
 			if !pause.For(ctx, min(100*time.Millisecond<<min(failures, 6), 5*time.Second)) {
 				return nil
 			}

@@ -28,6 +28,8 @@ type fakeSidekiq struct {
 	requeueFails int
 	requeueGate  chan struct{}
 	requeues     int // Requeue calls
+	// fetchFails is how many Fetch calls to come fail (Redis away).
+	fetchFails int
 	// outcomes are Retry's outcomes by jid (Retried when absent).
 	outcomes map[string]sidekiq.RetryOutcome
 	calls    []string
@@ -43,6 +45,11 @@ func newFakeSidekiq(jobs ...*sidekiqJob) *fakeSidekiq {
 func (f *fakeSidekiq) Fetch(ctx context.Context) (*sidekiqJob, error) {
 	for {
 		f.mu.Lock()
+		if f.fetchFails > 0 {
+			f.fetchFails--
+			f.mu.Unlock()
+			return nil, errors.New("fake: Redis away")
+		}
 		if len(f.queue) > 0 {
 			j := f.queue[0]
 			f.queue = f.queue[1:]
@@ -465,5 +472,27 @@ func TestSidekiqRetryOutcome(t *testing.T) {
 		if got := d.retryOutcome(); got != want {
 			t.Errorf("%s: outcome %v, want %v", d.v.JID, got, want)
 		}
+	}
+}
+
+// TestSidekiqFetchFailuresCounted: fetches that fail are tried again,
+// counted in onceler_receive_failures_total, and the job waiting behind
+// them is still delivered.
+func TestSidekiqFetchFailuresCounted(t *testing.T) {
+	t.Parallel()
+	f := newFakeSidekiq(&sidekiqJob{Queue: "default", Class: "Billing::Charge", JID: "j1"})
+	f.fetchFails = 2
+	m, err := newMetrics(nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := newFakeTransport(f, 4)
+	tr.failed = m.recvFails.Inc
+	ds := consumeFake(t, tr)
+	if d := nextDelivery(t, ds); d.origin().Queue != "default" {
+		t.Fatalf("delivered from %q, want default", d.origin().Queue)
+	}
+	if got := counterValue(m.recvFails); got != 2 {
+		t.Fatalf("onceler_receive_failures_total = %v, want 2", got)
 	}
 }

@@ -85,6 +85,8 @@ type sqsTransport struct {
 	limit    int
 	kick     chan struct{}
 	failing  atomic.Bool
+	// failed counts a receive that failed (the worker's metric); nil: none.
+	failed func()
 	// held are the deliveries whose messages may still be in flight
 	// under their receipt handles (not settled, not stale): extended.
 	held map[*sqsDelivery]struct{}
@@ -259,6 +261,9 @@ func (t *sqsTransport) poll(ctx context.Context, q *sqsQueue) {
 				return
 			}
 			t.failing.Store(true)
+			if t.failed != nil {
+				t.failed()
+			}
 			t.log.Warn("SQS receive failed; retrying", zap.String("queue", q.Name), zap.Error(err))
 			if !pause.For(ctx, min(100*time.Millisecond<<min(failures, 6), 5*time.Second)) {
 				return

@@ -424,3 +424,44 @@ func nextTry(t *testing.T, d delivery) *celeryproto.Message {
 	nxt.Retries++
 	return &nxt
 }
+
+// TestSQSReceiveFailuresCounted: receives SQS answers with an error are
+// tried again, counted in onceler_receive_failures_total, and the message
+// waiting behind them is still delivered.
+func TestSQSReceiveFailuresCounted(t *testing.T) {
+	f := newFakeSQS(t)
+	f.mu.Lock()
+	f.failReceives = 2
+	f.mu.Unlock()
+	f.add(fakeMessage{id: "m1", body: `{"args": [1, 2]}`})
+	m, err := newMetrics(nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &Config{Prefetch: 4, SQS: &sqs.Config{Endpoint: f.srv.URL, Region: "us-east-1", Wait: time.Second,
+		Credentials: aws.AnonymousCredentials{}, Queues: []sqs.Queue{{Name: "q", Task: "demo.add"}}}}
+	tr := newSQSTransport(cfg, zap.NewNop())
+	tr.failed = m.recvFails.Inc
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := tr.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ch := make(chan delivery, 4)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = tr.consume(ctx, func(d delivery) { ch <- d })
+	}()
+	defer func() {
+		cancel()
+		<-done
+		_ = tr.close()
+	}()
+	if d := next(t, ch); d.m.ID != "m1" {
+		t.Fatalf("delivered %q, want m1", d.m.ID)
+	}
+	if got := counterValue(m.recvFails); got != 2 {
+		t.Fatalf("onceler_receive_failures_total = %v, want 2", got)
+	}
+}

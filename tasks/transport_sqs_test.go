@@ -38,6 +38,8 @@ type fakeSQS struct {
 	batches map[string]int               // entries per batch call, by action (the last)
 	sent    []map[string][]string        // forms of SendMessage
 	attrs   map[string]map[string]string // queue attributes by name
+	// failReceives is how many receives to come are refused.
+	failReceives int
 }
 
 type fakeMessage struct {
@@ -98,6 +100,14 @@ func (f *fakeSQS) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		fmt.Fprintf(w, `<GetQueueAttributesResponse><GetQueueAttributesResult>%s</GetQueueAttributesResult></GetQueueAttributesResponse>`, b.String())
 	case "ReceiveMessage":
+		if f.failReceives > 0 {
+			f.failReceives--
+			// Refused, not failed on the server's side: the SDK does not
+			// retry it on its own.
+			w.WriteHeader(http.StatusForbidden)
+			fmt.Fprint(w, `<ErrorResponse><Error><Type>Sender</Type><Code>AccessDenied</Code><Message>fake refusal</Message></Error></ErrorResponse>`)
+			return
+		}
 		n := 1
 		_, _ = fmt.Sscan(r.Form.Get("MaxNumberOfMessages"), &n)
 		var b strings.Builder

@@ -185,9 +185,13 @@ func NewWorker(reg *Registry, cfg Config) (*Worker, error) {
 	w.pub = amqp.NewPublisher(cfg.Broker)
 	switch {
 	case cfg.Sidekiq != nil:
-		w.tr = newSidekiqWorkerTransport(&w.cfg, w.log, w.stop)
+		t := newSidekiqWorkerTransport(&w.cfg, w.log, w.stop)
+		t.failed = m.recvFails.Inc
+		w.tr = t
 	case cfg.SQS != nil:
-		w.tr = newSQSTransport(&w.cfg, w.log)
+		t := newSQSTransport(&w.cfg, w.log)
+		t.failed = m.recvFails.Inc
+		w.tr = t
 	default:
 		w.tr = newAMQPTransport(&w.cfg, w.pub)
 	}
