@@ -284,6 +284,15 @@ func (s *Store) ApplyPolicy(ctx context.Context, p ClaimParams, stale Claim, sp 
 // Ref returns the Ref of this operation with token t.
 func (p ClaimParams) Ref(t Token) Ref { return Ref{Task: p.Task, Key: p.Key, Token: t} }
 
+// heldMessage is the message a hold of p keeps: Message, or what
+// HeldMessage makes when Message is nil.
+func (p ClaimParams) heldMessage() []byte {
+	if p.Message == nil && p.HeldMessage != nil {
+		return p.HeldMessage()
+	}
+	return p.Message
+}
+
 // inTx is p as a claim made in the task's own transaction (RunTx) writes
 // it: without the message. Such a claim commits only with its completion,
 // which clears the message, so storing it would only write it twice; the
@@ -305,7 +314,7 @@ func (s *Store) settle(ctx context.Context, p ClaimParams, ref Ref, pol Policy, 
 	if pol == PolicySkip {
 		err = s.skip(ctx, ref, reason, lapsedOnly)
 	} else {
-		err = s.hold(ctx, ref, p.Message, reason, lapsedOnly)
+		err = s.hold(ctx, ref, p.heldMessage(), reason, lapsedOnly)
 	}
 	switch {
 	case err == nil:

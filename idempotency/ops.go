@@ -500,7 +500,7 @@ func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx contex
 	ended := endedTx(tx)
 	if err != nil {
 		if ended {
-			s.endedByTask(ctx, p.Ref(c.Token), p.Message)
+			s.endedByTask(ctx, p.Ref(c.Token), p.heldMessage)
 		}
 		return Claim{}, err
 	}
@@ -559,10 +559,12 @@ func (s *Store) completeEnded(ctx context.Context, p ClaimParams, c Claim, resul
 
 // endedByTask holds the claim ref of a task that ended its transaction
 // itself and then failed: if the claim committed, the effect may have
-// committed with it, and a person decides.
-func (s *Store) endedByTask(ctx context.Context, ref Ref, message []byte) {
+// committed with it, and a person decides. The claim was written without
+// the message (ClaimParams.inTx): the hold keeps message's, for the
+// person to replay it.
+func (s *Store) endedByTask(ctx context.Context, ref Ref, message func() []byte) {
 	s.log.Error("a same-database task ended its transaction itself, then failed", zap.String("task", ref.Task))
-	err := s.hold(ctx, ref, message, "the task ended its transaction itself, then failed: its effect may have committed", false)
+	err := s.hold(ctx, ref, message(), "the task ended its transaction itself, then failed: its effect may have committed", false)
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
 		s.log.Error("holding the claim of a task that ended its transaction failed; it lapses into its policy",
 			zap.String("task", ref.Task), zap.Error(err))

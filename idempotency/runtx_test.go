@@ -203,3 +203,45 @@ func TestClosedStore(t *testing.T) {
 		t.Fatalf("claim on closed store: %v", err)
 	}
 }
+
+// TestRunTxEndedThenFailedHeldWithMessage: a function that commits the
+// transaction itself and then fails leaves its claim and effect
+// committed; the operation is held with the caller's message (Message, or
+// what HeldMessage makes), which its claim, written in the transaction,
+// did not store. Alone and in a transaction group.
+func TestRunTxEndedThenFailedHeldWithMessage(t *testing.T) {
+	t.Parallel()
+	for _, group := range []int{0, 4} {
+		for _, lazy := range []bool{false, true} {
+			e := newEnv(t, idempotency.BatchConfig{GroupTx: group, GroupFlushers: 1})
+			tbl := e.effects(t)
+			ctx := context.Background()
+			p := params("credit", "ended")
+			want := string(p.Message)
+			if lazy {
+				msg := p.Message
+				p.Message, p.HeldMessage = nil, func() []byte { return msg }
+			}
+			boom := errors.New("boom")
+			_, err := e.store.RunTx(ctx, p, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ('ended', 1)`); err != nil {
+					return nil, err
+				}
+				if _, err := tx.Conn().Exec(ctx, "COMMIT"); err != nil {
+					return nil, err
+				}
+				return nil, boom
+			})
+			if !errors.Is(err, boom) {
+				t.Fatalf("group %d lazy %v: err %v, want the function's", group, lazy, err)
+			}
+			r := e.get(t, "credit", "ended")
+			if r.Status != idempotency.StatusHeld || string(r.Message) != want {
+				t.Fatalf("group %d lazy %v: record %s with message %q, want held with %q", group, lazy, r.Status, r.Message, want)
+			}
+			if n := e.count(t, `SELECT count(*) FROM `+tbl); n != 1 {
+				t.Fatalf("%d effects", n)
+			}
+		}
+	}
+}

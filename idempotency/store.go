@@ -249,8 +249,17 @@ type ClaimParams struct {
 	// Lease is how long the claim holds without renewal. Default 1 minute.
 	Lease time.Duration
 	// Message is the original delivery, kept for replaying held operations.
-	// It may be nil; it is cleared when the record completes.
+	// It may be nil; it is cleared when the record completes. A claim made
+	// in the task's own transaction (RunTx) does not store it: such a claim
+	// commits with its completion, except on the paths that hold it then
+	// (a task that ended its transaction itself, then failed), which keep
+	// Message or, when it is nil, what HeldMessage makes.
 	Message []byte
+	// HeldMessage, when not nil, makes the message for a hold when Message
+	// is nil: called only when the operation is held, so that a caller
+	// whose operations are rarely held need not encode every delivery. It
+	// may return nil (nothing kept).
+	HeldMessage func() []byte
 	// AllowMismatch claims even when the stored fingerprint differs (the
 	// stored fingerprint is replaced). By default a mismatch is reported as
 	// OutcomeMismatch and nothing changes.

@@ -639,7 +639,7 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 		m.done = true
 		switch {
 		case m == by && byErr != nil:
-			s.endedByTask(ctx, m.op.p.Ref(m.claim.Token), m.op.p.Message)
+			s.endedByTask(ctx, m.op.p.Ref(m.claim.Token), m.op.p.heldMessage)
 			m.commit, m.claim, m.err = false, Claim{}, byErr
 		case m == by:
 			m.claim, m.err = s.completeEnded(ctx, m.op.p, m.claim, m.result)

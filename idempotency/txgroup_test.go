@@ -399,3 +399,116 @@ func TestAdaptiveGroupOverlapsCommit(t *testing.T) {
 	t.Logf("%d functions ran during another group's commit; %d transactions", overlaps,
 		e.count(t, `SELECT count(DISTINCT xid) FROM `+ran+` WHERE key LIKE 'wave%'`))
 }
+
+// TestAdaptiveGroupDuplicateDuringCompletion: an adaptive group gives up
+// its turn before its completion statement; the next group, holding
+// another delivery of one of its operations, claims while that completion
+// (made slow by a trigger) is under way. The duplicate waits for the first
+// group's commit and is answered from the record: one effect, no deadlock,
+// every other call committed once.
+func TestAdaptiveGroupDuplicateDuringCompletion(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{})
+	ctx := context.Background()
+	tbl := e.effects(t)
+	const sleep = 300 * time.Millisecond
+	for _, q := range []string{
+		`CREATE FUNCTION ` + e.schema + `.slow_complete() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			PERFORM pg_sleep(` + fmt.Sprint(sleep.Seconds()) + `);
+			RETURN NEW;
+		END $$`,
+		`CREATE TRIGGER slow_complete BEFORE UPDATE ON ` + e.schema + `.records FOR EACH ROW
+		WHEN (NEW.key = 'slow' AND NEW.status = 'completed' AND OLD.status = 'claimed')
+		EXECUTE FUNCTION ` + e.schema + `.slow_complete()`,
+	} {
+		if _, err := e.pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var mu sync.Mutex
+	started := map[string]time.Time{}
+	insert := func(key string) func(context.Context, pgx.Tx) ([]byte, error) {
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			mu.Lock()
+			started[key] = time.Now()
+			mu.Unlock()
+			_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, key)
+			return []byte(`"` + key + `"`), err
+		}
+	}
+	for i := range 8 { // the estimate, from lone calls
+		key := fmt.Sprintf("warm%d", i)
+		if _, err := e.store.RunTx(ctx, params("credit", key), insert(key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type call struct {
+		key string
+		at  time.Duration
+	}
+	var calls []call
+	for i := range 6 {
+		calls = append(calls, call{fmt.Sprintf("a%d", i), 0})
+		calls = append(calls, call{fmt.Sprintf("b%d", i), sleep / 3})
+	}
+	calls = append(calls, call{"slow", 0}, call{"dup", 0}, call{"dup", sleep / 3}, call{"dup", sleep / 2})
+	var wg sync.WaitGroup
+	claims := make([]idempotency.Claim, len(calls))
+	errs := make([]error, len(calls))
+	for i, c := range calls {
+		wg.Go(func() {
+			time.Sleep(c.at)
+			p := params("credit", c.key)
+			p.TaskID = fmt.Sprintf("tid-%d", i)
+			claims[i], errs[i] = e.store.RunTx(ctx, p, insert(c.key))
+			if c.key == "slow" {
+				mu.Lock()
+				started["slow answered"] = time.Now()
+				mu.Unlock()
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("calls not answered within 20 s")
+	}
+	overlapped := 0
+	for k, at := range started {
+		if k[0] == 'b' && at.Before(started["slow answered"]) && at.After(started["slow"]) {
+			overlapped++
+		}
+	}
+	t.Logf("%d functions of later calls ran while the slow call's group completed", overlapped)
+	firsts := map[string]int{}
+	for i, c := range calls {
+		if errs[i] != nil {
+			t.Fatalf("%s (call %d): %v", c.key, i, errs[i])
+		}
+		switch claims[i].Outcome {
+		case idempotency.OutcomeFirst:
+			firsts[c.key]++
+		case idempotency.OutcomeCompleted:
+			if c.key != "dup" || string(claims[i].Result) != `"dup"` {
+				t.Fatalf("%s (call %d) answered %+v", c.key, i, claims[i])
+			}
+		default:
+			t.Fatalf("%s (call %d) answered %+v", c.key, i, claims[i])
+		}
+	}
+	if firsts["dup"] != 1 || e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key = 'dup'`) != 1 {
+		t.Fatalf("dup: %d first answers, %d effects, want one each", firsts["dup"], e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key = 'dup'`))
+	}
+	if got, want := e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key NOT LIKE 'warm%'`), len(calls)-2; got != want {
+		t.Fatalf("%d effects, want %d", got, want)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE status <> 'completed' OR message IS NOT NULL`); got != 0 {
+		t.Fatalf("%d records not completed or keeping a message", got)
+	}
+	if got := e.count(t, `SELECT duplicate_count FROM `+e.schema+`.records WHERE key = 'dup'`); got != 2 {
+		t.Fatalf("dup: %d duplicates counted, want 2", got)
+	}
+}

@@ -100,6 +100,9 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		return
 	}
 	p := w.claimParams(j)
+	// The claim commits alone only when the task ended its transaction
+	// itself: then the operation is held, with its message to replay.
+	p.HeldMessage = func() []byte { return w.heldCopy(j) }
 	var taskErr error
 	ran, connClosed := false, false
 	start := time.Now()
