@@ -35,14 +35,16 @@ import (
 // AdaptiveGroupBudget of function time, estimated from the durations of
 // recent functions: small groups under light load, large ones when the
 // queue is deep. Only one group at a time runs its statements (its turn:
-// the claim statement, the functions, the completion statement), so two
+// the claim statement and the functions), so two
 // groups never wait for each other's row locks in a cycle (deadlocks
 // between groups), and the functions of a group, one after another on one
 // connection, do not wait for each other's locks: the estimate (the median
 // of the last functions of groups and of lone calls) is of their work. A
-// group gives up its turn as it commits: the next group runs its
-// statements while the last one's commit is flushed to disk. The committing
-// group takes no more locks, so the next one at most waits for its commit. When functions are slow
+// group gives up its turn once its functions have run: the next group runs
+// its statements while the last one completes its records and its commit
+// is flushed to disk. The finishing group takes no more locks (its
+// completion statement updates only the records its claims hold), so the
+// next one at most waits for its commit. When functions are slow
 // (the estimate and the last one over adaptiveSlow), calls run in
 // transactions of their own, in parallel, as without groups. Until the
 // estimate is fresh (two measurements, the last within estimateStale) a

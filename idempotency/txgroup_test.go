@@ -322,8 +322,8 @@ func TestAdaptiveGroupsNeverQueueSlowFunctions(t *testing.T) {
 	round("known")
 }
 
-// TestAdaptiveGroupOverlapsCommit: an adaptive group gives up its turn as
-// it commits, so the next group runs its functions while the last one's
+// TestAdaptiveGroupOverlapsCommit: an adaptive group gives up its turn
+// once its functions have run, before it completes and commits, so the next group runs its functions while the last one's
 // commit is under way (here a commit made slow by a deferred constraint
 // trigger), and every call commits once.
 func TestAdaptiveGroupOverlapsCommit(t *testing.T) {
