@@ -438,26 +438,7 @@ func TestSQSReceiveFailuresCounted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := &Config{Prefetch: 4, SQS: &sqs.Config{Endpoint: f.srv.URL, Region: "us-east-1", Wait: time.Second,
-		Credentials: aws.AnonymousCredentials{}, Queues: []sqs.Queue{{Name: "q", Task: "demo.add"}}}}
-	tr := newSQSTransport(cfg, zap.NewNop())
-	tr.failed = m.recvFails.Inc
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := tr.prepare(ctx); err != nil {
-		t.Fatal(err)
-	}
-	ch := make(chan delivery, 4)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = tr.consume(ctx, func(d delivery) { ch <- d })
-	}()
-	defer func() {
-		cancel()
-		<-done
-		_ = tr.close()
-	}()
+	_, ch := startSQSTransportWith(t, f, "q", 4, func(tr *sqsTransport) { tr.failed = m.recvFails.Inc })
 	if d := next(t, ch); d.m.ID != "m1" {
 		t.Fatalf("delivered %q, want m1", d.m.ID)
 	}

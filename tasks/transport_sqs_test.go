@@ -171,9 +171,19 @@ func (f *fakeSQS) serve(w http.ResponseWriter, r *http.Request) {
 // the background; the deliveries come on the returned channel.
 func startSQSTransport(t *testing.T, f *fakeSQS, queue string, prefetch int) (*sqsTransport, <-chan delivery) {
 	t.Helper()
+	return startSQSTransportWith(t, f, queue, prefetch, nil)
+}
+
+// startSQSTransportWith is startSQSTransport with configure (when not nil)
+// applied to the transport before it consumes.
+func startSQSTransportWith(t *testing.T, f *fakeSQS, queue string, prefetch int, configure func(*sqsTransport)) (*sqsTransport, <-chan delivery) {
+	t.Helper()
 	cfg := &Config{Prefetch: prefetch, SQS: &sqs.Config{Endpoint: f.srv.URL, Region: "us-east-1", Wait: time.Second,
 		Credentials: aws.AnonymousCredentials{}, Queues: []sqs.Queue{{Name: queue, Task: "demo.add"}}}}
 	tr := newSQSTransport(cfg, zap.NewNop())
+	if configure != nil {
+		configure(tr)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	if err := tr.prepare(ctx); err != nil {
 		cancel()
