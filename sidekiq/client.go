@@ -101,6 +101,13 @@ type workEntry struct {
 	runAt   int64
 }
 
+// connBufferSize and pipelineBufferSize are the read and write buffers of
+// each Redis connection of a Client, and of its pipeline connections.
+const (
+	connBufferSize     = 4 << 10
+	pipelineBufferSize = 16 << 10
+)
+
 // New returns a Client for cfg. It writes the first heartbeat, so the
 // process is known (and its working lists are not taken for a dead
 // process's) before it fetches; Run must then run for as long as the
@@ -126,6 +133,23 @@ func New(cfg Config) (*Client, error) {
 		// Fetch holds a connection while it blocks: room for one Fetch per
 		// job run at once, and the heartbeat, scheduler and settling.
 		opt.PoolSize = max(10*runtime.GOMAXPROCS(0), cfg.Concurrency+5)
+	}
+	// The pool holds a connection per job run at once, and go-redis gives
+	// each 64 KiB of buffers by default: 16 MiB at the default concurrency,
+	// which the collector then lets the heap grow several times over.
+	// Sidekiq's replies and commands are small, and a larger one is read
+	// and written through the buffer in pieces.
+	if opt.ReadBufferSize == 0 {
+		opt.ReadBufferSize = connBufferSize
+	}
+	if opt.WriteBufferSize == 0 {
+		opt.WriteBufferSize = connBufferSize
+	}
+	if opt.PipelineReadBufferSize == 0 {
+		opt.PipelineReadBufferSize = pipelineBufferSize
+	}
+	if opt.PipelineWriteBufferSize == 0 {
+		opt.PipelineWriteBufferSize = pipelineBufferSize
 	}
 	opt.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 	c := &Client{

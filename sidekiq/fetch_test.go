@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -329,5 +330,33 @@ func TestRequeueAll(t *testing.T) {
 	}
 	if !e.rdb.HExists(ctx, "onceler:working", c.Identity()).Val() {
 		t.Fatal("RequeueAll unregistered the live process")
+	}
+}
+
+// TestLargeJobThroughSmallBuffers: a job far larger than a connection's
+// read and write buffers (connBufferSize) is fetched whole, handed back
+// (its payload written again) and fetched whole once more.
+func TestLargeJobThroughSmallBuffers(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	big := strings.Repeat("0123456789abcdef", 16*connBufferSize/16) // 16 buffers' worth
+	var jid string
+	e.ruby("push", map[string]any{"class": "BigWorker", "args": []any{big, 7}, "queue": "big"}, &jid)
+	c := e.client(Config{Queues: []string{"big"}})
+	check := func(j *Job) {
+		t.Helper()
+		if j.JID != jid || len(j.Args) != 2 || j.Args[0] != big {
+			t.Fatalf("fetched jid %s with %d args (first %d bytes), want %s with the %d-byte string", j.JID, len(j.Args), len(fmt.Sprint(j.Args[0])), jid, len(big))
+		}
+	}
+	j := fetch(t, c, 5*time.Second)
+	check(j)
+	if err := c.Requeue(context.Background(), j); err != nil {
+		t.Fatal(err)
+	}
+	j = fetch(t, c, 5*time.Second)
+	check(j)
+	if err := c.Done(context.Background(), j); err != nil {
+		t.Fatal(err)
 	}
 }
