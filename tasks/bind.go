@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 	"unicode"
+
+	"github.com/onceler/onceler/internal/intval"
 )
 
 // ErrBadArguments is matched (errors.Is) by every argument binding error: a
@@ -379,32 +381,14 @@ func convert(dst reflect.Value, v any, path string) error {
 	return mistyped(path, v, t)
 }
 
+// asInt reads an integer argument: any integer width (intval.Int), or a
+// whole float64 within int64's range (JSON numbers written as 3.0).
 func asInt(v any) (int64, bool) {
-	switch x := v.(type) {
-	case int64:
-		return x, true
-	case int:
-		return int64(x), true
-	case int32:
-		return int64(x), true
-	case int16:
-		return int64(x), true
-	case int8:
-		return int64(x), true
-	case uint32:
-		return int64(x), true
-	case uint16:
-		return int64(x), true
-	case uint8:
-		return int64(x), true
-	case uint64:
-		if x <= math.MaxInt64 {
-			return int64(x), true
-		}
-	case float64:
+	if x, ok := v.(float64); ok {
 		if x == math.Trunc(x) && x >= math.MinInt64 && x < math.MaxInt64 {
 			return int64(x), true
 		}
+		return 0, false
 	}
-	return 0, false
+	return intval.Int(v)
 }
