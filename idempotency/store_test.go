@@ -372,7 +372,9 @@ func TestTakeOverRaceOneWins(t *testing.T) {
 func TestKeepRenewsAndLosesLease(t *testing.T) {
 	e := newEnv(t, idempotency.BatchConfig{})
 	ctx := context.Background()
-	lease := 600 * time.Millisecond
+	// Each renewal has until a tenth of the lease before its end: 1 s here,
+	// which a loaded CI machine's slowest round trip stays well inside.
+	lease := 1500 * time.Millisecond
 
 	p := params("long", "renewed")
 	p.Lease = lease
