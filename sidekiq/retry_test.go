@@ -220,8 +220,9 @@ func TestScheduledJobsArrive(t *testing.T) {
 	j2 := fetch(t, c, 10*time.Second)
 	// The schedule is wall-clock time, as in Sidekiq: compare wall clocks
 	// (Round(0) drops the monotonic reading, which a step of the system
-	// clock does not move), with a millisecond for the score's float64.
-	if now := time.Now().Round(0); now.Before(at.Round(0).Add(-time.Millisecond)) {
+	// clock does not move). The scheduler compares scores as float64
+	// seconds (timeFloat), which round by under a microsecond.
+	if now := time.Now().Round(0); now.Before(at.Round(0).Add(-time.Microsecond)) {
 		t.Fatalf("scheduled job arrived at %v, before its time %v", now, at.Round(0))
 	}
 	if j2.JID != jid {
