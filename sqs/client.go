@@ -1,9 +1,11 @@
 package sqs
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -143,12 +145,17 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 	// Every connection to the one SQS host is kept for reuse: with the
 	// SDK's 10 per host, the connections of the receives, deletes and
 	// visibility changes under way at once were closed and opened again
-	// all the time, and responses were now and then cut off with "use of
-	// closed network connection" (seen against goaws).
+	// all the time.
 	tr.MaxIdleConns = max(tr.MaxIdleConns, maxConns)
 	tr.MaxIdleConnsPerHost = maxConns
+	return newClient(ac, tr, cfg), nil
+}
+
+// newClient is New's client of the SDK configuration ac over the
+// transport tr.
+func newClient(ac aws.Config, tr *http.Transport, cfg Config) *Client {
 	api := sqs.NewFromConfig(ac, func(o *sqs.Options) {
-		o.HTTPClient = &http.Client{Transport: tr}
+		o.HTTPClient = &http.Client{Transport: ownBodies{tr}}
 		if cfg.Endpoint != "" {
 			o.BaseEndpoint = aws.String(cfg.Endpoint)
 		}
@@ -159,7 +166,33 @@ func New(ctx context.Context, cfg Config) (*Client, error) {
 	}
 	c := &Client{api: api, log: log, tr: tr, urls: map[string]string{}, del: make(chan deleteReq, 256), delDone: make(chan struct{})}
 	go c.deleter()
-	return c, nil
+	return c
+}
+
+// ownBodies hands the transport a copy of each request's body that the
+// transport alone holds. The SDK closes the body it sent as soon as the
+// response's headers arrive; the transport, which can still be finishing
+// the request's write then (checking that the body has no bytes past its
+// Content-Length), took the closed body's io.EOF for a failed write and
+// closed the connection under the response being read: "use of closed
+// network connection" while decoding a 200 response, and for a receive,
+// messages hidden for their visibility timeout that nobody got.
+type ownBodies struct{ rt http.RoundTripper }
+
+func (o ownBodies) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return o.rt.RoundTrip(r)
+	}
+	b, err := io.ReadAll(r.Body)
+	_ = r.Body.Close()
+	if err != nil {
+		return nil, fmt.Errorf("sqs: read request body: %w", err)
+	}
+	own := r.WithContext(r.Context())
+	own.Body = io.NopCloser(bytes.NewReader(b))
+	own.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil }
+	own.ContentLength = int64(len(b))
+	return o.rt.RoundTrip(own)
 }
 
 // Close stops the client's batched deletes (those queued are sent first).
