@@ -183,15 +183,27 @@ func (o ownBodies) RoundTrip(r *http.Request) (*http.Response, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return o.rt.RoundTrip(r)
 	}
-	b, err := io.ReadAll(r.Body)
+	var b []byte
+	var err error
+	if r.ContentLength > 0 {
+		b = make([]byte, r.ContentLength)
+		_, err = io.ReadFull(r.Body, b)
+	} else {
+		b, err = io.ReadAll(r.Body)
+	}
 	_ = r.Body.Close()
 	if err != nil {
 		return nil, fmt.Errorf("sqs: read request body: %w", err)
 	}
 	own := r.WithContext(r.Context())
-	own.Body = io.NopCloser(bytes.NewReader(b))
-	own.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil }
 	own.ContentLength = int64(len(b))
+	own.GetBody = func() (io.ReadCloser, error) {
+		if len(b) == 0 {
+			return http.NoBody, nil
+		}
+		return io.NopCloser(bytes.NewReader(b)), nil
+	}
+	own.Body, _ = own.GetBody()
 	return o.rt.RoundTrip(own)
 }
 

@@ -3,9 +3,11 @@ package sqs
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,6 +84,50 @@ func TestReceiveWhileRequestWriteFinishes(t *testing.T) {
 		}
 		if len(msgs) != 2 || msgs[0].Body != "[0]" || msgs[1].ReceiptHandle != "h1" {
 			t.Fatalf("round %d: received %+v, want the two messages", round, msgs)
+		}
+	}
+}
+
+// closeCounter is a request body that counts its closes.
+type closeCounter struct {
+	*strings.Reader
+	closes int
+}
+
+func (c *closeCounter) Close() error { c.closes++; return nil }
+
+// TestOwnBodies: the request the transport gets carries the body's bytes
+// with their length (an empty body as no body, not a chunked one), the
+// caller's request is left as it was, and its body is closed once.
+func TestOwnBodies(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "%d %q %v", r.ContentLength, b, r.TransferEncoding)
+	}))
+	defer srv.Close()
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	for _, tc := range []struct{ body, want string }{
+		{"Action=ReceiveMessage", `21 "Action=ReceiveMessage" []`},
+		{"", `0 "" []`},
+	} {
+		body := &closeCounter{Reader: strings.NewReader(tc.body)}
+		req, err := http.NewRequest(http.MethodPost, srv.URL, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.ContentLength = int64(len(tc.body))
+		resp, err := ownBodies{tr}.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if string(got) != tc.want {
+			t.Errorf("body %q: server saw %s, want %s", tc.body, got, tc.want)
+		}
+		if body.closes != 1 || req.Body != io.ReadCloser(body) || req.GetBody != nil {
+			t.Errorf("body %q: closed %d times, caller's request changed: %v", tc.body, body.closes, req.Body != io.ReadCloser(body))
 		}
 	}
 }
