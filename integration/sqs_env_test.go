@@ -200,9 +200,9 @@ func (e *sqsEnv) depth(q string) int {
 func (e *sqsEnv) idle() bool { return e.depth(e.queue) == 0 }
 
 // drain receives the messages of the queue named q (each is deleted)
-// until it has want of them, or finds none for 40 s. A receive whose
-// response is cut off (goaws, now and then) leaves its messages in flight
-// until the queue's visibility timeout ends (goaws ignores the 2 s drain
+// until it has want of them, or finds none for 40 s. A receive that fails
+// after the server took its messages leaves them in flight until the
+// queue's visibility timeout ends (goaws ignores the 2 s drain
 // asks for, and a queue the worker creates has SQS's default of 30 s):
 // they come again then.
 func (e *sqsEnv) drain(q string, want int) []sqs.Message {

@@ -193,8 +193,8 @@ func runSQSRaw(ctx context.Context, job childJob) (childResult, error) {
 					if ctx.Err() != nil {
 						return
 					}
-					// A response cut off (seen against goaws under
-					// load): its messages come back when their
+					// A receive that failed: its messages, if the
+					// server took them, come back when their
 					// visibility timeouts run out, as for the worker.
 					receiveErrors.Add(1)
 					continue
