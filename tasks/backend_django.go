@@ -135,14 +135,22 @@ func (b *djangoBackend) put(ctx context.Context, taskID string, meta []byte) err
 
 // permanent: a meta that is not JSON, or a value PostgreSQL refuses
 // (data exceptions, class 22: a task id longer than the column; integrity,
-// class 23). A missing table or a refused permission is not permanent:
-// migrating or granting lets the held results through.
+// class 23). A table that is not yet the one the backend writes is not
+// permanent: migrating lets the held results through. So are a missing
+// table or column, a refused permission, and a NOT NULL column the backend
+// does not write (23502: the values it writes are never NULL where 2.4's
+// table requires one): django_celery_results' first migration makes the
+// table with such a column, hidden, which its seventh drops, so a write
+// between the two, while the Django application migrates, meets it.
 func (b *djangoBackend) permanent(err error) bool {
 	if errors.Is(err, errDjangoMeta) || errors.Is(err, errDjangoChord) {
 		return true
 	}
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23"))
+	if !errors.As(err, &pe) || pe.Code == "23502" {
+		return false
+	}
+	return strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23")
 }
 
 // djangoPrivilegeSQL names the privileges the session's role lacks to

@@ -90,11 +90,16 @@ func (a *djangoApp) openBackend() *djangoBackend {
 
 // migrate creates the django-celery-results tables with Django's own
 // migrations.
-func (a *djangoApp) migrate() {
+func (a *djangoApp) migrate() { a.migrateTo() }
+
+// migrateTo runs manage.py migrate django_celery_results up to the
+// migration named by target (all of them when none).
+func (a *djangoApp) migrateTo(target ...string) {
 	a.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, testenv.Python(a.t), "-m", "django", "migrate", "--settings=onceler_django_settings", "django_celery_results")
+	args := append([]string{"-m", "django", "migrate", "--settings=onceler_django_settings", "django_celery_results"}, target...)
+	cmd := exec.CommandContext(ctx, testenv.Python(a.t), args...)
 	cmd.Env = a.env
 	if out, err := cmd.CombinedOutput(); err != nil {
 		a.t.Fatalf("django migrate: %v\n%s", err, out)
@@ -367,6 +372,38 @@ func TestDjangoBackendHeldUntilMigrated(t *testing.T) {
 	if n := e.queueDepth(e.queue); n != 0 {
 		t.Errorf("queue depth %d after the result landed", n)
 	}
+}
+
+// TestDjangoBackendHeldWhileMigrating: a result written while the Django
+// application is between django_celery_results' migrations 0006 and 0007
+// meets the first migration's NOT NULL column hidden, which the backend
+// does not write (0007 drops it). The delivery is held, not answered with
+// a refused result, and the result lands once the migrations are done.
+func TestDjangoBackendHeldWhileMigrating(t *testing.T) {
+	t.Parallel()
+	a := newDjangoApp(t, false)
+	a.migrateTo("0006")
+	e := newEnv(t)
+	cfg := e.config()
+	cfg.ResultBackend = a.backend
+	e.start(djangoRegistry(t), cfg)
+	id := testenv.Name("mid")
+	e.publish(&celeryproto.Message{Protocol: 2, Task: "t.add", ID: id, Args: []any{int64(20), int64(22)}})
+	time.Sleep(1500 * time.Millisecond) // several write attempts fail meanwhile
+	if n := unacked(t, e.queue); n != 1 {
+		t.Errorf("unacknowledged while the table has hidden: %d, want the held delivery", n)
+	}
+	a.migrate()
+	var status, result string
+	testkit.WaitFor(t, "the row after migrate", 30*time.Second, func() bool {
+		err := a.pool.QueryRow(context.Background(), "SELECT status, result FROM "+
+			pgx.Identifier{a.schema, DjangoTaskTable}.Sanitize()+" WHERE task_id = $1", id).Scan(&status, &result)
+		return err == nil
+	})
+	if status != "SUCCESS" || result != "42" {
+		t.Errorf("row: %s %s", status, result)
+	}
+	testkit.WaitFor(t, "the delivery settled", 10*time.Second, func() bool { return unacked(t, e.queue) == 0 })
 }
 
 // unacked is the number of unacknowledged messages of queue, from
