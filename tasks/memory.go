@@ -150,13 +150,17 @@ func (w *Worker) admit(j *job) {
 	w.flowChanged()
 }
 
-// evictHeld sends deliveries held for their ETA, those due latest first,
-// back to their queue until the budget, once their charges are released,
-// has room for need more bytes: each is handed to the task goroutines
-// marked to be republished (j.rehold), which acknowledges it and releases
-// its charge. Deliveries already on their way back count as freed. w.mu is
+// evictHeld sends deliveries held for their ETA back to their queue until
+// the budget, once their charges are released, has room for need more
+// bytes for a delivery due at due (zero: now, or not known before
+// decoding). Only deliveries due later than it go, those due latest first:
+// one due no sooner than they are waits for the other charges to be
+// released instead, unless those could never make room, the held ones
+// due sooner filling what is left. Each goes to the task goroutines marked
+// to be republished (j.rehold), which acknowledges it and releases its
+// charge. Deliveries already on their way back count as freed. w.mu is
 // held.
-func (w *Worker) evictHeld(need int64) {
+func (w *Worker) evictHeld(need int64, due time.Time) {
 	freed := int64(0)
 	for _, h := range w.charged {
 		if h.evicted {
@@ -167,9 +171,23 @@ func (w *Worker) evictHeld(need int64) {
 		return
 	}
 	held := make([]*job, 0, len(w.held))
+	kept := int64(0) // held, due no later than due
 	for h := range w.held {
-		if _, timed := w.timers[h]; timed && h.msg != nil {
+		if _, timed := w.timers[h]; !timed || h.msg == nil {
+			continue
+		}
+		if due.IsZero() || h.msg.ETA.After(due) {
 			held = append(held, h)
+		} else {
+			kept += h.charge
+		}
+	}
+	if kept+need > w.cfg.MemoryBudget {
+		held = held[:0]
+		for h := range w.held {
+			if _, timed := w.timers[h]; timed && h.msg != nil {
+				held = append(held, h)
+			}
 		}
 	}
 	slices.SortFunc(held, func(a, b *job) int { return b.msg.ETA.Compare(a.msg.ETA) })
@@ -187,6 +205,21 @@ func (w *Worker) evictHeld(need int64) {
 		freed += h.charge
 		w.enqueue(h)
 	}
+}
+
+// headerETA is the ETA a delivery's headers give (Celery's protocol 2
+// carries it there), zero when they give none or one that does not parse:
+// what is known of when it is due before its body is decoded.
+func headerETA(d *celeryproto.Delivery) time.Time {
+	s, _ := d.Headers["eta"].(string)
+	if s == "" {
+		return time.Time{}
+	}
+	t, err := celeryproto.ParseTime(s)
+	if err != nil {
+		return time.Time{}
+	}
+	return t
 }
 
 // fits reports whether n more bytes fit the budget; anything fits when
@@ -233,14 +266,15 @@ func indexOf(js []*job, j *job) int {
 
 // admitWaiting hands over the waiting deliveries that now fit, in order of
 // arrival. When the first does not fit and deliveries held for their ETA
-// hold the memory it needs, those due latest go back to the end of their
-// queue (republished, then acknowledged) to make room: a delivery due now
-// never waits for one due later. w.mu is held.
+// and due later than it hold the memory it needs, those due latest go back
+// to the end of their queue (republished, then acknowledged) to make room:
+// a delivery due now never waits for one due later (evictHeld). w.mu is
+// held.
 func (w *Worker) admitWaiting() {
 	for len(w.waiting) > 0 {
 		j := w.waiting[0]
 		if !j.d.stale() && !w.fits(j.need) {
-			w.evictHeld(j.need)
+			w.evictHeld(j.need, headerETA(j.d.wire()))
 			break
 		}
 		w.waiting = w.waiting[1:]

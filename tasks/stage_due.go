@@ -118,13 +118,19 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 	})
 }
 
-// rehold ends a hold of Config.MaxHold before the delivery's ETA: a copy of
-// the message goes back to the queue it came from (republishHeld), then the
-// delivery is acknowledged; the copy arrives as a fresh delivery
-// and is held in its place. A crash in between leaves two copies with the
+// rehold sends a delivery due later back to its queue: its hold reached
+// Config.MaxHold before its ETA, it made room in the memory budget for one
+// due sooner (j.evicted), or the held deliveries fill their share of the
+// budget (decoded). A copy of the message goes back to the queue it came
+// from (republishHeld), then the delivery is acknowledged; the copy arrives
+// as a fresh delivery and is held in its place. A crash in between leaves two copies with the
 // same task id: the record answers the second.
 func (w *Worker) rehold(ctx context.Context, j *job) {
-	w.republishHeld(ctx, j, "held delivery republished (max hold reached before its ETA)")
+	msg := "held delivery republished (max hold reached before its ETA)"
+	if j.evicted {
+		msg = "held delivery republished (room made in the memory budget for a delivery due sooner)"
+	}
+	w.republishHeld(ctx, j, msg)
 }
 
 // republishHeld puts a copy of j's message back on the queue it came from
