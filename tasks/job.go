@@ -45,7 +45,7 @@ type job struct {
 	// hold ends before the ETA, the delivery is republished and acknowledged.
 	rehold bool
 	// evicted: held for its ETA, it is on its way back to its queue to make
-	// room in the memory budget for a delivery due now.
+	// room in the memory budget for a delivery waiting for it (evictHeld).
 	evicted bool
 	// abandoned: the task did not return by its hard time limit and runs on
 	// unwatched; its outcome is unknown.

@@ -150,49 +150,32 @@ func (w *Worker) admit(j *job) {
 	w.flowChanged()
 }
 
-// evictHeld sends deliveries held for their ETA back to their queue until
-// the budget, once their charges are released, has room for need more
-// bytes for a delivery due at due (zero: now, or not known before
-// decoding). Only deliveries due later than it go, those due latest first:
-// one due no sooner than they are waits for the other charges to be
-// released instead, unless those could never make room, the held ones
-// due sooner filling what is left. Each goes to the task goroutines marked
+// evictHeld sends deliveries held for their ETA back to their queue when
+// they would keep a delivery that needs need bytes out of the budget even
+// once everything else charged is settled: those due latest go, until the
+// ones left and need fit. Short of that, the waiting delivery waits for the
+// running and decoding ones to release their charges, as it would with no
+// delivery held: sending held ones back for it would bring each back as a
+// fresh delivery, charged its estimate before decoding (often many times
+// what it held), to wait in its turn and send back others, for as long as
+// the running tasks hold the rest. Each goes to the task goroutines marked
 // to be republished (j.rehold), which acknowledges it and releases its
-// charge. Deliveries already on their way back count as freed. w.mu is
-// held.
-func (w *Worker) evictHeld(need int64, due time.Time) {
-	freed := int64(0)
-	for _, h := range w.charged {
-		if h.evicted {
-			freed += h.charge
-		}
-	}
-	if w.memUsed-freed+need <= w.cfg.MemoryBudget || len(w.held) == 0 {
-		return
-	}
+// charge. w.mu is held.
+func (w *Worker) evictHeld(need int64) {
 	held := make([]*job, 0, len(w.held))
-	kept := int64(0) // held, due no later than due
+	kept := int64(0)
 	for h := range w.held {
-		if _, timed := w.timers[h]; !timed || h.msg == nil {
-			continue
-		}
-		if due.IsZero() || h.msg.ETA.After(due) {
+		if _, timed := w.timers[h]; timed && h.msg != nil {
 			held = append(held, h)
-		} else {
 			kept += h.charge
 		}
 	}
-	if kept+need > w.cfg.MemoryBudget {
-		held = held[:0]
-		for h := range w.held {
-			if _, timed := w.timers[h]; timed && h.msg != nil {
-				held = append(held, h)
-			}
-		}
+	if kept+need <= w.cfg.MemoryBudget {
+		return
 	}
 	slices.SortFunc(held, func(a, b *job) int { return b.msg.ETA.Compare(a.msg.ETA) })
 	for _, h := range held {
-		if w.memUsed-freed+need <= w.cfg.MemoryBudget {
+		if kept+need <= w.cfg.MemoryBudget {
 			break
 		}
 		w.timers[h].Stop()
@@ -202,24 +185,9 @@ func (w *Worker) evictHeld(need int64, due time.Time) {
 		w.m.scheduled.Dec()
 		w.m.etaRequeued.Inc()
 		h.rehold, h.evicted = true, true
-		freed += h.charge
+		kept -= h.charge
 		w.enqueue(h)
 	}
-}
-
-// headerETA is the ETA a delivery's headers give (Celery's protocol 2
-// carries it there), zero when they give none or one that does not parse:
-// what is known of when it is due before its body is decoded.
-func headerETA(d *celeryproto.Delivery) time.Time {
-	s, _ := d.Headers["eta"].(string)
-	if s == "" {
-		return time.Time{}
-	}
-	t, err := celeryproto.ParseTime(s)
-	if err != nil {
-		return time.Time{}
-	}
-	return t
 }
 
 // fits reports whether n more bytes fit the budget; anything fits when
@@ -266,15 +234,15 @@ func indexOf(js []*job, j *job) int {
 
 // admitWaiting hands over the waiting deliveries that now fit, in order of
 // arrival. When the first does not fit and deliveries held for their ETA
-// and due later than it hold the memory it needs, those due latest go back
-// to the end of their queue (republished, then acknowledged) to make room:
-// a delivery due now never waits for one due later (evictHeld). w.mu is
-// held.
+// would keep it out even once the others are settled, those due latest go
+// back to the end of their queue (republished, then acknowledged) to make
+// room (evictHeld): held deliveries never keep a waiting one out for
+// longer than the running tasks take. w.mu is held.
 func (w *Worker) admitWaiting() {
 	for len(w.waiting) > 0 {
 		j := w.waiting[0]
 		if !j.d.stale() && !w.fits(j.need) {
-			w.evictHeld(j.need, headerETA(j.d.wire()))
+			w.evictHeld(j.need)
 			break
 		}
 		w.waiting = w.waiting[1:]

@@ -119,8 +119,8 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 }
 
 // rehold sends a delivery due later back to its queue: its hold reached
-// Config.MaxHold before its ETA, it made room in the memory budget for one
-// due sooner (j.evicted), or the held deliveries fill their share of the
+// Config.MaxHold before its ETA, it made room in the memory budget for a
+// waiting delivery (j.evicted), or the held deliveries fill their share of the
 // budget (decoded). A copy of the message goes back to the queue it came
 // from (republishHeld), then the delivery is acknowledged; the copy arrives
 // as a fresh delivery and is held in its place. A crash in between leaves two copies with the
@@ -128,7 +128,7 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 func (w *Worker) rehold(ctx context.Context, j *job) {
 	msg := "held delivery republished (max hold reached before its ETA)"
 	if j.evicted {
-		msg = "held delivery republished (room made in the memory budget for a delivery due sooner)"
+		msg = "held delivery republished (room made in the memory budget for a waiting delivery)"
 	}
 	w.republishHeld(ctx, j, msg)
 }
