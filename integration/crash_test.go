@@ -144,6 +144,9 @@ func TestStopPastLeaseOutside(t *testing.T) {
 	}) {
 		t.Fatal("never claimed")
 	}
+	// The task starts just after its claim commits, then sleeps 2 s: stop
+	// it in its sleep.
+	time.Sleep(500 * time.Millisecond)
 	if err := w1.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
@@ -174,12 +177,20 @@ func TestStopPastLeaseOutside(t *testing.T) {
 		t.Errorf("after SIGCONT the record is %s owned by %s (err %v): the old owner was not fenced", rec2.Status, rec2.Owner, err)
 	}
 	log1 := w1.Log()
-	if !strings.Contains(log1, "taken over") && !strings.Contains(log1, "lease lost") {
-		t.Errorf("the old owner's log shows no refused completion:\n%s", w1.LogTail(3000))
-	}
 	n, err := countOwn("replay.slow")(context.Background(), e.Pool, op)
-	if err != nil || n < 1 || n > 2 {
-		t.Errorf("effects %d (err %v), want 1 or 2 (policy retry)", n, err)
+	switch {
+	case strings.Contains(log1, "taken over") || strings.Contains(log1, "lease lost"):
+		if err != nil || n < 1 || n > 2 {
+			t.Errorf("effects %d (err %v), want 1 or 2 (policy retry)", n, err)
+		}
+	case strings.Contains(log1, "claim lapsed before the task started"):
+		// On a machine slow enough that the stop came between the claim
+		// and the task's start, the old owner did not start it at all.
+		if err != nil || n != 1 {
+			t.Errorf("effects %d (err %v), want 1: the old owner stopped before its task started", n, err)
+		}
+	default:
+		t.Errorf("the old owner's log shows no refused completion:\n%s", w1.LogTail(3000))
 	}
 	for _, id := range []string{first.ID, second.ID} {
 		for _, r := range e.Replies(id) {
