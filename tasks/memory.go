@@ -151,31 +151,31 @@ func (w *Worker) admit(j *job) {
 }
 
 // evictHeld sends deliveries held for their ETA back to their queue when
-// they would keep a delivery that needs need bytes out of the budget even
-// once everything else charged is settled: those due latest go, until the
-// ones left and need fit. Short of that, the waiting delivery waits for the
-// running and decoding ones to release their charges, as it would with no
-// delivery held: sending held ones back for it would bring each back as a
-// fresh delivery, charged its estimate before decoding (often many times
-// what it held), to wait in its turn and send back others, for as long as
-// the running tasks hold the rest. Each goes to the task goroutines marked
-// to be republished (j.rehold), which acknowledges it and releases its
-// charge. w.mu is held.
+// the deliveries waiting on a timer (held for their ETA, for their task's
+// rate limit, deferred: timedCharge) would keep a delivery that needs need
+// bytes out of the budget even once everything else charged is settled:
+// those due latest go, until the rest and need fit. Short of that, the
+// waiting delivery waits for the running and decoding ones to release
+// their charges, as it would with none held: sending held ones back for it
+// would bring each back as a fresh delivery, charged its estimate before
+// decoding (often many times what it held), to wait in its turn and send
+// back others, for as long as the running tasks hold the rest. Each goes to
+// the task goroutines marked to be republished (j.rehold), which
+// acknowledges it and releases its charge. w.mu is held.
 func (w *Worker) evictHeld(need int64) {
-	held := make([]*job, 0, len(w.held))
-	kept := int64(0)
-	for h := range w.held {
-		if _, timed := w.timers[h]; timed && h.msg != nil {
-			held = append(held, h)
-			kept += h.charge
-		}
-	}
-	if kept+need <= w.cfg.MemoryBudget {
+	timed := w.timedCharge()
+	if timed+need <= w.cfg.MemoryBudget {
 		return
+	}
+	held := make([]*job, 0, len(w.held))
+	for h := range w.held {
+		if _, ok := w.timers[h]; ok && h.msg != nil {
+			held = append(held, h)
+		}
 	}
 	slices.SortFunc(held, func(a, b *job) int { return b.msg.ETA.Compare(a.msg.ETA) })
 	for _, h := range held {
-		if kept+need <= w.cfg.MemoryBudget {
+		if timed+need <= w.cfg.MemoryBudget {
 			break
 		}
 		w.timers[h].Stop()
@@ -185,9 +185,19 @@ func (w *Worker) evictHeld(need int64) {
 		w.m.scheduled.Dec()
 		w.m.etaRequeued.Inc()
 		h.rehold, h.evicted = true, true
-		kept -= h.charge
+		timed -= h.charge
 		w.enqueue(h)
 	}
+}
+
+// timedCharge is what the deliveries waiting on a timer are charged: they
+// release it only when their timers fire. w.mu is held.
+func (w *Worker) timedCharge() int64 {
+	n := int64(0)
+	for j := range w.timers {
+		n += j.charge
+	}
+	return n
 }
 
 // fits reports whether n more bytes fit the budget; anything fits when
@@ -233,11 +243,10 @@ func indexOf(js []*job, j *job) int {
 }
 
 // admitWaiting hands over the waiting deliveries that now fit, in order of
-// arrival. When the first does not fit and deliveries held for their ETA
-// would keep it out even once the others are settled, those due latest go
-// back to the end of their queue (republished, then acknowledged) to make
-// room (evictHeld): held deliveries never keep a waiting one out for
-// longer than the running tasks take. w.mu is held.
+// arrival. When the first does not fit and the deliveries waiting on a
+// timer would keep it out even once the others are settled, held ones due
+// latest go back to the end of their queue (republished, then
+// acknowledged) to make room (evictHeld). w.mu is held.
 func (w *Worker) admitWaiting() {
 	for len(w.waiting) > 0 {
 		j := w.waiting[0]

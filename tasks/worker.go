@@ -465,6 +465,7 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 		w.settled.Store(time.Now().UnixNano())
 		return
 	}
+	defer w.admitWaiting() // what waits on a timer may be sent back for them (evictHeld)
 	w.timers[j] = time.AfterFunc(delay, func() {
 		w.mu.Lock()
 		_, ok := w.timers[j]

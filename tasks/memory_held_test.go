@@ -1,0 +1,190 @@
+package tasks
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceler/onceler/celeryproto"
+)
+
+// rateLimitedRegistry: t.block (blockRegistry) and t.rl, a task
+// rate-limited to rate that returns at once.
+func rateLimitedRegistry(t *testing.T, release <-chan struct{}, started chan<- string, rate string) *Registry {
+	t.Helper()
+	r := blockRegistry(t, release, started)
+	if err := Register(r, Task[blockArgs]{Name: "t.rl", RateLimit: rate, Run: func(ctx context.Context, c *Call, _ blockArgs) (any, error) {
+		started <- "rl:" + c.TaskID
+		return "ok", nil
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// heldBytes: what the held ETA deliveries are charged, how many there are,
+// the budget's charge in all, and how many deliveries wait for room.
+func (e *env) heldBytes(w *Worker) (held int64, n int, used int64, waiting int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for j := range w.held {
+		held += j.charge
+	}
+	return held, len(w.held), w.memUsed, len(w.waiting)
+}
+
+// TestDueNowNotKeptOutByRateLimitedAndHeld: held ETA deliveries (30 MiB,
+// under half of a 64 MiB budget) and a delivery waiting for its task's rate
+// limit (1/m, about 3 MiB, no task slot) both wait on a timer; a tiny task
+// due now that a Celery producer compressed with zlib (estimated at 32 MiB
+// and 70 KiB before decoding) would wait for them: held ones go back to
+// make room, and it runs at once.
+func TestDueNowNotKeptOutByRateLimitedAndHeld(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 200)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = 64 << 20
+	w := e.start(rateLimitedRegistry(t, release, started, "1/m"), cfg).w
+	// Two rate-limited deliveries: the first starts at once, the other
+	// waits 60 s, charged about 3 MiB (body and decoded pad), without a slot.
+	for i := range 2 {
+		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
+	}
+	select {
+	case <-started:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the first rate-limited task did not start")
+	}
+	// 15 deliveries due in an hour, about 2 MiB each once decoded (body
+	// and decoded pad): 30 MiB, under half the budget.
+	later := time.Now().Add(time.Hour)
+	const n = 15
+	for i := range n {
+		e.publishBlock(taskID(i), 1<<20, "", later)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		_, nh, _, _ := e.heldBytes(w)
+		if nh == n {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	held, nh, used, _ := e.heldBytes(w)
+	t.Logf("%d held for their ETA (%d KiB), %d KiB charged in all, budget %d KiB", nh, held>>10, used>>10, cfg.MemoryBudget>>10)
+	head := taskID(400)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: head, Kwargs: map[string]any{"pad": "x"}},
+		celeryproto.EncodeOptions{Compression: "zlib"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sent := time.Now()
+	e.publishRaw(p)
+	ran := false
+	for timeout := time.After(20 * time.Second); !ran; {
+		select {
+		case id := <-started:
+			ran = id == head
+		case <-timeout:
+			held, nh, used, waiting := e.heldBytes(w)
+			t.Errorf("a tiny zlib task due now has not started after 20 s with both slots free: %d held (%d KiB), %d waiting, %d of %d KiB charged, %v held sent back",
+				nh, held>>10, waiting, used>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
+			for id := range started {
+				if id == head {
+					break
+				}
+			}
+			ran = true
+		}
+	}
+	t.Logf("the task due now started %s after it was sent; %v held deliveries sent back", time.Since(sent).Round(100*time.Millisecond), counterValue(w.m.etaRequeued))
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDueNowNotKeptOutWhenHeldJoins: a delivery due later that is decoded
+// while a delivery waits for room is then held (it waits on a timer from
+// then on): the waiting one is weighed again, held ones go back for it, and
+// it runs. Held ETA deliveries take about 32650 KiB of a 64 MiB budget; a
+// zlib-compressed ETA delivery (about 100 KiB once decoded) arrives with a
+// tiny zlib task due now right behind it (each estimated at 32 MiB and 70
+// KiB before decoding), three rounds.
+func TestDueNowNotKeptOutWhenHeldJoins(t *testing.T) {
+	for round := range 3 {
+		e := newEnv(t)
+		release := make(chan struct{})
+		close(release)
+		started := make(chan string, 200)
+		cfg := e.config()
+		cfg.Concurrency, cfg.Prefetch = 2, 40
+		cfg.MemoryBudget = 64 << 20
+		w := e.start(blockRegistry(t, release, started), cfg).w
+		waitHeld := func(k int) {
+			deadline := time.Now().Add(30 * time.Second)
+			for time.Now().Before(deadline) {
+				_, nh, _, _ := e.heldBytes(w)
+				if nh == k {
+					return
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			_, nh, _, _ := e.heldBytes(w)
+			t.Fatalf("%d held, want %d", nh, k)
+		}
+		later := time.Now().Add(time.Hour)
+		const n = 15
+		for i := range n {
+			e.publishBlock(taskID(i), 1<<20, "", later)
+		}
+		waitHeld(n)
+		held, _, _, _ := e.heldBytes(w)
+		per := held / n
+		rest := per - 2<<20
+		target := int64(32650 << 10)
+		e.publishBlock(taskID(n), int((target-held-rest)/2), "", later)
+		waitHeld(n + 1)
+		held, _, _, _ = e.heldBytes(w)
+		pa, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: taskID(100),
+			Kwargs: map[string]any{"pad": strings.Repeat("a", 95<<10)}, ETA: later.Add(time.Hour)},
+			celeryproto.EncodeOptions{Compression: "zlib"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := taskID(300)
+		px, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: x, Kwargs: map[string]any{"pad": "x"}},
+			celeryproto.EncodeOptions{Compression: "zlib"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.publishRaw(pa)
+		e.publishRaw(px)
+		sent := time.Now()
+		ran := false
+		for timeout := time.After(20 * time.Second); !ran; {
+			select {
+			case id := <-started:
+				ran = id == x
+			case <-timeout:
+				h2, nh2, used2, waiting := e.heldBytes(w)
+				t.Errorf("round %d: the tiny zlib task due now has not started after 20 s with both slots free and nothing running: "+
+					"%d held (%d KiB; %d KiB before A), %d waiting, %d of %d KiB charged, %v held sent back",
+					round, nh2, h2>>10, held>>10, waiting, used2>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
+				ran = true
+			}
+		}
+		if !t.Failed() {
+			t.Logf("round %d: the task due now started %s after it was sent; %v held sent back", round, time.Since(sent).Round(time.Millisecond), counterValue(w.m.etaRequeued))
+		}
+		if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+			t.Fatal(err)
+		}
+		if t.Failed() {
+			return
+		}
+	}
+}
