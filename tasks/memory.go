@@ -154,7 +154,8 @@ func (w *Worker) admit(j *job) {
 // the deliveries waiting on a timer (held for their ETA, for their task's
 // rate limit, deferred: timedCharge) would keep a delivery that needs need
 // bytes out of the budget even once everything else charged is settled:
-// those due latest go, until the rest and need fit. Short of that, the
+// those due latest go, until the rest and need fit (none when the others
+// on a timer keep it out by themselves). Short of that, the
 // waiting delivery waits for the running and decoding ones to release
 // their charges, as it would with none held: sending held ones back for it
 // would bring each back as a fresh delivery, charged its estimate before
@@ -168,10 +169,15 @@ func (w *Worker) evictHeld(need int64) {
 		return
 	}
 	held := make([]*job, 0, len(w.held))
+	heldCharge := int64(0)
 	for h := range w.held {
 		if _, ok := w.timers[h]; ok && h.msg != nil {
 			held = append(held, h)
+			heldCharge += h.charge
 		}
+	}
+	if timed-heldCharge+need > w.cfg.MemoryBudget {
+		return // the others on a timer keep it out: sending held ones back would not let it in
 	}
 	slices.SortFunc(held, func(a, b *job) int { return b.msg.ETA.Compare(a.msg.ETA) })
 	for _, h := range held {
