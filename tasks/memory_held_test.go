@@ -188,3 +188,80 @@ func TestDueNowNotKeptOutWhenHeldJoins(t *testing.T) {
 		}
 	}
 }
+
+// TestHeldNotSentBackInVain: deliveries waiting for their task's rate
+// limit (1/m) hold over half of a 64 MiB budget; five held ETA deliveries
+// (about 10 MiB); a tiny zlib task due now (estimated at just over half
+// the budget) arrives. The rate-limited ones alone keep it out until their
+// timers fire, so sending held ones back cannot let it in; evictHeld sends
+// every held one back all the same.
+func TestHeldNotSentBackInVain(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 200)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = 64 << 20
+	w := e.start(rateLimitedRegistry(t, release, started, "1/m"), cfg).w
+	const nr = 12
+	for i := range nr {
+		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
+	}
+	select {
+	case <-started:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the first rate-limited task did not start")
+	}
+	timedOf := func() (int64, int) {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.timedCharge(), len(w.timers)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		if _, n := timedOf(); n == nr-1 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	later := time.Now().Add(time.Hour)
+	const n = 5
+	for i := range n {
+		e.publishBlock(taskID(i), 1<<20, "", later)
+	}
+	deadline = time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		if _, nh, _, _ := e.heldBytes(w); nh == n {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	held, nh, used, _ := e.heldBytes(w)
+	timed, nt := timedOf()
+	t.Logf("%d held (%d KiB); %d on timers (%d KiB); %d KiB charged of %d", nh, held>>10, nt, timed>>10, used>>10, cfg.MemoryBudget>>10)
+	head := taskID(400)
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: head, Kwargs: map[string]any{"pad": "x"}},
+		celeryproto.EncodeOptions{Compression: "zlib"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r0 := counterValue(w.m.etaRequeued)
+	e.publishRaw(p)
+	time.Sleep(5 * time.Second)
+	r1 := counterValue(w.m.etaRequeued)
+	held, nh, used, waiting := e.heldBytes(w)
+	ran := false
+	for len(started) > 0 {
+		if <-started == head {
+			ran = true
+		}
+	}
+	t.Logf("5 s later: head ran %v; %d held (%d KiB), %d waiting, %d KiB charged; %v held sent back", ran, nh, held>>10, waiting, used>>10, r1-r0)
+	if !ran && r1-r0 > 0 {
+		t.Errorf("%v held deliveries sent back, yet the task due now still waits (for the rate-limited ones)", r1-r0)
+	}
+	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
+		t.Fatal(err)
+	}
+}
