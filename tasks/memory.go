@@ -155,9 +155,9 @@ func (w *Worker) admit(j *job) {
 // rate limit, deferred: timedCharge) would keep a delivery that needs need
 // bytes out of the budget even once everything else charged is settled:
 // those due latest go, until the rest and need fit (none when the others
-// on a timer keep it out by themselves). Short of that, the
-// waiting delivery waits for the running and decoding ones to release
-// their charges, as it would with none held: sending held ones back for it
+// on a timer keep it out by themselves). Short of that, the waiting
+// delivery waits for the running and decoding ones to release their
+// charges, as it would with none held: sending held ones back for it
 // would bring each back as a fresh delivery, charged its estimate before
 // decoding (often many times what it held), to wait in its turn and send
 // back others, for as long as the running tasks hold the rest. Each goes to
@@ -197,7 +197,7 @@ func (w *Worker) evictHeld(need int64) {
 }
 
 // timedCharge is what the deliveries waiting on a timer are charged: they
-// release it only when their timers fire. w.mu is held.
+// keep it while they wait, however long the tasks run. w.mu is held.
 func (w *Worker) timedCharge() int64 {
 	n := int64(0)
 	for j := range w.timers {

@@ -120,11 +120,11 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 
 // rehold sends a delivery due later back to its queue: its hold reached
 // Config.MaxHold before its ETA, it made room in the memory budget for a
-// waiting delivery (j.evicted), or the held deliveries fill their share of the
-// budget (decoded). A copy of the message goes back to the queue it came
-// from (republishHeld), then the delivery is acknowledged; the copy arrives
-// as a fresh delivery and is held in its place. A crash in between leaves two copies with the
-// same task id: the record answers the second.
+// waiting delivery (j.evicted), or the held deliveries fill their half of
+// the budget (decoded). A copy of the message goes back to the queue it
+// came from (republishHeld), then the delivery is acknowledged; the copy
+// arrives as a fresh delivery and is held in its place. A crash in between
+// leaves two copies with the same task id: the record answers the second.
 func (w *Worker) rehold(ctx context.Context, j *job) {
 	msg := "held delivery republished (max hold reached before its ETA)"
 	if j.evicted {

@@ -465,7 +465,9 @@ func (w *Worker) laterThen(j *job, delay time.Duration, then func()) {
 		w.settled.Store(time.Now().UnixNano())
 		return
 	}
-	defer w.admitWaiting() // what waits on a timer may be sent back for them (evictHeld)
+	// A delivery waiting for room is weighed again against the deliveries
+	// on a timer, j among them (evictHeld).
+	defer w.admitWaiting()
 	w.timers[j] = time.AfterFunc(delay, func() {
 		w.mu.Lock()
 		_, ok := w.timers[j]
