@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/onceler/onceler/celeryproto"
+	"github.com/onceler/onceler/internal/testkit"
 )
 
 // rateLimitedRegistry: t.block (blockRegistry) and t.rl, a task
@@ -34,6 +35,83 @@ func (e *env) heldBytes(w *Worker) (held int64, n int, used int64, waiting int) 
 	return held, len(w.held), w.memUsed, len(w.waiting)
 }
 
+// waitHeld waits until k deliveries are held for their ETA.
+func (e *env) waitHeld(w *Worker, k int) {
+	e.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		if _, nh, _, _ := e.heldBytes(w); nh == k {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_, nh, _, _ := e.heldBytes(w)
+	e.t.Fatalf("%d deliveries held for their ETA, want %d", nh, k)
+}
+
+// holdETA publishes n t.block deliveries of pad bytes due at eta and
+// waits until they are all held.
+func (e *env) holdETA(w *Worker, n, pad int, eta time.Time) {
+	e.t.Helper()
+	for i := range n {
+		e.publishBlock(taskID(i), pad, "", eta)
+	}
+	e.waitHeld(w, n)
+}
+
+// publishZlib publishes a t.block task compressed with zlib (as by a
+// Celery producer with task_compression="zlib"): estimated at over half
+// a budget of 128 MiB or less before decoding.
+func (e *env) publishZlib(id string, pad int, eta time.Time) {
+	e.t.Helper()
+	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: id,
+		Kwargs: map[string]any{"pad": strings.Repeat("a", pad)}, ETA: eta}, celeryproto.EncodeOptions{Compression: "zlib"})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.publishRaw(p)
+}
+
+// startedWithin reports whether id starts within d (others may start
+// meanwhile).
+func startedWithin(started <-chan string, id string, d time.Duration) bool {
+	timeout := time.After(d)
+	for {
+		select {
+		case got := <-started:
+			if got == id {
+				return true
+			}
+		case <-timeout:
+			return false
+		}
+	}
+}
+
+// startRateLimited starts a worker of two slots under a 64 MiB budget with
+// t.block and t.rl (1/m), and publishes nr t.rl deliveries of about 3 MiB
+// each once decoded: the first runs at once, the others wait for their
+// start on a timer, without a slot.
+func (e *env) startRateLimited(nr int) (*Worker, chan string) {
+	e.t.Helper()
+	release := make(chan struct{})
+	close(release)
+	started := make(chan string, 200)
+	cfg := e.config()
+	cfg.Concurrency, cfg.Prefetch = 2, 40
+	cfg.MemoryBudget = 64 << 20
+	w := e.start(rateLimitedRegistry(e.t, release, started, "1/m"), cfg).w
+	for i := range nr {
+		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
+	}
+	select {
+	case <-started:
+	case <-time.After(20 * time.Second):
+		e.t.Fatal("the first rate-limited task did not start")
+	}
+	return w, started
+}
+
 // TestDueNowNotKeptOutByRateLimitedAndHeld: held ETA deliveries (30 MiB,
 // under half of a 64 MiB budget) and a delivery waiting for its task's rate
 // limit (1/m, about 3 MiB, no task slot) both wait on a timer; a tiny task
@@ -42,64 +120,21 @@ func (e *env) heldBytes(w *Worker) (held int64, n int, used int64, waiting int) 
 // make room, and it runs at once.
 func TestDueNowNotKeptOutByRateLimitedAndHeld(t *testing.T) {
 	e := newEnv(t)
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 200)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 64 << 20
-	w := e.start(rateLimitedRegistry(t, release, started, "1/m"), cfg).w
-	// Two rate-limited deliveries: the first starts at once, the other
-	// waits 60 s, charged about 3 MiB (body and decoded pad), without a slot.
-	for i := range 2 {
-		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
-	}
-	select {
-	case <-started:
-	case <-time.After(20 * time.Second):
-		t.Fatal("the first rate-limited task did not start")
-	}
+	w, started := e.startRateLimited(2)
+	cfg := w.cfg
 	// 15 deliveries due in an hour, about 2 MiB each once decoded (body
 	// and decoded pad): 30 MiB, under half the budget.
-	later := time.Now().Add(time.Hour)
-	const n = 15
-	for i := range n {
-		e.publishBlock(taskID(i), 1<<20, "", later)
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		_, nh, _, _ := e.heldBytes(w)
-		if nh == n {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	e.holdETA(w, 15, 1<<20, time.Now().Add(time.Hour))
 	held, nh, used, _ := e.heldBytes(w)
 	t.Logf("%d held for their ETA (%d KiB), %d KiB charged in all, budget %d KiB", nh, held>>10, used>>10, cfg.MemoryBudget>>10)
 	head := taskID(400)
-	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: head, Kwargs: map[string]any{"pad": "x"}},
-		celeryproto.EncodeOptions{Compression: "zlib"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	sent := time.Now()
-	e.publishRaw(p)
-	ran := false
-	for timeout := time.After(20 * time.Second); !ran; {
-		select {
-		case id := <-started:
-			ran = id == head
-		case <-timeout:
-			held, nh, used, waiting := e.heldBytes(w)
-			t.Errorf("a tiny zlib task due now has not started after 20 s with both slots free: %d held (%d KiB), %d waiting, %d of %d KiB charged, %v held sent back",
-				nh, held>>10, waiting, used>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
-			for id := range started {
-				if id == head {
-					break
-				}
-			}
-			ran = true
-		}
+	e.publishZlib(head, 1, time.Time{})
+	if !startedWithin(started, head, 20*time.Second) {
+		held, nh, used, waiting := e.heldBytes(w)
+		t.Errorf("a tiny zlib task due now has not started after 20 s with both slots free: %d held (%d KiB), %d waiting, %d of %d KiB charged, %v held sent back",
+			nh, held>>10, waiting, used>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
+		startedWithin(started, head, 2*time.Minute)
 	}
 	t.Logf("the task due now started %s after it was sent; %v held deliveries sent back", time.Since(sent).Round(100*time.Millisecond), counterValue(w.m.etaRequeued))
 	if _, err := e.ch.QueuePurge(e.queue, false); err != nil {
@@ -124,58 +159,25 @@ func TestDueNowNotKeptOutWhenHeldJoins(t *testing.T) {
 		cfg.Concurrency, cfg.Prefetch = 2, 40
 		cfg.MemoryBudget = 64 << 20
 		w := e.start(blockRegistry(t, release, started), cfg).w
-		waitHeld := func(k int) {
-			deadline := time.Now().Add(30 * time.Second)
-			for time.Now().Before(deadline) {
-				_, nh, _, _ := e.heldBytes(w)
-				if nh == k {
-					return
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
-			_, nh, _, _ := e.heldBytes(w)
-			t.Fatalf("%d held, want %d", nh, k)
-		}
 		later := time.Now().Add(time.Hour)
 		const n = 15
-		for i := range n {
-			e.publishBlock(taskID(i), 1<<20, "", later)
-		}
-		waitHeld(n)
+		e.holdETA(w, n, 1<<20, later)
 		held, _, _, _ := e.heldBytes(w)
 		per := held / n
 		rest := per - 2<<20
 		target := int64(32650 << 10)
 		e.publishBlock(taskID(n), int((target-held-rest)/2), "", later)
-		waitHeld(n + 1)
+		e.waitHeld(w, n+1)
 		held, _, _, _ = e.heldBytes(w)
-		pa, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: taskID(100),
-			Kwargs: map[string]any{"pad": strings.Repeat("a", 95<<10)}, ETA: later.Add(time.Hour)},
-			celeryproto.EncodeOptions{Compression: "zlib"})
-		if err != nil {
-			t.Fatal(err)
-		}
 		x := taskID(300)
-		px, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: x, Kwargs: map[string]any{"pad": "x"}},
-			celeryproto.EncodeOptions{Compression: "zlib"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.publishRaw(pa)
-		e.publishRaw(px)
+		e.publishZlib(taskID(100), 95<<10, later.Add(time.Hour))
+		e.publishZlib(x, 1, time.Time{})
 		sent := time.Now()
-		ran := false
-		for timeout := time.After(20 * time.Second); !ran; {
-			select {
-			case id := <-started:
-				ran = id == x
-			case <-timeout:
-				h2, nh2, used2, waiting := e.heldBytes(w)
-				t.Errorf("round %d: the tiny zlib task due now has not started after 20 s with both slots free and nothing running: "+
-					"%d held (%d KiB; %d KiB before A), %d waiting, %d of %d KiB charged, %v held sent back",
-					round, nh2, h2>>10, held>>10, waiting, used2>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
-				ran = true
-			}
+		if !startedWithin(started, x, 20*time.Second) {
+			h2, nh2, used2, waiting := e.heldBytes(w)
+			t.Errorf("round %d: the tiny zlib task due now has not started after 20 s with both slots free and nothing running: "+
+				"%d held (%d KiB; %d KiB before A), %d waiting, %d of %d KiB charged, %v held sent back",
+				round, nh2, h2>>10, held>>10, waiting, used2>>10, cfg.MemoryBudget>>10, counterValue(w.m.etaRequeued))
 		}
 		if !t.Failed() {
 			t.Logf("round %d: the task due now started %s after it was sent; %v held sent back", round, time.Since(sent).Round(time.Millisecond), counterValue(w.m.etaRequeued))
@@ -191,63 +193,30 @@ func TestDueNowNotKeptOutWhenHeldJoins(t *testing.T) {
 
 // TestHeldNotSentBackInVain: deliveries waiting for their task's rate
 // limit (1/m) hold over half of a 64 MiB budget; five held ETA deliveries
-// (about 10 MiB); a tiny zlib task due now (estimated at just over half
+// take about 10 MiB; a tiny zlib task due now (estimated at just over half
 // the budget) arrives. The rate-limited ones alone keep it out until their
-// timers fire, so sending held ones back cannot let it in; evictHeld sends
-// every held one back all the same.
+// timers fire, so sending held ones back cannot let it in: none go.
 func TestHeldNotSentBackInVain(t *testing.T) {
 	e := newEnv(t)
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 200)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 64 << 20
-	w := e.start(rateLimitedRegistry(t, release, started, "1/m"), cfg).w
 	const nr = 12
-	for i := range nr {
-		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
-	}
-	select {
-	case <-started:
-	case <-time.After(20 * time.Second):
-		t.Fatal("the first rate-limited task did not start")
-	}
+	w, started := e.startRateLimited(nr)
+	cfg := w.cfg
 	timedOf := func() (int64, int) {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		return w.timedCharge(), len(w.timers)
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for time.Now().Before(deadline) {
-		if _, n := timedOf(); n == nr-1 {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	later := time.Now().Add(time.Hour)
-	const n = 5
-	for i := range n {
-		e.publishBlock(taskID(i), 1<<20, "", later)
-	}
-	deadline = time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if _, nh, _, _ := e.heldBytes(w); nh == n {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testkit.WaitFor(t, "rate-limited deliveries on a timer", 20*time.Second, func() bool {
+		_, n := timedOf()
+		return n == nr-1
+	})
+	e.holdETA(w, 5, 1<<20, time.Now().Add(time.Hour))
 	held, nh, used, _ := e.heldBytes(w)
 	timed, nt := timedOf()
 	t.Logf("%d held (%d KiB); %d on timers (%d KiB); %d KiB charged of %d", nh, held>>10, nt, timed>>10, used>>10, cfg.MemoryBudget>>10)
 	head := taskID(400)
-	p, err := celeryproto.EncodeTask(&celeryproto.Message{Task: "t.block", ID: head, Kwargs: map[string]any{"pad": "x"}},
-		celeryproto.EncodeOptions{Compression: "zlib"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	r0 := counterValue(w.m.etaRequeued)
-	e.publishRaw(p)
+	e.publishZlib(head, 1, time.Time{})
 	time.Sleep(5 * time.Second)
 	r1 := counterValue(w.m.etaRequeued)
 	held, nh, used, waiting := e.heldBytes(w)
