@@ -51,7 +51,10 @@ func TestLeaseLostCancelsTheTask(t *testing.T) {
 	e.publish(m)
 	waitActive(t, r, m.ID)
 	ctx := context.Background()
-	if _, err := testenvPool(t).Exec(ctx, `UPDATE `+e.schema+`.records SET token = 'fenced' WHERE key = 'hang'`); err != nil {
+	// Another run's claim, live for the rest of the test: were its lease to
+	// lapse meanwhile, the kept delivery would meet a stale claim and be
+	// answered by the task's policy.
+	if _, err := testenvPool(t).Exec(ctx, `UPDATE `+e.schema+`.records SET token = 'fenced', lease_until = now() + interval '1 hour' WHERE key = 'hang'`); err != nil {
 		t.Fatal(err)
 	}
 	select {
