@@ -184,7 +184,11 @@ func (w *Worker) evictHeld(need int64) {
 		if timed+need <= w.cfg.MemoryBudget {
 			break
 		}
-		w.timers[h].Stop()
+		tm, ok := w.timers[h]
+		if !ok {
+			continue // gone meanwhile (a requeue's release weighed the waiting again)
+		}
+		tm.Stop()
 		delete(w.timers, h)
 		delete(w.held, h)
 		w.scheduled--

@@ -126,7 +126,7 @@ func (w *Worker) schedule(j *job, wait time.Duration) {
 // arrives as a fresh delivery and is held in its place. A crash in between
 // leaves two copies with the same task id: the record answers the second.
 func (w *Worker) rehold(ctx context.Context, j *job) {
-	msg := "held delivery republished (max hold reached before its ETA)"
+	msg := "held delivery republished (max hold reached before its ETA, or the held half of the memory budget full)"
 	if j.evicted {
 		msg = "held delivery republished (room made in the memory budget for a waiting delivery)"
 	}
