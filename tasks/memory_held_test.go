@@ -94,13 +94,9 @@ func startedWithin(started <-chan string, id string, d time.Duration) bool {
 // start on a timer, without a slot.
 func (e *env) startRateLimited(nr int) (*Worker, chan string) {
 	e.t.Helper()
-	release := make(chan struct{})
-	close(release)
-	started := make(chan string, 200)
-	cfg := e.config()
-	cfg.Concurrency, cfg.Prefetch = 2, 40
-	cfg.MemoryBudget = 64 << 20
-	w := e.start(rateLimitedRegistry(e.t, release, started, "1/m"), cfg).w
+	w, started := e.startTwoSlots(64<<20, func(release <-chan struct{}, started chan<- string) *Registry {
+		return rateLimitedRegistry(e.t, release, started, "1/m")
+	})
 	for i := range nr {
 		e.publish(&celeryproto.Message{Task: "t.rl", ID: taskID(500 + i), Kwargs: map[string]any{"pad": strings.Repeat("r", 3<<19)}})
 	}
@@ -152,13 +148,10 @@ func TestDueNowNotKeptOutByRateLimitedAndHeld(t *testing.T) {
 func TestDueNowNotKeptOutWhenHeldJoins(t *testing.T) {
 	for round := range 3 {
 		e := newEnv(t)
-		release := make(chan struct{})
-		close(release)
-		started := make(chan string, 200)
-		cfg := e.config()
-		cfg.Concurrency, cfg.Prefetch = 2, 40
-		cfg.MemoryBudget = 64 << 20
-		w := e.start(blockRegistry(t, release, started), cfg).w
+		w, started := e.startTwoSlots(64<<20, func(release <-chan struct{}, started chan<- string) *Registry {
+			return blockRegistry(t, release, started)
+		})
+		cfg := w.cfg
 		later := time.Now().Add(time.Hour)
 		const n = 15
 		e.holdETA(w, n, 1<<20, later)

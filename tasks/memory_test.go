@@ -192,16 +192,27 @@ func TestStalledNotReady(t *testing.T) {
 
 // startETAWorker starts a worker of t.block (which returns at once) with
 // 2 slots, a prefetch window of 40 and budget (the tests that use it run
-// fewer than 100 tasks, the room of the channel that counts the runs).
+// fewer than 200 tasks, the room of the channel that counts the runs).
 func (e *env) startETAWorker(budget int64) *Worker {
+	e.t.Helper()
+	w, _ := e.startTwoSlots(budget, func(release <-chan struct{}, started chan<- string) *Registry {
+		return blockRegistry(e.t, release, started)
+	})
+	return w
+}
+
+// startTwoSlots starts a worker of 2 slots, a prefetch window of 40 and
+// budget, with the registry reg makes (its t.block released at once), and
+// returns it with the channel that counts the runs (room for 200).
+func (e *env) startTwoSlots(budget int64, reg func(release <-chan struct{}, started chan<- string) *Registry) (*Worker, chan string) {
 	e.t.Helper()
 	release := make(chan struct{})
 	close(release)
-	started := make(chan string, 100)
+	started := make(chan string, 200)
 	cfg := e.config()
 	cfg.Concurrency, cfg.Prefetch = 2, 40
 	cfg.MemoryBudget = budget
-	return e.start(blockRegistry(e.t, release, started), cfg).w
+	return e.start(reg(release, started), cfg).w, started
 }
 
 // gaugeValue reads a Prometheus gauge.
