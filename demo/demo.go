@@ -167,10 +167,10 @@ func Register(reg *tasks.Registry, pool *pgxpool.Pool, opts ...Option) error {
 			Run:  d.add,
 		}),
 		tasks.Register(reg, tasks.Task[CreditArgs]{
-			Name:  TaskCredit,
-			Mode:  tasks.ModeSameDB,
-			Key:   func(a CreditArgs) (string, error) { return nonEmpty("entry_id", a.EntryID) },
-			RunTx: d.credit,
+			Name:    TaskCredit,
+			Mode:    tasks.ModeSameDB,
+			Key:     func(a CreditArgs) (string, error) { return nonEmpty("entry_id", a.EntryID) },
+			RunStmt: d.credit,
 		}),
 		tasks.Register(reg, tasks.Task[ChargeArgs]{
 			Name:     TaskCharge,
@@ -353,13 +353,21 @@ INSERT INTO onceler_demo.balances AS b (account, cents) VALUES ($2, $3)
 ON CONFLICT (account) DO UPDATE SET cents = b.cents + excluded.cents
 RETURNING b.cents`
 
-func (d *demo) credit(ctx context.Context, tx pgx.Tx, c *tasks.Call, a CreditArgs) (any, error) {
-	var balance int64
-	if err := tx.QueryRow(ctx, creditSQL, a.EntryID, a.Account, a.Cents, c.TaskID).Scan(&balance); err != nil {
-		return nil, fmt.Errorf("enter credit: %w", err)
-	}
-	d.log.Info("ledger entry written", zap.String("task_id", c.TaskID), zap.String("key", c.Key))
-	return CreditResult{EntryID: a.EntryID, Account: a.Account, Balance: balance}, nil
+// credit is one statement: under load, the credits of a transaction group
+// go to the database together.
+func (d *demo) credit(c *tasks.Call, a CreditArgs) (tasks.Stmt, error) {
+	return tasks.Stmt{
+		SQL:  creditSQL,
+		Args: []any{a.EntryID, a.Account, a.Cents, c.TaskID},
+		Result: func(row pgx.Row) (any, error) {
+			var balance int64
+			if err := row.Scan(&balance); err != nil {
+				return nil, fmt.Errorf("enter credit: %w", err)
+			}
+			d.log.Info("ledger entry written", zap.String("task_id", c.TaskID), zap.String("key", c.Key))
+			return CreditResult{EntryID: a.EntryID, Account: a.Account, Balance: balance}, nil
+		},
+	}, nil
 }
 
 // ChargeResult is what demo.payments.charge returns.

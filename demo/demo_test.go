@@ -114,7 +114,11 @@ func TestCreditWritesInTheGivenTransaction(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer func() { _ = tx.Rollback(ctx) }()
-		res, err := d.credit(ctx, tx, &tasks.Call{TaskID: "t-" + entry, Key: entry}, CreditArgs{Account: account, EntryID: entry, Cents: cents})
+		st, err := d.credit(&tasks.Call{TaskID: "t-" + entry, Key: entry}, CreditArgs{Account: account, EntryID: entry, Cents: cents})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := st.Result(tx.QueryRow(ctx, st.SQL, st.Args...))
 		if err != nil {
 			t.Fatal(err)
 		}

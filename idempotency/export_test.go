@@ -18,3 +18,6 @@ func WriteFlush(s *Store, ps []ClaimParams, refs []Ref) (int, error) {
 	rows, done, err := s.batch.write(claims, completes)
 	return len(rows) + len(done), err
 }
+
+// Deferrable is deferrable: whether Defer takes a statement.
+var Deferrable = deferrable

@@ -202,6 +202,9 @@ type BatchStats struct {
 	// calls run, TxGrouped the calls they carried, TxAlone the RunTx calls
 	// run in transactions of their own while groups were on.
 	TxGroups, TxGrouped, TxAlone int64
+	// TxDeferred is the number of statements RunTx functions deferred
+	// (Defer) that ran with their groups' others in one round trip.
+	TxDeferred int64
 }
 
 // BatchStats returns the batcher's and the transaction groups' counters
@@ -213,6 +216,7 @@ func (s *Store) BatchStats() BatchStats {
 	}
 	if s.txg != nil {
 		st.TxGroups, st.TxGrouped, st.TxAlone = s.txg.groups.Load(), s.txg.grouped.Load(), s.txg.alone.Load()
+		st.TxDeferred = s.txg.deferred.Load()
 	}
 	return st
 }

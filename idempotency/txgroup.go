@@ -123,7 +123,7 @@ type txGroup struct {
 	recent   [estimateWindow]time.Duration // guarded by estMu
 	next     int                           // guarded by estMu
 
-	groups, grouped, alone atomic.Int64 // BatchStats
+	groups, grouped, alone, deferred atomic.Int64 // BatchStats
 }
 
 func newTxGroup(s *Store, cfg BatchConfig) *txGroup {
@@ -171,7 +171,11 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 				g.stuck.Store(false)
 			}()
 		}
-		defer func() { g.observe(time.Since(t0)) }()
+		defer func() {
+			if !deferredIn(ctx) {
+				g.observe(time.Since(t0))
+			}
+		}()
 		return fn(ctx, tx)
 	}
 }
@@ -410,14 +414,15 @@ func (g *txGroup) take() []*txOp {
 
 // member is one op's progress through a group.
 type member struct {
-	op     *txOp
-	claim  Claim
-	result []byte  // what its function returned; as the record keeps it once checked
-	res    *string // the checked result as text, for the completion
-	commit bool    // its claim (and, when first, its effect) commits with the group
-	done   bool    // its turn in the group is over
-	ran    bool    // its function returned without an error
-	err    error   // its own answer when it does not commit
+	op       *txOp
+	claim    Claim
+	result   []byte    // what its function returned; as the record keeps it once checked
+	deferred *Deferred // the statement its function deferred, run after the functions
+	res      *string   // the checked result as text, for the completion
+	commit   bool      // its claim (and, when first, its effect) commits with the group
+	done     bool      // its turn in the group is over
+	ran      bool      // its function returned without an error
+	err      error     // its own answer when it does not commit
 }
 
 // flush runs one group and answers every op of it. committing is called
@@ -510,19 +515,38 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		}
 		m.claim, m.commit = r.claim(m.op.p.Token), true
 	}
+	var pending []*member // deferred their statements (Defer)
 	for _, m := range live {
 		if m.claim.Outcome != OutcomeFirst {
 			continue // answered after the commit, which keeps the duplicate count
 		}
-		ferr := m.run(tx)
+		misused, ferr := m.runDeferring(tx, !g.s.plainArrays)
 		if endedTx(tx) {
+			// The members whose statements wait have not run: ended runs
+			// them again, in transactions of their own.
 			g.ended(ctx, ms, m, ferr)
 			return true, nil
 		}
-		if ferr != nil || failedTx(tx) {
+		if ferr != nil || misused || failedTx(tx) {
 			// A function that failed, or returned with the transaction
 			// failed (it caught its statement's error): member by member.
 			return false, nil
+		}
+		if m.deferred != nil {
+			pending = append(pending, m)
+		}
+	}
+	if len(pending) > 0 {
+		t0 := time.Now()
+		if !sendDeferred(ctx, tx, pending) {
+			return false, nil
+		}
+		g.deferred.Add(int64(len(pending)))
+		if g.adaptive() {
+			per := time.Since(t0) / time.Duration(len(pending))
+			for range pending {
+				g.observe(per)
+			}
 		}
 	}
 	for _, m := range ms {
@@ -617,6 +641,33 @@ func (m *member) run(tx pgx.Tx) error {
 	if err != nil {
 		return err
 	}
+	return m.keep(result)
+}
+
+// runDeferring runs the member's function in tx. When offer is true it may
+// defer its statement (Defer): then m.deferred holds it, and the member
+// has not run until the statement has (sendDeferred). misused: it
+// deferred twice. The group offers no deferral when the pool's connections
+// use the simple protocol, which runs several statements sent as one.
+func (m *member) runDeferring(tx pgx.Tx, offer bool) (misused bool, err error) {
+	if !offer {
+		return false, m.run(tx)
+	}
+	ctx, slot := withDeferral(m.op.ctx)
+	result, err := m.op.fn(ctx, tx)
+	d, misused := slot.close()
+	if err != nil || misused {
+		return misused, err
+	}
+	if d != nil {
+		m.deferred, m.result = d, result
+		return false, nil
+	}
+	return false, m.keep(result)
+}
+
+// keep keeps a result of the member's function: it ran.
+func (m *member) keep(result []byte) error {
 	m.result = result
 	m.ran = true
 	stored, res, err := checkResult(result)

@@ -116,7 +116,7 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 		ran = true
 		ttx, guard := taskTxOf(j, tx)
 		out, err := w.execute(ctx, j, w.call(j, 0), func(ctx context.Context, c *Call) (any, error) {
-			return j.h.runTx(ctx, ttx, c, j.args)
+			return w.runTxBody(ctx, j, ttx, c)
 		}, nil)
 		if j.abandoned && guard != nil {
 			if guard.abandon(tx, time.Second) {
@@ -147,6 +147,24 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 	default:
 		w.answerClaim(ctx, j, claim)
 	}
+}
+
+// runTxBody runs a same-database task's body in tx. A RunStmt task without
+// time limits hands its statement to its transaction group when it runs in
+// one (idempotency.Defer), which runs it with the others' in one round
+// trip; with a limit it runs it here, where the limit applies to it.
+func (w *Worker) runTxBody(ctx context.Context, j *job, tx pgx.Tx, c *Call) (any, error) {
+	if j.h.stmt == nil || j.hardLimit() > 0 || j.softLimit() > 0 {
+		return j.h.runTx(ctx, tx, c, j.args)
+	}
+	s, err := j.h.stmt(c, j.args)
+	if err != nil {
+		return nil, err
+	}
+	if idempotency.Defer(ctx, s.deferred()) {
+		return nil, nil
+	}
+	return s.run(ctx, tx)
 }
 
 // taskCaused reports whether an error of the record's RunTx belongs to the

@@ -164,6 +164,15 @@ type Task[A any] struct {
 	// RunTx is the task body for ModeSameDB: write the effect through tx,
 	// which also holds the claim and the completion.
 	RunTx func(ctx context.Context, tx pgx.Tx, c *Call, args A) (any, error)
+	// RunStmt is the task body for ModeSameDB when its effect is one SQL
+	// statement, instead of RunTx: it returns the statement, which runs in
+	// the transaction of the claim and the completion. Under load, same-
+	// database tasks run in transaction groups (BatchConfig.GroupTx), and
+	// there the statements of the group's RunStmt tasks go to the database
+	// together, in one round trip, where RunTx functions each wait for
+	// their own statements' answers. A task with a time limit runs its
+	// statement alone.
+	RunStmt func(c *Call, args A) (Stmt, error)
 	// LookupTimeout bounds one call of Lookup; a lookup that runs out of
 	// time counts as failed (Fallback). It runs under the lease of the
 	// takeover, so that the claim can be renewed after it: 0 and anything
@@ -210,8 +219,10 @@ type handler struct {
 	// key derives the operation key from a bound argument value.
 	key func(a any) (string, error)
 	// run, runTx and lookup call the typed functions with a bound value.
-	run    func(ctx context.Context, c *Call, a any) (any, error)
-	runTx  func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error)
+	run   func(ctx context.Context, c *Call, a any) (any, error)
+	runTx func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error)
+	// stmt is RunStmt's (runTx runs its statement on tx).
+	stmt   func(c *Call, a any) (Stmt, error)
 	lookup func(ctx context.Context, c *Call, a any) (any, bool, error)
 	// fnPC is the entry of the task function (Run or RunTx): its frame in
 	// a traceback (traceback.go) when nothing better is known; callPC the
@@ -284,8 +295,8 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 			return nil, invalid(t.Name, "outside task without Key: an operation key is required, the task id is not one")
 		}
 	case ModeSameDB:
-		if t.RunTx == nil {
-			return nil, invalid(t.Name, "same-database task without RunTx")
+		if (t.RunTx == nil) == (t.RunStmt == nil) {
+			return nil, invalid(t.Name, "a same-database task needs one of RunTx and RunStmt")
 		}
 		if t.Key == nil {
 			return nil, invalid(t.Name, "same-database task without Key: an operation key is required, the task id is not one")
@@ -293,8 +304,8 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	default:
 		return nil, invalid(t.Name, "unknown mode %d", int(t.Mode))
 	}
-	if t.Mode != ModeSameDB && t.RunTx != nil {
-		return nil, invalid(t.Name, "RunTx is only for ModeSameDB")
+	if t.Mode != ModeSameDB && (t.RunTx != nil || t.RunStmt != nil) {
+		return nil, invalid(t.Name, "RunTx and RunStmt are only for ModeSameDB")
 	}
 	if t.Policy < PolicyHold || t.Policy > PolicyLookup {
 		return nil, invalid(t.Name, "unknown policy %d", int(t.Policy))
@@ -344,6 +355,18 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 	if t.RunTx != nil {
 		h.fnPC = reflect.ValueOf(t.RunTx).Pointer()
 		h.runTx = func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error) { return t.RunTx(ctx, tx, c, a.(A)) }
+		h.callPC = reflect.ValueOf(h.runTx).Pointer()
+	}
+	if t.RunStmt != nil {
+		h.fnPC = reflect.ValueOf(t.RunStmt).Pointer()
+		h.stmt = func(c *Call, a any) (Stmt, error) { return t.RunStmt(c, a.(A)) }
+		h.runTx = func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error) {
+			s, err := h.stmt(c, a)
+			if err != nil {
+				return nil, err
+			}
+			return s.run(ctx, tx)
+		}
 		h.callPC = reflect.ValueOf(h.runTx).Pointer()
 	}
 	if t.Lookup != nil {

@@ -1,0 +1,212 @@
+package idempotency
+
+import (
+	"context"
+	"strings"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Deferred is the effect of a RunTx function written as one SQL statement,
+// handed to its transaction group with Defer instead of run on tx: the
+// group sends the statements of its functions together, in one round trip,
+// once they have all run.
+type Deferred struct {
+	// SQL is one statement that begins with SELECT, INSERT, UPDATE, DELETE,
+	// MERGE, WITH, VALUES or TABLE: none of them can end the transaction.
+	SQL  string
+	Args []any
+	// Row reads the statement's first row into what the function would
+	// have returned: its result replaces the function's. A statement that
+	// returns no row finds pgx.ErrNoRows in Scan. nil: the statement runs
+	// as with Exec, and the function's result stands.
+	Row func(row pgx.Row) ([]byte, error)
+}
+
+// Defer hands d to the transaction group the RunTx function that got ctx
+// runs in, and reports whether it took it. The group runs d in the same
+// transaction as the function's claim and completion, after the functions
+// of the members before it, so the effect is as if the function had run
+// d itself. When Defer reports false (the function runs alone, in a
+// savepoint, or d is not a statement Defer takes), the function runs d on
+// tx itself. After a true, the function returns without using tx again
+// (its result is d.Row's). Defer takes one statement per call of the
+// function: a second Defer, or one after the function returned, reports
+// false and makes the group run its members one by one instead, where
+// nothing is deferred.
+func Defer(ctx context.Context, d Deferred) bool {
+	slot, _ := ctx.Value(deferralKey{}).(*deferral)
+	if slot == nil {
+		return false
+	}
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	switch {
+	case slot.closed:
+		return false
+	case slot.d != nil:
+		slot.misused = true
+		return false
+	case !deferrable(d.SQL):
+		return false
+	}
+	slot.d = &d
+	return true
+}
+
+type deferralKey struct{}
+
+// deferral is where one member's function may put its statement (Defer).
+type deferral struct {
+	mu      sync.Mutex
+	d       *Deferred
+	closed  bool // the function returned
+	misused bool // a second Defer
+}
+
+// withDeferral returns ctx with an open deferral for one function call.
+func withDeferral(ctx context.Context) (context.Context, *deferral) {
+	slot := &deferral{}
+	return context.WithValue(ctx, deferralKey{}, slot), slot
+}
+
+// close ends the function's call: what it deferred, and whether it
+// deferred twice.
+func (s *deferral) close() (*Deferred, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	return s.d, s.misused
+}
+
+// deferredIn reports whether the function that got ctx deferred its
+// statement (its duration is then not its work's).
+func deferredIn(ctx context.Context) bool {
+	slot, _ := ctx.Value(deferralKey{}).(*deferral)
+	if slot == nil {
+		return false
+	}
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	return slot.d != nil
+}
+
+// deferrable reports whether sql begins (after blanks and comments) with a
+// keyword of a statement that cannot end or change the transaction: a
+// deferred statement runs among others in the group's transaction, and a
+// COMMIT there would commit the claims of members whose statements come
+// after it without their effects.
+func deferrable(sql string) bool {
+	s := sql
+	for {
+		s = strings.TrimLeft(s, " \t\r\n\f")
+		switch {
+		case strings.HasPrefix(s, "--"):
+			i := strings.IndexByte(s, '\n')
+			if i < 0 {
+				return false
+			}
+			s = s[i+1:]
+			continue
+		case strings.HasPrefix(s, "/*"):
+			rest, ok := skipBlockComment(s)
+			if !ok {
+				return false
+			}
+			s = rest
+			continue
+		}
+		break
+	}
+	end := strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z')
+	})
+	if end < 0 {
+		end = len(s)
+	}
+	switch strings.ToUpper(s[:end]) {
+	case "SELECT", "INSERT", "UPDATE", "DELETE", "MERGE", "WITH", "VALUES", "TABLE":
+		return true
+	}
+	return false
+}
+
+// skipBlockComment returns s after the block comment it begins with;
+// PostgreSQL's block comments nest.
+func skipBlockComment(s string) (string, bool) {
+	depth := 0
+	for i := 0; i+1 < len(s); i++ {
+		switch {
+		case s[i] == '/' && s[i+1] == '*':
+			depth++
+			i++
+		case s[i] == '*' && s[i+1] == '/':
+			depth--
+			i++
+			if depth == 0 {
+				return s[i+1:], true
+			}
+		}
+	}
+	return "", false
+}
+
+// firstRow is the pgx.Row of a deferred statement's result: its first row.
+type firstRow struct{ rows pgx.Rows }
+
+func (r firstRow) Scan(dest ...any) error {
+	defer r.rows.Close()
+	if !r.rows.Next() {
+		if err := r.rows.Err(); err != nil {
+			return err
+		}
+		return pgx.ErrNoRows
+	}
+	if err := r.rows.Scan(dest...); err != nil {
+		return err
+	}
+	r.rows.Close()
+	return r.rows.Err()
+}
+
+// sendDeferred runs the statements the members deferred, in their order,
+// in one round trip, and keeps each member's result. false: a statement
+// or a Row failed, or a result cannot be stored; the group then runs
+// member by member (nothing of this attempt commits).
+func sendDeferred(ctx context.Context, tx pgx.Tx, pending []*member) bool {
+	b := &pgx.Batch{}
+	for _, m := range pending {
+		b.Queue(m.deferred.SQL, m.deferred.Args...)
+	}
+	br := tx.SendBatch(ctx, b)
+	for _, m := range pending {
+		result := m.result
+		var err error
+		if m.deferred.Row == nil {
+			_, err = br.Exec()
+		} else {
+			rows, qerr := br.Query()
+			if qerr != nil {
+				if rows != nil {
+					rows.Close()
+				}
+				err = qerr
+			} else {
+				result, err = m.deferred.Row(firstRow{rows})
+				rows.Close()
+				if err == nil {
+					err = rows.Err()
+				}
+			}
+		}
+		if err == nil {
+			err = m.keep(result)
+		}
+		if err != nil {
+			_ = br.Close()
+			return false
+		}
+	}
+	return br.Close() == nil && !failedTx(tx)
+}

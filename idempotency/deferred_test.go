@@ -1,0 +1,321 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceler/onceler/idempotency"
+)
+
+// creditFn is a RunTx function whose effect is one statement: it adds a
+// cent to the one row of tbl's account and returns "key:balance". It
+// defers the statement when its group takes it, and runs it itself
+// otherwise, as Defer says. ran counts the calls that ran it themselves.
+func creditFn(tbl, key string, ran *sync.Map) func(context.Context, pgx.Tx) ([]byte, error) {
+	sql := `INSERT INTO ` + tbl + ` AS b (account, cents, last) VALUES ('acct', 1, $1)
+ON CONFLICT (account) DO UPDATE SET cents = b.cents + 1, last = $1 RETURNING $1 || ':' || b.cents`
+	read := func(row pgx.Row) ([]byte, error) {
+		var s string
+		if err := row.Scan(&s); err != nil {
+			return nil, err
+		}
+		return []byte(`"` + s + `"`), nil
+	}
+	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if idempotency.Defer(ctx, idempotency.Deferred{SQL: sql, Args: []any{key}, Row: read}) {
+			return nil, nil
+		}
+		if ran != nil {
+			ran.Store(key, true)
+		}
+		return read(tx.QueryRow(ctx, sql, key))
+	}
+}
+
+func (e *env) balances(t *testing.T) string {
+	t.Helper()
+	tbl := e.schema + ".balances"
+	if _, err := e.pool.Exec(context.Background(),
+		`CREATE TABLE IF NOT EXISTS `+tbl+` (account text PRIMARY KEY, cents int NOT NULL, last text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return tbl
+}
+
+// TestDeferredStatementsOfAGroup runs same-database operations whose effect
+// is one statement each, all on one row, through transaction groups (fixed
+// and adaptive): the groups run the statements they deferred, each
+// operation's result is its own statement's row (its key, and a balance
+// no other has), every effect lands once, and the record completes each.
+func TestDeferredStatementsOfAGroup(t *testing.T) {
+	t.Parallel()
+	for _, group := range []int{16, 0} {
+		t.Run(fmt.Sprintf("group%d", group), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, idempotency.BatchConfig{GroupTx: group})
+			tbl := e.balances(t)
+			ctx := context.Background()
+			const n = 300
+			claims := make([]idempotency.Claim, n)
+			errs := make([]error, n)
+			var wg sync.WaitGroup
+			for i := range n {
+				wg.Go(func() {
+					key := fmt.Sprintf("op%d", i)
+					claims[i], errs[i] = e.store.RunTx(ctx, params("credit", key), creditFn(tbl, key, nil))
+				})
+			}
+			wg.Wait()
+			seen := map[string]bool{}
+			for i := range n {
+				key := fmt.Sprintf("op%d", i)
+				if errs[i] != nil || claims[i].Outcome != idempotency.OutcomeFirst || claims[i].Status != idempotency.StatusCompleted {
+					t.Fatalf("%s: %+v %v", key, claims[i], errs[i])
+				}
+				res := strings.Trim(string(claims[i].Result), `"`)
+				k, bal, _ := strings.Cut(res, ":")
+				if k != key || seen[bal] {
+					t.Fatalf("%s: result %s: another's row, or a balance twice", key, claims[i].Result)
+				}
+				seen[bal] = true
+				if r := e.get(t, "credit", key); string(r.Result) != string(claims[i].Result) {
+					t.Fatalf("%s: record's result %s, the caller's %s", key, r.Result, claims[i].Result)
+				}
+			}
+			if got := e.count(t, `SELECT cents FROM `+tbl); got != n {
+				t.Fatalf("balance %d, want %d", got, n)
+			}
+			st := e.store.BatchStats()
+			if st.TxDeferred == 0 || st.TxGroups == 0 {
+				t.Fatalf("stats %+v: no statement ran deferred", st)
+			}
+			t.Logf("%+v", st)
+		})
+	}
+}
+
+// TestDeferredStatementFailsAlone: a deferred statement that fails (a
+// unique violation) fails its own operation only, as in a transaction of
+// its own; the others of its group commit theirs once, and a repeat of a
+// committed one is answered from the record without running again.
+func TestDeferredStatementFailsAlone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1})
+	tbl := e.schema + ".entries"
+	ctx := context.Background()
+	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+tbl+` (entry text PRIMARY KEY); INSERT INTO `+tbl+` VALUES ('taken')`); err != nil {
+		t.Fatal(err)
+	}
+	insert := func(entry string) func(context.Context, pgx.Tx) ([]byte, error) {
+		sql := `INSERT INTO ` + tbl + ` VALUES ($1)`
+		return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			if idempotency.Defer(ctx, idempotency.Deferred{SQL: sql, Args: []any{entry}}) {
+				return []byte(`"deferred"`), nil
+			}
+			if _, err := tx.Exec(ctx, sql, entry); err != nil {
+				return nil, err
+			}
+			return []byte(`"ran"`), nil
+		}
+	}
+	const n = 64
+	errs := make([]error, n)
+	claims := make([]idempotency.Claim, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			entry := fmt.Sprintf("e%d", i)
+			if i == n/2 {
+				entry = "taken"
+			}
+			claims[i], errs[i] = e.store.RunTx(ctx, params("entry", fmt.Sprintf("op%d", i)), insert(entry))
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		if i == n/2 {
+			var pgErr *pgconn.PgError
+			if !errors.As(errs[i], &pgErr) || pgErr.Code != "23505" {
+				t.Fatalf("op%d: %v, want the unique violation", i, errs[i])
+			}
+			continue
+		}
+		if errs[i] != nil || claims[i].Status != idempotency.StatusCompleted {
+			t.Fatalf("op%d: %+v %v", i, claims[i], errs[i])
+		}
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+tbl); got != n {
+		t.Fatalf("%d entries, want %d (n-1 and the one taken before)", got, n)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE key = $1`, fmt.Sprintf("op%d", n/2)); got != 0 {
+		t.Fatalf("the failed operation left %d records", got)
+	}
+	c, err := e.store.RunTx(ctx, params("entry", "op1"), insert("e1"))
+	if err != nil || c.Outcome != idempotency.OutcomeCompleted {
+		t.Fatalf("repeat: %+v %v", c, err)
+	}
+}
+
+// TestDeferTwiceRunsMemberByMember: a function that defers a second
+// statement is told no; its group then runs member by member, where
+// nothing is deferred, and each function's two statements run once, in
+// its order.
+func TestDeferTwiceRunsMemberByMember(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1})
+	tbl := e.schema + ".steps"
+	ctx := context.Background()
+	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+tbl+` (key text, step int, at bigserial)`); err != nil {
+		t.Fatal(err)
+	}
+	const n = 32
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("op%d", i)
+			_, errs[i] = e.store.RunTx(ctx, params("steps", key), func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				for step := 1; step <= 2; step++ {
+					d := idempotency.Deferred{SQL: `INSERT INTO ` + tbl + ` (key, step) VALUES ($1, $2)`, Args: []any{key, step}}
+					if i%2 == 0 && idempotency.Defer(ctx, d) {
+						continue
+					}
+					if _, err := tx.Exec(ctx, d.SQL, d.Args...); err != nil {
+						return nil, err
+					}
+				}
+				return nil, nil
+			})
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("op%d: %v", i, err)
+		}
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+tbl); got != 2*n {
+		t.Fatalf("%d steps, want %d", got, 2*n)
+	}
+	if got := e.count(t, `SELECT count(*) FROM (SELECT key FROM `+tbl+` GROUP BY key
+		HAVING count(*) <> 2 OR min(at) FILTER (WHERE step = 1) > min(at) FILTER (WHERE step = 2)) x`); got != 0 {
+		t.Fatalf("%d operations whose steps did not run once each, in order", got)
+	}
+}
+
+// queued runs calls (each its own goroutine) while a first RunTx holds the
+// group's one flusher, so that they queue up and go in one group once it
+// returns: fixed groups of up to 32, one flusher.
+func queued(t *testing.T, e *env, calls []func()) {
+	t.Helper()
+	started, release := make(chan struct{}), make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		_, err := e.store.RunTx(context.Background(), params("blocker", "blocker"), func(context.Context, pgx.Tx) ([]byte, error) {
+			close(started)
+			<-release
+			return nil, nil
+		})
+		if err != nil {
+			t.Error(err)
+		}
+	})
+	<-started
+	for _, call := range calls {
+		wg.Go(call)
+	}
+	time.Sleep(300 * time.Millisecond)
+	close(release)
+	wg.Wait()
+}
+
+// TestDeferredThenEndedByAnother: a group member that commits the
+// transaction itself ends it before the statements deferred by the members
+// before it have run: those run again in transactions of their own, and
+// every effect lands once.
+func TestDeferredThenEndedByAnother(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+	tbl := e.balances(t)
+	effects := e.effects(t)
+	ctx := context.Background()
+	const n = 20
+	errs := make([]error, n)
+	var ran sync.Map
+	calls := make([]func(), n)
+	for i := range n {
+		calls[i] = func() {
+			key := fmt.Sprintf("op%02d", i)
+			fn := creditFn(tbl, key, &ran)
+			if i == n-1 {
+				// The last of its group: the others have deferred.
+				fn = func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+					if _, err := tx.Exec(ctx, `INSERT INTO `+effects+` VALUES ('ender', 1)`); err != nil {
+						return nil, err
+					}
+					if _, err := tx.Conn().Exec(ctx, "COMMIT"); err != nil {
+						return nil, err
+					}
+					return []byte(`"ended"`), nil
+				}
+			}
+			_, errs[i] = e.store.RunTx(ctx, params("credit", key), fn)
+		}
+	}
+	queued(t, e, calls)
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("op%02d: %v", i, err)
+		}
+	}
+	reran := 0
+	ran.Range(func(any, any) bool { reran++; return true })
+	if reran != n-1 {
+		t.Fatalf("%d deferring members ran again on their own, want %d: the group did not end with their statements waiting", reran, n-1)
+	}
+	if got := e.count(t, `SELECT cents FROM `+tbl); got != n-1 {
+		t.Fatalf("balance %d, want %d: an effect lost or doubled", got, n-1)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+effects); got != 1 {
+		t.Fatalf("%d effects of the member that ended the transaction", got)
+	}
+	if got := e.count(t, `SELECT count(*) FROM `+e.schema+`.records WHERE task = 'credit' AND status = 'completed'`); got != n {
+		t.Fatalf("%d completed records, want %d", got, n)
+	}
+}
+
+func TestDeferrable(t *testing.T) {
+	t.Parallel()
+	for sql, want := range map[string]bool{
+		"INSERT INTO t VALUES (1)":                   true,
+		"  with x AS (SELECT 1) UPDATE t SET a = 1":  true,
+		"-- note\nselect 1":                          true,
+		"/* a /* nested */ comment */ DELETE FROM t": true,
+		"values (1)": true,
+		"MERGE INTO t USING s ON true WHEN MATCHED THEN DO NOTHING": true,
+		"TABLE t":                    true,
+		"COMMIT":                     false,
+		"  rollback":                 false,
+		"/* */ BEGIN":                false,
+		"CALL p()":                   false,
+		"DO $$ BEGIN END $$":         false,
+		"SAVEPOINT s":                false,
+		"-- only a comment":          false,
+		"/* unterminated SELECT":     false,
+		"SELECTX 1":                  false,
+		"":                           false,
+		"SET LOCAL lock_timeout = 1": false,
+	} {
+		if got := idempotency.Deferrable(sql); got != want {
+			t.Errorf("deferrable(%q) = %v, want %v", sql, got, want)
+		}
+	}
+}
