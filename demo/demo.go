@@ -343,10 +343,11 @@ type CreditResult struct {
 	Balance int64  `json:"balance"`
 }
 
-// creditSQL enters a credit and updates its account's balance in one
-// round trip; the balance row keeps the cost of a credit from growing with
-// the ledger.
-const creditSQL = `WITH entry AS (
+// CreditSQL is demo.ledger.credit's statement: it enters a credit ($1 entry
+// id, $2 account, $3 cents, $4 task id) and adds it to its account's
+// balance, which it returns; the balance row keeps the cost of a credit
+// from growing with the ledger.
+const CreditSQL = `WITH entry AS (
 	INSERT INTO onceler_demo.ledger (entry_id, account, cents, task_id) VALUES ($1, $2, $3, $4)
 )
 INSERT INTO onceler_demo.balances AS b (account, cents) VALUES ($2, $3)
@@ -357,7 +358,7 @@ RETURNING b.cents`
 // go to the database together.
 func (d *demo) credit(c *tasks.Call, a CreditArgs) (tasks.Stmt, error) {
 	return tasks.Stmt{
-		SQL:  creditSQL,
+		SQL:  CreditSQL,
 		Args: []any{a.EntryID, a.Account, a.Cents, c.TaskID},
 		Result: func(row pgx.Row) (any, error) {
 			var balance int64

@@ -37,6 +37,9 @@
 //   - ModeSameDB: RunTx gets a pgx.Tx in which the record's claim, the task's
 //     effect and the completion commit together. Exactly once, no lease
 //     needed: a crash rolls everything back and the redelivery runs again.
+//     A task whose effect is one statement returns it from RunStmt instead
+//     (a Stmt): under load the statements of a transaction group go to the
+//     database together, in one round trip.
 //   - ModeOutside: the claim commits first; Run gets Call.Reference (task
 //     name and operation key) to hand to the outside system as its
 //     idempotency reference. While Run runs, the claim's lease is renewed;

@@ -13,23 +13,6 @@ import (
 	"github.com/onceler/onceler/internal/testkit"
 )
 
-func TestRegisterRunStmtRefusals(t *testing.T) {
-	t.Parallel()
-	stmt := func(*Call, payArgs) (Stmt, error) { return Stmt{SQL: "SELECT 1"}, nil }
-	key := func(a payArgs) (string, error) { return a.OrderID, nil }
-	for name, task := range map[string]Task[payArgs]{
-		"both bodies": {Name: "t.both", Mode: ModeSameDB, Key: key, RunStmt: stmt,
-			RunTx: func(context.Context, pgx.Tx, *Call, payArgs) (any, error) { return nil, nil }},
-		"outside": {Name: "t.out", Mode: ModeOutside, Key: key, RunStmt: stmt, Run: func(context.Context, *Call, payArgs) (any, error) { return nil, nil }},
-		"no body": {Name: "t.none", Mode: ModeSameDB, Key: key},
-		"no key":  {Name: "t.nokey", Mode: ModeSameDB, RunStmt: stmt},
-	} {
-		if err := Register(NewRegistry(), task); err == nil {
-			t.Errorf("%s: registered", name)
-		}
-	}
-}
-
 // TestRunStmtTasks runs a same-database task written as one statement
 // (RunStmt), every delivery crediting one row, through a worker at its
 // defaults against RabbitMQ and PostgreSQL: each caller gets its own

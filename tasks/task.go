@@ -295,8 +295,11 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 			return nil, invalid(t.Name, "outside task without Key: an operation key is required, the task id is not one")
 		}
 	case ModeSameDB:
-		if (t.RunTx == nil) == (t.RunStmt == nil) {
-			return nil, invalid(t.Name, "a same-database task needs one of RunTx and RunStmt")
+		if t.RunTx == nil && t.RunStmt == nil {
+			return nil, invalid(t.Name, "same-database task without RunTx or RunStmt")
+		}
+		if t.RunTx != nil && t.RunStmt != nil {
+			return nil, invalid(t.Name, "same-database task with both RunTx and RunStmt")
 		}
 		if t.Key == nil {
 			return nil, invalid(t.Name, "same-database task without Key: an operation key is required, the task id is not one")

@@ -28,6 +28,7 @@ func TestRegisterRefusesUnsafeTasks(t *testing.T) {
 	key := func(a chargeArgs) (string, error) { return a.OrderID, nil }
 	runTx := func(context.Context, pgx.Tx, *Call, chargeArgs) (any, error) { return nil, nil }
 	lookup := func(context.Context, *Call, chargeArgs) (any, bool, error) { return nil, false, nil }
+	runStmt := func(*Call, chargeArgs) (Stmt, error) { return Stmt{SQL: "SELECT 1"}, nil }
 	cases := []struct {
 		name string
 		task Task[chargeArgs]
@@ -41,6 +42,9 @@ func TestRegisterRefusesUnsafeTasks(t *testing.T) {
 		{"lookup without Lookup", Task[chargeArgs]{Name: "a", Mode: ModeOutside, Key: key, Run: noRun, Policy: PolicyLookup}, "without Lookup"},
 		{"fallback lookup", Task[chargeArgs]{Name: "a", Mode: ModeOutside, Key: key, Run: noRun, Policy: PolicyLookup, Lookup: lookup, Fallback: PolicyLookup}, "fallback"},
 		{"RunTx outside same-db", Task[chargeArgs]{Name: "a", Mode: ModeOutside, Key: key, Run: noRun, RunTx: runTx}, "only for ModeSameDB"},
+		{"RunStmt outside same-db", Task[chargeArgs]{Name: "a", Mode: ModeOutside, Key: key, Run: noRun, RunStmt: runStmt}, "only for ModeSameDB"},
+		{"same-db with RunTx and RunStmt", Task[chargeArgs]{Name: "a", Mode: ModeSameDB, Key: key, RunTx: runTx, RunStmt: runStmt}, "both RunTx and RunStmt"},
+		{"same-db RunStmt without key", Task[chargeArgs]{Name: "a", Mode: ModeSameDB, RunStmt: runStmt}, "without Key"},
 		{"unknown mode", Task[chargeArgs]{Name: "a", Mode: Mode(9), Key: key, Run: noRun}, "unknown mode"},
 	}
 	for _, tc := range cases {

@@ -41,6 +41,7 @@ var scenarios = []scenario{
 	{ID: "a", Title: "raw consume + ack (ceiling)", Kind: "raw", Task: taskOutside},
 	{ID: "b", Title: "onceler, outside no-op, ignore_result", Kind: "worker", Task: taskOutside, Latency: true},
 	{ID: "b'", Title: "onceler, same-database demo.ledger.credit over 1,000 accounts, ignore_result", Kind: "worker", Task: taskCredit, Accounts: 1000, Latency: true},
+	{ID: "b'-tx", Title: "(b') with the credit's statement run by a RunTx function instead of returned by RunStmt", Kind: "worker", Task: taskCreditTx, Accounts: 1000},
 	{ID: "b'-hot", Title: "onceler, demo.ledger.credit, every credit to one account (hot row)", Kind: "worker", Task: taskCredit, Accounts: 1},
 	{ID: "c", Title: "onceler, outside no-op, results to reply_to", Kind: "worker", Task: taskOutside, Replies: true, Latency: true},
 	{ID: "c-redis", Title: "(c) with results to Redis (--result-backend redis://)", Kind: "worker", Task: taskOutside, Redis: true},
@@ -275,7 +276,7 @@ func (b *bench) drain(ctx context.Context, sc scenario) row {
 		if err := setupSchema(ctx, b.o.dbURL, schema); err != nil {
 			return err
 		}
-		if sc.Task == taskCredit {
+		if credits(sc.Task) {
 			if err := setupLedger(ctx, b.o.dbURL); err != nil {
 				return err
 			}
@@ -428,7 +429,7 @@ func (b *bench) verify(ctx context.Context, sc scenario, spec msgSpec, queue, sc
 		if n != len(distinct) {
 			return fmt.Errorf("%d completed records, want %d", n, len(distinct))
 		}
-		if sc.Task == taskCredit {
+		if credits(sc.Task) {
 			if err := pool.QueryRow(ctx, "SELECT count(*) FROM onceler_demo.ledger WHERE entry_id = ANY($1)", ops).Scan(&n); err != nil {
 				return fmt.Errorf("count ledger entries: %w", err)
 			}

@@ -186,13 +186,29 @@ type outsideArgs struct {
 }
 
 // benchRegistry registers the bench tasks: an outside-system no-op (claim,
-// then completion) and the onceler binary's demo tasks (demo.ledger.credit).
+// then completion), demo.ledger.credit's statement run by a RunTx function
+// ((b'-tx)), and the onceler binary's demo tasks (demo.ledger.credit, whose
+// statement RunStmt returns).
 func benchRegistry(pool *pgxpool.Pool) (*tasks.Registry, error) {
 	reg := tasks.NewRegistry()
 	key := func(a outsideArgs) (string, error) { return a.Op, nil }
 	err := tasks.Register(reg, tasks.Task[outsideArgs]{
 		Name: taskOutside, Mode: tasks.ModeOutside, Key: key, Policy: tasks.PolicyRetry,
 		Run: func(ctx context.Context, c *tasks.Call, a outsideArgs) (any, error) { return nil, nil },
+	})
+	if err != nil {
+		return nil, err
+	}
+	err = tasks.Register(reg, tasks.Task[demo.CreditArgs]{
+		Name: taskCreditTx, Mode: tasks.ModeSameDB,
+		Key: func(a demo.CreditArgs) (string, error) { return a.EntryID, nil },
+		RunTx: func(ctx context.Context, tx pgx.Tx, c *tasks.Call, a demo.CreditArgs) (any, error) {
+			var balance int64
+			if err := tx.QueryRow(ctx, demo.CreditSQL, a.EntryID, a.Account, a.Cents, c.TaskID).Scan(&balance); err != nil {
+				return nil, err
+			}
+			return demo.CreditResult{EntryID: a.EntryID, Account: a.Account, Balance: balance}, nil
+		},
 	})
 	if err != nil {
 		return nil, err

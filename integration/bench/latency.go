@@ -55,7 +55,7 @@ func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *lat
 			return err
 		}
 	}
-	if sc.Task == taskCredit && sc.Kind != "raw" {
+	if credits(sc.Task) && sc.Kind != "raw" {
 		if err := setupLedger(ctx, b.o.dbURL); err != nil {
 			return err
 		}

@@ -112,7 +112,7 @@ func run() error {
 		"PostgreSQL URL of a database used by the bench alone (created when missing)")
 	fs.StringVar(&o.python, "python", "/usr/bin/python3", "Python with Celery 5.2.6 and psycopg2, for (e)")
 	fs.BoolVar(&o.quick, "quick", false, "small smoke run: N = 2000, Python N = 500, 1 s latency runs")
-	fs.StringVar(&o.only, "scenarios", "a,b,b',b'-hot,c,c-redis,d,e,f,s-raw,s,sqs-raw,sqs", "scenarios to run, comma-separated")
+	fs.StringVar(&o.only, "scenarios", "a,b,b',b'-tx,b'-hot,c,c-redis,d,e,f,s-raw,s,sqs-raw,sqs", "scenarios to run, comma-separated")
 	fs.StringVar(&o.redisURL, "redis", envOr("ONCELER_BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"), "Redis result backend of (c-redis), and the Redis of the Sidekiq scenarios (s-raw) and (s); their results and jobs are deleted after the run")
 	fs.StringVar(&o.sqsEndpoint, "sqs", envOr("ONCELER_BENCH_SQS_ENDPOINT", "http://127.0.0.1:4100"), "SQS server of (sqs-raw) and (sqs) (goaws, started by .ci/setup); their queues are deleted after the run")
 	fs.IntVar(&o.pairs, "pairs", 9, "rounds of (f), each next to a run of (b) without events; the median ratio is reported")

@@ -16,6 +16,8 @@ const (
 	// taskCredit is the onceler binary's demo.ledger.credit (package demo):
 	// same-database, a ledger row and the account's balance row.
 	taskCredit = demo.TaskCredit
+	// taskCreditTx is the same statement in a RunTx function (child.go).
+	taskCreditTx = "bench.credit_tx"
 )
 
 // creditCents is what every bench credit adds.
@@ -62,7 +64,7 @@ func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
 	for i, op := range ops {
 		id := celeryproto.NewTaskID()
 		args, repr := []any{op}, "['"+op+"']"
-		if s.Task == taskCredit {
+		if credits(s.Task) {
 			acct := s.account(i)
 			args, repr = []any{acct, op, creditCents}, fmt.Sprintf("['%s', '%s', %d]", acct, op, creditCents)
 		}
@@ -79,3 +81,7 @@ func (s msgSpec) build() ([]*celeryproto.Publishing, []string, error) {
 	}
 	return out, ops, nil
 }
+
+// credits reports whether task is a ledger credit: demo.ledger.credit's
+// arguments, checked against the demo's ledger.
+func credits(task string) bool { return task == taskCredit || task == taskCreditTx }

@@ -153,6 +153,9 @@ func targets(rows []row) string {
 	f, okF := by["f"]
 	check("(f) events and remote control cost < 5% of (b)'s throughput", okF && f.pairRatio >= 0.95, okF,
 		fmt.Sprintf("median (f)/(b) over the rounds %.3f, a cost of %.1f%%", f.pairRatio, 100*(1-f.pairRatio)))
+	if st, tx := by["b'"], by["b'-tx"]; st.rate > 0 && tx.rate > 0 {
+		fmt.Fprintf(&sb, "- (b') / (b'-tx), the credit returned by RunStmt against the same statement run by a RunTx function: %.2f× (measured, no target)\n", frac(st, tx))
+	}
 	if s, sRaw := by["s"], by["s-raw"]; s.rate > 0 && sRaw.rate > 0 {
 		fmt.Fprintf(&sb, "- (s) / (s-raw), onceler's Sidekiq drain against the Redis ceiling: %.0f%% (measured, no target)\n", 100*frac(s, sRaw))
 	}
