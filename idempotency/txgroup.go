@@ -161,15 +161,7 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		t0 := time.Now()
 		if inGroup {
-			ended := false // guarded by g.mu
-			t := time.AfterFunc(adaptiveStuck, func() { g.releaseQueued(&ended) })
-			defer func() {
-				t.Stop()
-				g.mu.Lock()
-				defer g.mu.Unlock()
-				ended = true
-				g.stuck.Store(false)
-			}()
+			defer g.watchStuck()()
 		}
 		defer func() {
 			if !deferredIn(ctx) {
@@ -177,6 +169,22 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 			}
 		}()
 		return fn(ctx, tx)
+	}
+}
+
+// watchStuck starts watching work of a group that others wait behind (a
+// function, or the statements the functions deferred): once it has run
+// for adaptiveStuck, the calls queued behind it run alone, until the
+// returned func, called as it ends, stops the watch.
+func (g *txGroup) watchStuck() func() {
+	ended := false // guarded by g.mu
+	t := time.AfterFunc(adaptiveStuck, func() { g.releaseQueued(&ended) })
+	return func() {
+		t.Stop()
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		ended = true
+		g.stuck.Store(false)
 	}
 }
 
@@ -538,7 +546,13 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 	}
 	if len(pending) > 0 {
 		t0 := time.Now()
-		if !sendDeferred(ctx, tx, pending) {
+		stop := func() {}
+		if g.adaptive() {
+			stop = g.watchStuck()
+		}
+		sent := sendDeferred(ctx, tx, pending)
+		stop()
+		if !sent {
 			return false, nil
 		}
 		g.deferred.Add(int64(len(pending)))
