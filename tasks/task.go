@@ -170,8 +170,9 @@ type Task[A any] struct {
 	// database tasks run in transaction groups (BatchConfig.GroupTx), and
 	// there the statements of the group's RunStmt tasks go to the database
 	// together, in one round trip, where RunTx functions each wait for
-	// their own statements' answers. A task with a time limit runs its
-	// statement alone.
+	// their own statements' answers (the group sends only statements that
+	// cannot end its transaction; see Stmt). A task with a time limit runs
+	// its statement as RunTx would, where the limit applies to it.
 	RunStmt func(c *Call, args A) (Stmt, error)
 	// LookupTimeout bounds one call of Lookup; a lookup that runs out of
 	// time counts as failed (Fallback). It runs under the lease of the
@@ -224,7 +225,7 @@ type handler struct {
 	// stmt is RunStmt's (runTx runs its statement on tx).
 	stmt   func(c *Call, a any) (Stmt, error)
 	lookup func(ctx context.Context, c *Call, a any) (any, bool, error)
-	// fnPC is the entry of the task function (Run or RunTx): its frame in
+	// fnPC is the entry of the task function (Run, RunTx or RunStmt): its frame in
 	// a traceback (traceback.go) when nothing better is known; callPC the
 	// worker's call of it (run or runTx), the traceback's first frame.
 	fnPC, callPC uintptr
