@@ -103,7 +103,8 @@ func deferrable(sql string) bool {
 		s = strings.TrimLeft(s, " \t\r\n\f")
 		switch {
 		case strings.HasPrefix(s, "--"):
-			i := strings.IndexByte(s, '\n')
+			// PostgreSQL ends a line comment at either.
+			i := strings.IndexAny(s, "\n\r")
 			if i < 0 {
 				return false
 			}

@@ -309,6 +309,8 @@ func TestDeferrable(t *testing.T) {
 		"DO $$ BEGIN END $$":         false,
 		"SAVEPOINT s":                false,
 		"-- only a comment":          false,
+		"-- a\rCOMMIT /*\nSELECT */": false,
+		"-- a\rSELECT 1":             true,
 		"/* unterminated SELECT":     false,
 		"SELECTX 1":                  false,
 		"":                           false,
