@@ -48,7 +48,7 @@ func Defer(ctx context.Context, d Deferred) bool {
 	case slot.d != nil:
 		slot.misused = true
 		return false
-	case !deferrable(d.SQL):
+	case !deferrable(d.SQL) || !plainArgs(d.Args):
 		return false
 	}
 	slot.d = &d
@@ -131,6 +131,24 @@ func deferrable(sql string) bool {
 		return true
 	}
 	return false
+}
+
+// plainArgs reports whether args are the statement's parameters alone, or
+// named ones (pgx.NamedArgs), which only fill its placeholders. pgx reads a
+// first argument that is a query option as such: another QueryRewriter
+// could make the statement a different one, and the others apply to one
+// query, not to a batch.
+func plainArgs(args []any) bool {
+	if len(args) == 0 {
+		return true
+	}
+	switch args[0].(type) {
+	case pgx.NamedArgs, pgx.StrictNamedArgs:
+		return true
+	case pgx.QueryRewriter, pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+		return false
+	}
+	return true
 }
 
 // skipBlockComment returns s after the block comment it begins with;

@@ -321,3 +321,30 @@ func TestDeferrable(t *testing.T) {
 		}
 	}
 }
+
+// rewriteTo is a query rewriter that makes any statement another one.
+type rewriteTo string
+
+func (r rewriteTo) RewriteQuery(context.Context, *pgx.Conn, string, []any) (string, []any, error) {
+	return string(r), nil, nil
+}
+
+func TestDeferredArguments(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct {
+		args []any
+		want bool
+	}{
+		"none":           {nil, true},
+		"values":         {[]any{1, "a"}, true},
+		"named":          {[]any{pgx.NamedArgs{"a": 1}}, true},
+		"strict named":   {[]any{pgx.StrictNamedArgs{"a": 1}}, true},
+		"rewriter":       {[]any{rewriteTo("COMMIT")}, false},
+		"exec mode":      {[]any{pgx.QueryExecModeSimpleProtocol, 1}, false},
+		"result formats": {[]any{pgx.QueryResultFormats{pgx.TextFormatCode}}, false},
+	} {
+		if got := idempotency.PlainArgs(c.args); got != c.want {
+			t.Errorf("%s: %v, want %v", name, got, c.want)
+		}
+	}
+}

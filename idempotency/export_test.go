@@ -21,3 +21,6 @@ func WriteFlush(s *Store, ps []ClaimParams, refs []Ref) (int, error) {
 
 // Deferrable is deferrable: whether Defer takes a statement.
 var Deferrable = deferrable
+
+// PlainArgs is plainArgs: whether Defer takes a statement's arguments.
+var PlainArgs = plainArgs
