@@ -57,6 +57,16 @@ func Defer(ctx context.Context, d Deferred) bool {
 
 type deferralKey struct{}
 
+// withoutDeferral returns ctx without a deferral: a RunTx call inside the
+// function of a group's member does not defer its statement to that
+// member's group.
+func withoutDeferral(ctx context.Context) context.Context {
+	if ctx.Value(deferralKey{}) == nil {
+		return ctx
+	}
+	return context.WithValue(ctx, deferralKey{}, (*deferral)(nil))
+}
+
 // deferral is where one member's function may put its statement (Defer).
 type deferral struct {
 	mu      sync.Mutex
@@ -171,7 +181,11 @@ func skipBlockComment(s string) (string, bool) {
 	return "", false
 }
 
-// firstRow is the pgx.Row of a deferred statement's result: its first row.
+// FirstRow returns rows as a pgx.Row, its first row, as QueryRow does; the
+// caller closes rows, which Scan does too.
+func FirstRow(rows pgx.Rows) pgx.Row { return firstRow{rows} }
+
+// firstRow is the pgx.Row of a statement's result: its first row.
 type firstRow struct{ rows pgx.Rows }
 
 func (r firstRow) Scan(dest ...any) error {
@@ -190,15 +204,35 @@ func (r firstRow) Scan(dest ...any) error {
 }
 
 // sendDeferred runs the statements the members deferred, in their order,
-// in one round trip, and keeps each member's result. false: a statement
-// or a Row failed, or a result cannot be stored; the group then runs
-// member by member (nothing of this attempt commits).
-func sendDeferred(ctx context.Context, tx pgx.Tx, pending []*member) bool {
+// in one round trip, and keeps each member's result. sent is false when a
+// statement or a Row failed, or a result cannot be stored: the group then
+// runs member by member (nothing of this attempt commits). ended: a
+// statement ended the group's transaction (it committed or rolled back
+// what came before it). The statements run in a savepoint, which the batch
+// releases last: after such a statement the release fails, in the
+// transaction PostgreSQL opens for the rest of the batch, so that nothing
+// after the statement commits.
+func sendDeferred(ctx context.Context, tx pgx.Tx, pending []*member) (sent, ended bool) {
 	b := &pgx.Batch{}
+	b.Queue("SAVEPOINT onceler_deferred")
 	for _, m := range pending {
 		b.Queue(m.deferred.SQL, m.deferred.Args...)
 	}
+	b.Queue("RELEASE SAVEPOINT onceler_deferred")
 	br := tx.SendBatch(ctx, b)
+	sent = readDeferred(br, pending)
+	cerr := br.Close()
+	if endedTx(tx) {
+		return false, true
+	}
+	return sent && cerr == nil && !failedTx(tx), false
+}
+
+// readDeferred reads the batch of sendDeferred.
+func readDeferred(br pgx.BatchResults, pending []*member) bool {
+	if _, err := br.Exec(); err != nil {
+		return false
+	}
 	for _, m := range pending {
 		result := m.result
 		var err error
@@ -223,9 +257,9 @@ func sendDeferred(ctx context.Context, tx pgx.Tx, pending []*member) bool {
 			err = m.keep(result)
 		}
 		if err != nil {
-			_ = br.Close()
 			return false
 		}
 	}
-	return br.Close() == nil && !failedTx(tx)
+	_, err := br.Exec()
+	return err == nil
 }

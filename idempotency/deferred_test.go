@@ -348,3 +348,143 @@ func TestDeferredArguments(t *testing.T) {
 		}
 	}
 }
+
+// runQueued runs fns (key -> function) as the calls of one group (queued)
+// and returns their errors.
+func runQueued(t *testing.T, e *env, task string, fns map[string]func(context.Context, pgx.Tx) ([]byte, error)) map[string]error {
+	t.Helper()
+	errs := map[string]error{}
+	var mu sync.Mutex
+	var calls []func()
+	for k, fn := range fns {
+		calls = append(calls, func() {
+			_, err := e.store.RunTx(context.Background(), params(task, k), fn)
+			mu.Lock()
+			errs[k] = err
+			mu.Unlock()
+		})
+	}
+	queued(t, e, calls)
+	return errs
+}
+
+// deferOrRun defers sql, or runs it on tx when the group does not take it.
+func deferOrRun(sql string, args ...any) func(context.Context, pgx.Tx) ([]byte, error) {
+	return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if idempotency.Defer(ctx, idempotency.Deferred{SQL: sql, Args: args}) {
+			return nil, nil
+		}
+		_, err := tx.Exec(ctx, sql, args...)
+		return nil, err
+	}
+}
+
+// TestDeferredStatementEndsTheGroup: a deferred statement that ends the
+// group's transaction although it reads as a SELECT (the name of a
+// statement prepared as COMMIT or ROLLBACK on the connection, which pgx
+// runs in its place) commits nothing after it, and doubles nothing: every
+// operation is completed with its effect once, held, or left without a
+// record and without its effect.
+func TestDeferredStatementEndsTheGroup(t *testing.T) {
+	t.Parallel()
+	for _, end := range []string{"COMMIT", "ROLLBACK"} {
+		t.Run(end, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+			tbl := e.effects(t)
+			ins := `INSERT INTO ` + tbl + ` VALUES ($1, 1)`
+			fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){
+				"op0": deferOrRun(ins, "op0"),
+				"op1": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+					if _, err := tx.Conn().Prepare(ctx, "select_end", end); err != nil {
+						return nil, err
+					}
+					return deferOrRun("select_end")(ctx, tx)
+				},
+				"op2": deferOrRun(ins, "op2"),
+				"op3": func(ctx context.Context, tx pgx.Tx) ([]byte, error) { // runs itself, before the batch
+					_, err := tx.Exec(ctx, ins, "op3")
+					return nil, err
+				},
+			}
+			errs := runQueued(t, e, "end", fns)
+			if st := e.store.BatchStats(); st.TxGroups == 0 {
+				t.Fatalf("stats %+v: the calls did not run as a group", st)
+			}
+			for _, k := range []string{"op0", "op2", "op3"} {
+				n := e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key = $1`, k)
+				status := "none"
+				if r, err := e.store.Get(context.Background(), "end", k); err == nil {
+					status = string(r.Status)
+				}
+				ok := status == "completed" && n == 1 || status == "held" && n <= 1 || status == "none" && n == 0
+				t.Logf("%s: %s, %d effects, err %v", k, status, n, errs[k])
+				if !ok {
+					t.Errorf("%s: record %s with %d effects", k, status, n)
+				}
+			}
+		})
+	}
+}
+
+// TestDeferThenEndTheTransaction: a function that defers its statement and
+// then commits the transaction itself (against Defer's contract) does not
+// complete its operation without the statement: it runs again on its own.
+func TestDeferThenEndTheTransaction(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+	tbl := e.effects(t)
+	ins := `INSERT INTO ` + tbl + ` VALUES ($1, 1)`
+	errs := runQueued(t, e, "dc", map[string]func(context.Context, pgx.Tx) ([]byte, error){
+		"b0": deferOrRun(ins, "b0"),
+		"b1": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			if !idempotency.Defer(ctx, idempotency.Deferred{SQL: ins, Args: []any{"b1"}}) {
+				if _, err := tx.Exec(ctx, ins, "b1"); err != nil {
+					return nil, err
+				}
+			}
+			_, err := tx.Exec(ctx, "COMMIT")
+			return []byte(`"b1"`), err
+		},
+		"b2": deferOrRun(ins, "b2"),
+	})
+	for _, k := range []string{"b0", "b1", "b2"} {
+		n := e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key = $1`, k)
+		if r := e.get(t, "dc", k); r.Status != idempotency.StatusCompleted || n != 1 || errs[k] != nil {
+			t.Errorf("%s: record %s, %d effects, err %v", k, r.Status, n, errs[k])
+		}
+	}
+}
+
+// TestNestedRunTxDoesNotDefer: a group member's function that runs an
+// operation of its own through another store's RunTx, with its context,
+// gets that operation's statement run there, not deferred to the outer
+// member's group, where it would be lost with the outer attempt.
+func TestNestedRunTxDoesNotDefer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+	tbl := e.effects(t)
+	inner, err := idempotency.New(e.pool, idempotency.Config{Schema: e.schema, Batch: idempotency.BatchConfig{GroupTx: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inner.Close()
+	ins := `INSERT INTO ` + tbl + ` VALUES ($1, 1)`
+	errs := runQueued(t, e, "nest", map[string]func(context.Context, pgx.Tx) ([]byte, error){
+		"c0": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			_, err := inner.RunTx(ctx, params("inner", "k"), deferOrRun(ins, "inner"))
+			return []byte(`"outer"`), err
+		},
+		"c1": deferOrRun(ins, "c1"),
+		"c2": func(context.Context, pgx.Tx) ([]byte, error) {
+			return nil, errors.New("fails: the group runs member by member")
+		},
+	})
+	if errs["c0"] != nil {
+		t.Fatal(errs["c0"])
+	}
+	r := e.get(t, "inner", "k")
+	if n := e.count(t, `SELECT count(*) FROM `+tbl+` WHERE key = 'inner'`); r.Status != idempotency.StatusCompleted || n != 1 {
+		t.Fatalf("inner operation %s with %d effects", r.Status, n)
+	}
+}

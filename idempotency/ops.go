@@ -460,6 +460,7 @@ func (s *Store) RunTx(ctx context.Context, p ClaimParams, fn func(ctx context.Co
 	if err := p.validate(); err != nil {
 		return Claim{}, err
 	}
+	ctx = withoutDeferral(ctx)
 	if s.txg != nil {
 		return s.txg.run(ctx, p, fn)
 	}
@@ -564,7 +565,13 @@ func (s *Store) completeEnded(ctx context.Context, p ClaimParams, c Claim, resul
 // person to replay it.
 func (s *Store) endedByTask(ctx context.Context, ref Ref, message func() []byte) {
 	s.log.Error("a same-database task ended its transaction itself, then failed", zap.String("task", ref.Task))
-	err := s.hold(ctx, ref, message(), "the task ended its transaction itself, then failed: its effect may have committed", false)
+	s.holdEnded(ctx, ref, message, "the task ended its transaction itself, then failed: its effect may have committed")
+}
+
+// holdEnded holds the claim ref, written in a transaction that something
+// other than the worker ended, for the reason why.
+func (s *Store) holdEnded(ctx context.Context, ref Ref, message func() []byte, why string) {
+	err := s.hold(ctx, ref, message(), why, false)
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
 		s.log.Error("holding the claim of a task that ended its transaction failed; it lapses into its policy",
 			zap.String("task", ref.Task), zap.Error(err))

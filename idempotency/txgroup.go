@@ -531,8 +531,14 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		misused, ferr := m.runDeferring(tx, !g.s.plainArrays)
 		if endedTx(tx) {
 			// The members whose statements wait have not run: ended runs
-			// them again, in transactions of their own.
-			g.ended(ctx, ms, m, ferr)
+			// them again, in transactions of their own; so too this one
+			// when it deferred its statement before it ended the
+			// transaction.
+			by := m
+			if m.deferred != nil {
+				by = nil
+			}
+			g.ended(ctx, ms, by, ferr)
 			return true, nil
 		}
 		if ferr != nil || misused || failedTx(tx) {
@@ -550,8 +556,12 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		if g.adaptive() {
 			stop = g.watchStuck()
 		}
-		sent := sendDeferred(ctx, tx, pending)
+		sent, ended := sendDeferred(ctx, tx, pending)
 		stop()
+		if ended {
+			g.endedByStatement(ctx, ms, pending)
+			return true, nil
+		}
 		if !sent {
 			return false, nil
 		}
@@ -741,6 +751,24 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 			}
 		}
 	}
+}
+
+// endedByStatement answers a group whose transaction a deferred statement
+// ended: the claims and effects before it committed or rolled back with
+// it, and those after it rolled back. Which statement did is not known for
+// sure, so the operations of the deferred statements are held, as that of
+// a task that ended its transaction itself (when their claims committed),
+// and fail as the task's error; the members whose functions ran their
+// statements themselves are answered as ended answers them.
+func (g *txGroup) endedByStatement(ctx context.Context, ms, pending []*member) {
+	g.s.log.Error("a statement deferred to a transaction group ended the group's transaction", zap.Int("deferred", len(pending)))
+	for _, m := range pending {
+		g.s.holdEnded(ctx, m.op.p.Ref(m.claim.Token), m.op.p.heldMessage,
+			"a statement of its transaction group ended the group's transaction: its effect may have committed")
+		m.commit, m.claim = false, Claim{}
+		m.err = &TaskTxError{What: "a statement of its transaction group (Defer) ended the group's transaction"}
+	}
+	g.ended(ctx, ms, nil, nil)
 }
 
 // endedTx reports whether tx's connection is no longer in a transaction: a

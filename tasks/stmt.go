@@ -35,7 +35,22 @@ func (s Stmt) run(ctx context.Context, tx pgx.Tx) (any, error) {
 		}
 		return nil, nil
 	}
-	return s.Result(tx.QueryRow(ctx, s.SQL, s.Args...))
+	rows, err := tx.Query(ctx, s.SQL, s.Args...)
+	if err != nil {
+		if rows != nil {
+			rows.Close()
+		}
+		return nil, err
+	}
+	// Closed whether Result reads the row or not: the connection's next
+	// statement cannot go before.
+	defer rows.Close()
+	v, err := s.Result(idempotency.FirstRow(rows))
+	if err != nil {
+		return nil, err
+	}
+	rows.Close()
+	return v, rows.Err()
 }
 
 // deferred is the statement as the record's transaction group runs it

@@ -97,3 +97,47 @@ RETURNING $1 || ':' || t.cents`
 	}
 	testkit.WaitFor(t, "queue empty", 10*time.Second, func() bool { return e.queueDepth(e.queue) == 0 })
 }
+
+// TestRunStmtResultNeedNotRead: a Result that does not read the row (it
+// answers a value of its own) leaves the connection free for the
+// completion, alone as in a group: every delivery is answered, its
+// statement ran once.
+func TestRunStmtResultNeedNotRead(t *testing.T) {
+	t.Parallel()
+	for _, n := range []int{1, 100} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			pool := testenv.Pool(t)
+			ctx := context.Background()
+			ledger := e.schema + ".noscan_ledger"
+			if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (entry text NOT NULL)`); err != nil {
+				t.Fatal(err)
+			}
+			reg := NewRegistry()
+			if err := Register(reg, Task[payArgs]{Name: "t.noscan", Mode: ModeSameDB,
+				Key: func(a payArgs) (string, error) { return a.OrderID, nil },
+				RunStmt: func(c *Call, a payArgs) (Stmt, error) {
+					return Stmt{SQL: `INSERT INTO ` + ledger + ` VALUES ($1) RETURNING entry`, Args: []any{a.OrderID},
+						Result: func(pgx.Row) (any, error) { return "credited", nil }}, nil
+				}}); err != nil {
+				t.Fatal(err)
+			}
+			e.start(reg, e.config())
+			replyTo, replies := e.replyQueue()
+			for i := range n {
+				e.publish(payMessage("t.noscan", i, fmt.Sprintf("n-%d", i), replyTo))
+			}
+			res := results(t, replies, n, 30*time.Second)
+			for i := range n {
+				if r := res[taskID(i)]; len(r) != 1 || r[0]["status"] != "SUCCESS" || r[0]["result"] != "credited" {
+					t.Fatalf("task %d: %v", i, r)
+				}
+			}
+			var rows int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+ledger).Scan(&rows); err != nil || rows != n {
+				t.Fatalf("%d ledger rows (%v), want %d", rows, err, n)
+			}
+		})
+	}
+}
