@@ -15,6 +15,10 @@ import (
 type Deferred struct {
 	// SQL is one statement that begins with SELECT, INSERT, UPDATE, DELETE,
 	// MERGE, WITH, VALUES or TABLE: none of them can end the transaction.
+	// One that does all the same (pgx runs a statement prepared on the
+	// connection under the name SQL instead) commits nothing after it: the
+	// group's deferred operations are then held, or fail when their claims
+	// rolled back with it.
 	SQL  string
 	Args []any
 	// Row reads the statement's first row into what the function would

@@ -15,9 +15,10 @@ import (
 // completion.
 type Stmt struct {
 	// SQL is the statement. One that begins with SELECT, INSERT, UPDATE,
-	// DELETE, MERGE, WITH, VALUES or TABLE runs with the other statements
-	// of its transaction group in one round trip; any other runs alone,
-	// as RunTx's statements do.
+	// DELETE, MERGE, WITH, VALUES or TABLE, with plain or pgx.NamedArgs
+	// arguments, runs with the other statements of its transaction group
+	// in one round trip (idempotency.Defer); any other runs alone, as
+	// RunTx's statements do.
 	SQL  string
 	Args []any
 	// Result reads the statement's first row (its RETURNING clause, or a
