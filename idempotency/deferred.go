@@ -6,6 +6,8 @@ import (
 	"sync"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceler/onceler/internal/sqltext"
 )
 
 // Deferred is the effect of a RunTx function written as one SQL statement,
@@ -112,27 +114,9 @@ func deferredIn(ctx context.Context) bool {
 // COMMIT there would commit the claims of members whose statements come
 // after it without their effects.
 func deferrable(sql string) bool {
-	s := sql
-	for {
-		s = strings.TrimLeft(s, " \t\r\n\f")
-		switch {
-		case strings.HasPrefix(s, "--"):
-			// PostgreSQL ends a line comment at either.
-			i := strings.IndexAny(s, "\n\r")
-			if i < 0 {
-				return false
-			}
-			s = s[i+1:]
-			continue
-		case strings.HasPrefix(s, "/*"):
-			rest, ok := skipBlockComment(s)
-			if !ok {
-				return false
-			}
-			s = rest
-			continue
-		}
-		break
+	s, ok := sqltext.SkipBlanks(sql, " \t\r\n\f")
+	if !ok {
+		return false
 	}
 	end := strings.IndexFunc(s, func(r rune) bool {
 		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z')
@@ -163,26 +147,6 @@ func plainArgs(args []any) bool {
 		return false
 	}
 	return true
-}
-
-// skipBlockComment returns s after the block comment it begins with;
-// PostgreSQL's block comments nest.
-func skipBlockComment(s string) (string, bool) {
-	depth := 0
-	for i := 0; i+1 < len(s); i++ {
-		switch {
-		case s[i] == '/' && s[i+1] == '*':
-			depth++
-			i++
-		case s[i] == '*' && s[i+1] == '/':
-			depth--
-			i++
-			if depth == 0 {
-				return s[i+1:], true
-			}
-		}
-	}
-	return "", false
 }
 
 // FirstRow returns rows as a pgx.Row, its first row, as QueryRow does; the

@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceler/onceler/internal/sqltext"
 )
 
 // ErrTxManaged is returned to a same-database task that tries to commit or
@@ -201,26 +203,17 @@ func statements(sql string) []string {
 			}
 			i++
 		case c == '-' && strings.HasPrefix(sql[i:], "--"):
-			if j := strings.IndexByte(sql[i:], '\n'); j >= 0 {
+			// PostgreSQL ends a line comment at either.
+			if j := strings.IndexAny(sql[i:], "\n\r"); j >= 0 {
 				i += j + 1
 			} else {
 				i = len(sql)
 			}
 		case c == '/' && strings.HasPrefix(sql[i:], "/*"):
-			depth := 0
-			for i < len(sql) {
-				if strings.HasPrefix(sql[i:], "/*") {
-					depth++
-					i += 2
-				} else if strings.HasPrefix(sql[i:], "*/") {
-					depth--
-					i += 2
-					if depth == 0 {
-						break
-					}
-				} else {
-					i++
-				}
+			if end := sqltext.BlockCommentEnd(sql[i:]); end >= 0 {
+				i += end
+			} else {
+				i = len(sql)
 			}
 		case c == '$':
 			// $tag$ ... $tag$ (a tag is a name, or empty); $1 is a parameter.
@@ -246,25 +239,9 @@ func statements(sql string) []string {
 	return append(out, sql[start:])
 }
 
-// skipBlanks skips white space and SQL comments.
+// skipBlanks skips white space, semicolons and SQL comments; "" when a
+// comment does not end.
 func skipBlanks(s string) string {
-	for {
-		s = strings.TrimLeft(s, " \t\r\n\f;")
-		switch {
-		case strings.HasPrefix(s, "--"):
-			i := strings.IndexByte(s, '\n')
-			if i < 0 {
-				return ""
-			}
-			s = s[i+1:]
-		case strings.HasPrefix(s, "/*"):
-			i := strings.Index(s, "*/")
-			if i < 0 {
-				return ""
-			}
-			s = s[i+2:]
-		default:
-			return s
-		}
-	}
+	rest, _ := sqltext.SkipBlanks(s, " \t\r\n\f;")
+	return rest
 }

@@ -201,6 +201,9 @@ func TestEndsTx(t *testing.T) {
 		"SELECT end_of_day()":                        false,
 		"INSERT INTO commit_log VALUES (1)":          false,
 		"SELECT 1; end":                              true,
+		"SELECT 1 -- x\r; COMMIT":                    true,
+		"-- x\rCOMMIT /*\n*/":                        true,
+		"/* a /* b */ ; commit */ SELECT 1":          false,
 	} {
 		if got := endsTx(sql); got != want {
 			t.Errorf("endsTx(%q) = %v, want %v", sql, got, want)
