@@ -4,8 +4,10 @@ import (
 	"context"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceler/onceler/internal/sqltext"
 )
@@ -42,6 +44,11 @@ type Deferred struct {
 // false and makes the group run its members one by one instead, where
 // nothing is deferred.
 func Defer(ctx context.Context, d Deferred) bool {
+	return deferTo(ctx, d, true)
+}
+
+// deferTo is Defer; check: only statements Defer takes.
+func deferTo(ctx context.Context, d Deferred, check bool) bool {
 	slot, _ := ctx.Value(deferralKey{}).(*deferral)
 	if slot == nil {
 		return false
@@ -54,7 +61,7 @@ func Defer(ctx context.Context, d Deferred) bool {
 	case slot.d != nil:
 		slot.misused = true
 		return false
-	case !deferrable(d.SQL) || !plainArgs(d.Args):
+	case check && (!deferrable(d.SQL) || !plainArgs(d.Args)):
 		return false
 	}
 	slot.d = &d
@@ -79,6 +86,7 @@ type deferral struct {
 	d       *Deferred
 	closed  bool // the function returned
 	misused bool // a second Defer
+	took    time.Duration
 }
 
 // withDeferral returns ctx with an open deferral for one function call.
@@ -87,24 +95,27 @@ func withDeferral(ctx context.Context) (context.Context, *deferral) {
 	return context.WithValue(ctx, deferralKey{}, slot), slot
 }
 
-// close ends the function's call: what it deferred, and whether it
-// deferred twice.
-func (s *deferral) close() (*Deferred, bool) {
+// close ends the function's call: what it deferred, whether it deferred
+// twice, and how long it took when timed (tookDeferring).
+func (s *deferral) close() (*Deferred, bool, time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
-	return s.d, s.misused
+	return s.d, s.misused, s.took
 }
 
-// deferredIn reports whether the function that got ctx deferred its
-// statement (its duration is then not its work's).
-func deferredIn(ctx context.Context) bool {
+// tookDeferring keeps took, the duration of the function that got ctx, in
+// its deferral when it deferred its statement, and reports whether it did:
+// the function's work is then took and its statement's share of the
+// group's batch together (writeBatched measures them).
+func tookDeferring(ctx context.Context, took time.Duration) bool {
 	slot, _ := ctx.Value(deferralKey{}).(*deferral)
 	if slot == nil {
 		return false
 	}
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
+	slot.took = took
 	return slot.d != nil
 }
 
@@ -118,8 +129,10 @@ func deferrable(sql string) bool {
 	if !ok {
 		return false
 	}
+	// The first word, as PostgreSQL reads an identifier: "select_x" is
+	// not SELECT.
 	end := strings.IndexFunc(s, func(r rune) bool {
-		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z')
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '$' || r >= 0x80)
 	})
 	if end < 0 {
 		end = len(s)
@@ -184,28 +197,37 @@ func sendDeferred(ctx context.Context, tx pgx.Tx, pending []*member) (sent, ende
 	b := &pgx.Batch{}
 	b.Queue("SAVEPOINT onceler_deferred")
 	for _, m := range pending {
-		b.Queue(m.deferred.SQL, m.deferred.Args...)
+		// The prefix keeps pgx from taking the text for the name of a
+		// statement prepared on the connection, which it would run instead.
+		b.Queue(deferredPrefix+m.deferred.SQL, m.deferred.Args...)
 	}
 	b.Queue("RELEASE SAVEPOINT onceler_deferred")
 	br := tx.SendBatch(ctx, b)
-	sent = readDeferred(br, pending)
+	sent, ended = readDeferred(br, pending)
 	cerr := br.Close()
-	if endedTx(tx) {
+	if ended || endedTx(tx) {
 		return false, true
 	}
 	return sent && cerr == nil && !failedTx(tx), false
 }
 
-// readDeferred reads the batch of sendDeferred.
-func readDeferred(br pgx.BatchResults, pending []*member) bool {
+// deferredPrefix begins the text of every deferred statement.
+const deferredPrefix = "-- onceler: deferred\n"
+
+// readDeferred reads the batch of sendDeferred. ended: a statement's
+// command tag says it ended or changed the transaction (COMMIT AND CHAIN,
+// ROLLBACK TO SAVEPOINT, ...), which the keyword check should have made
+// impossible.
+func readDeferred(br pgx.BatchResults, pending []*member) (sent, ended bool) {
 	if _, err := br.Exec(); err != nil {
-		return false
+		return false, false
 	}
 	for _, m := range pending {
 		result := m.result
+		var tag pgconn.CommandTag
 		var err error
 		if m.deferred.Row == nil {
-			_, err = br.Exec()
+			tag, err = br.Exec()
 		} else {
 			rows, qerr := br.Query()
 			if qerr != nil {
@@ -216,18 +238,37 @@ func readDeferred(br pgx.BatchResults, pending []*member) bool {
 			} else {
 				result, err = m.deferred.Row(firstRow{rows})
 				rows.Close()
+				tag = rows.CommandTag()
 				if err == nil {
 					err = rows.Err()
 				}
 			}
 		}
+		if txControl(tag) {
+			return false, true
+		}
 		if err == nil {
 			err = m.keep(result)
 		}
 		if err != nil {
-			return false
+			return false, false
 		}
 	}
 	_, err := br.Exec()
-	return err == nil
+	return err == nil, false
+}
+
+// txControl reports whether tag is that of a statement that ends or
+// changes the transaction.
+func txControl(tag pgconn.CommandTag) bool {
+	switch {
+	case tag.Insert(), tag.Update(), tag.Delete(), tag.Select():
+		return false
+	}
+	word, _, _ := strings.Cut(tag.String(), " ")
+	switch word {
+	case "COMMIT", "ROLLBACK", "BEGIN", "START", "SAVEPOINT", "RELEASE", "PREPARE", "SET":
+		return true
+	}
+	return false
 }

@@ -1,5 +1,7 @@
 package idempotency
 
+import "context"
+
 // WriteFlush writes one flush of the batcher, the claims of ps and the
 // completions of refs (result {"ok":true}), through the statements a flush
 // of that size uses, and returns how many claims it answered and how many
@@ -24,3 +26,11 @@ var Deferrable = deferrable
 
 // PlainArgs is plainArgs: whether Defer takes a statement's arguments.
 var PlainArgs = plainArgs
+
+// DeferUnchecked is Defer without its check of the statement: what a group
+// does when a deferred statement ends or changes its transaction all the
+// same.
+func DeferUnchecked(ctx context.Context, d Deferred) bool { return deferTo(ctx, d, false) }
+
+// TxControl is txControl.
+var TxControl = txControl

@@ -565,15 +565,18 @@ func (s *Store) completeEnded(ctx context.Context, p ClaimParams, c Claim, resul
 // person to replay it.
 func (s *Store) endedByTask(ctx context.Context, ref Ref, message func() []byte) {
 	s.log.Error("a same-database task ended its transaction itself, then failed", zap.String("task", ref.Task))
-	s.holdEnded(ctx, ref, message, "the task ended its transaction itself, then failed: its effect may have committed")
+	_ = s.holdEnded(ctx, ref, message, "the task ended its transaction itself, then failed: its effect may have committed")
 }
 
 // holdEnded holds the claim ref, written in a transaction that something
 // other than the worker ended, for the reason why.
-func (s *Store) holdEnded(ctx context.Context, ref Ref, message func() []byte, why string) {
+// It reports false when there was no claim of ref to hold: it did not
+// commit.
+func (s *Store) holdEnded(ctx context.Context, ref Ref, message func() []byte, why string) bool {
 	err := s.hold(ctx, ref, message(), why, false)
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
 		s.log.Error("holding the claim of a task that ended its transaction failed; it lapses into its policy",
 			zap.String("task", ref.Task), zap.Error(err))
 	}
+	return !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced)
 }

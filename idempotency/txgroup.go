@@ -164,8 +164,8 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 			defer g.watchStuck()()
 		}
 		defer func() {
-			if !deferredIn(ctx) {
-				g.observe(time.Since(t0))
+			if took := time.Since(t0); !tookDeferring(ctx, took) {
+				g.observe(took)
 			}
 		}()
 		return fn(ctx, tx)
@@ -424,13 +424,14 @@ func (g *txGroup) take() []*txOp {
 type member struct {
 	op       *txOp
 	claim    Claim
-	result   []byte    // what its function returned; as the record keeps it once checked
-	deferred *Deferred // the statement its function deferred, run after the functions
-	res      *string   // the checked result as text, for the completion
-	commit   bool      // its claim (and, when first, its effect) commits with the group
-	done     bool      // its turn in the group is over
-	ran      bool      // its function returned without an error
-	err      error     // its own answer when it does not commit
+	result   []byte        // what its function returned; as the record keeps it once checked
+	deferred *Deferred     // the statement its function deferred, run after the functions
+	took     time.Duration // how long its function took, when it deferred
+	res      *string       // the checked result as text, for the completion
+	commit   bool          // its claim (and, when first, its effect) commits with the group
+	done     bool          // its turn in the group is over
+	ran      bool          // its function returned without an error
+	err      error         // its own answer when it does not commit
 }
 
 // flush runs one group and answers every op of it. committing is called
@@ -559,7 +560,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		sent, ended := sendDeferred(ctx, tx, pending)
 		stop()
 		if ended {
-			g.endedByStatement(ctx, ms, pending)
+			g.endedByStatement(ctx, tx, ms, pending)
 			return true, nil
 		}
 		if !sent {
@@ -568,8 +569,8 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		g.deferred.Add(int64(len(pending)))
 		if g.adaptive() {
 			per := time.Since(t0) / time.Duration(len(pending))
-			for range pending {
-				g.observe(per)
+			for _, m := range pending {
+				g.observe(m.took + per)
 			}
 		}
 	}
@@ -679,12 +680,12 @@ func (m *member) runDeferring(tx pgx.Tx, offer bool) (misused bool, err error) {
 	}
 	ctx, slot := withDeferral(m.op.ctx)
 	result, err := m.op.fn(ctx, tx)
-	d, misused := slot.close()
+	d, misused, took := slot.close()
 	if err != nil || misused {
 		return misused, err
 	}
 	if d != nil {
-		m.deferred, m.result = d, result
+		m.deferred, m.result, m.took = d, result, took
 		return false, nil
 	}
 	return false, m.keep(result)
@@ -754,19 +755,25 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 }
 
 // endedByStatement answers a group whose transaction a deferred statement
-// ended: the claims and effects before it committed or rolled back with
-// it, and those after it rolled back. Which statement did is not known for
-// sure, so the operations of the deferred statements are held, as that of
-// a task that ended its transaction itself (when their claims committed),
-// and fail as the task's error; the members whose functions ran their
-// statements themselves are answered as ended answers them.
-func (g *txGroup) endedByStatement(ctx context.Context, ms, pending []*member) {
+// ended or changed: what of the group committed is not known for sure
+// (the claims and effects before the statement may have, those after it
+// did not), so the operations of the deferred statements whose claims
+// committed are held, as that of a task that ended its transaction itself,
+// and fail as the task's error; those whose claims did not commit run
+// again on their own, where nothing is deferred; the members whose
+// functions ran their statements themselves are answered as ended answers
+// them. The group's transaction is rolled back first: what it still holds
+// (after a statement that changed it without ending it) does not commit.
+func (g *txGroup) endedByStatement(ctx context.Context, tx pgx.Tx, ms, pending []*member) {
 	g.s.log.Error("a statement deferred to a transaction group ended the group's transaction", zap.Int("deferred", len(pending)))
+	_ = tx.Rollback(context.WithoutCancel(ctx))
 	for _, m := range pending {
-		g.s.holdEnded(ctx, m.op.p.Ref(m.claim.Token), m.op.p.heldMessage,
-			"a statement of its transaction group ended the group's transaction: its effect may have committed")
-		m.commit, m.claim = false, Claim{}
-		m.err = &TaskTxError{What: "a statement of its transaction group (Defer) ended the group's transaction"}
+		m.ran = false
+		if g.s.holdEnded(ctx, m.op.p.Ref(m.claim.Token), m.op.p.heldMessage,
+			"a statement of its transaction group ended the group's transaction: its effect may have committed") {
+			m.commit, m.claim = false, Claim{}
+			m.err = &TaskTxError{What: "a statement of its transaction group (Defer) ended the group's transaction"}
+		}
 	}
 	g.ended(ctx, ms, nil, nil)
 }
