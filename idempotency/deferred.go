@@ -19,10 +19,9 @@ import (
 type Deferred struct {
 	// SQL is one statement that begins with SELECT, INSERT, UPDATE, DELETE,
 	// MERGE, WITH, VALUES or TABLE: none of them can end the transaction.
-	// One that does all the same (pgx runs a statement prepared on the
-	// connection under the name SQL instead) commits nothing after it: the
-	// group's deferred operations are then held, or fail when their claims
-	// rolled back with it.
+	// One that ends or changes the transaction all the same commits
+	// nothing after it: the group's deferred operations whose claims
+	// committed with it are then held, the others run again on their own.
 	SQL  string
 	Args []any
 	// Row reads the statement's first row into what the function would
