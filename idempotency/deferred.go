@@ -4,7 +4,6 @@ import (
 	"context"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -85,7 +84,6 @@ type deferral struct {
 	d       *Deferred
 	closed  bool // the function returned
 	misused bool // a second Defer
-	took    time.Duration
 }
 
 // withDeferral returns ctx with an open deferral for one function call.
@@ -94,27 +92,25 @@ func withDeferral(ctx context.Context) (context.Context, *deferral) {
 	return context.WithValue(ctx, deferralKey{}, slot), slot
 }
 
-// close ends the function's call: what it deferred, whether it deferred
-// twice, and how long it took when timed (tookDeferring).
-func (s *deferral) close() (*Deferred, bool, time.Duration) {
+// close ends the function's call: what it deferred, and whether it
+// deferred twice.
+func (s *deferral) close() (*Deferred, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
-	return s.d, s.misused, s.took
+	return s.d, s.misused
 }
 
-// tookDeferring keeps took, the duration of the function that got ctx, in
-// its deferral when it deferred its statement, and reports whether it did:
-// the function's work is then took and its statement's share of the
-// group's batch together (writeBatched measures them).
-func tookDeferring(ctx context.Context, took time.Duration) bool {
+// deferredIn reports whether the function that got ctx deferred its
+// statement: its work is then its own time and its statement's share of
+// the group's batch together, which writeBatched measures.
+func deferredIn(ctx context.Context) bool {
 	slot, _ := ctx.Value(deferralKey{}).(*deferral)
 	if slot == nil {
 		return false
 	}
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
-	slot.took = took
 	return slot.d != nil
 }
 
@@ -260,10 +256,6 @@ func readDeferred(br pgx.BatchResults, pending []*member) (sent, ended bool) {
 // txControl reports whether tag is that of a statement that ends or
 // changes the transaction.
 func txControl(tag pgconn.CommandTag) bool {
-	switch {
-	case tag.Insert(), tag.Update(), tag.Delete(), tag.Select():
-		return false
-	}
 	word, _, _ := strings.Cut(tag.String(), " ")
 	switch word {
 	case "COMMIT", "ROLLBACK", "BEGIN", "START", "SAVEPOINT", "RELEASE", "PREPARE", "SET":

@@ -164,8 +164,8 @@ func (g *txGroup) timed(fn func(context.Context, pgx.Tx) ([]byte, error), inGrou
 			defer g.watchStuck()()
 		}
 		defer func() {
-			if took := time.Since(t0); !tookDeferring(ctx, took) {
-				g.observe(took)
+			if !deferredIn(ctx) {
+				g.observe(time.Since(t0))
 			}
 		}()
 		return fn(ctx, tx)
@@ -679,8 +679,10 @@ func (m *member) runDeferring(tx pgx.Tx, offer bool) (misused bool, err error) {
 		return false, m.run(tx)
 	}
 	ctx, slot := withDeferral(m.op.ctx)
+	t0 := time.Now()
 	result, err := m.op.fn(ctx, tx)
-	d, misused, took := slot.close()
+	took := time.Since(t0)
+	d, misused := slot.close()
 	if err != nil || misused {
 		return misused, err
 	}

@@ -154,17 +154,10 @@ func (w *Worker) runSameDB(ctx context.Context, j *job) {
 // one (idempotency.Defer), which runs it with the others' in one round
 // trip; with a limit it runs it here, where the limit applies to it.
 func (w *Worker) runTxBody(ctx context.Context, j *job, tx pgx.Tx, c *Call) (any, error) {
-	if j.h.stmt == nil || j.hardLimit() > 0 || j.softLimit() > 0 {
+	if j.h.stmt == nil {
 		return j.h.runTx(ctx, tx, c, j.args)
 	}
-	s, err := j.h.stmt(c, j.args)
-	if err != nil {
-		return nil, err
-	}
-	if idempotency.Defer(ctx, s.deferred()) {
-		return nil, nil
-	}
-	return s.run(ctx, tx)
+	return j.h.runStmt(ctx, tx, c, j.args, j.hardLimit() <= 0 && j.softLimit() <= 0)
 }
 
 // taskCaused reports whether an error of the record's RunTx belongs to the

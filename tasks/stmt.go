@@ -3,7 +3,6 @@ package tasks
 import (
 	"context"
 	"fmt"
-	"runtime/debug"
 
 	"github.com/jackc/pgx/v5"
 
@@ -26,6 +25,21 @@ type Stmt struct {
 	// statement that returns no row finds pgx.ErrNoRows in Scan. nil: the
 	// statement runs as with Exec, and the task's result is nil.
 	Result func(row pgx.Row) (any, error)
+}
+
+// runStmt runs the statement of a RunStmt task on tx; with deferring, it
+// hands it to the task's transaction group instead when the group takes it
+// (idempotency.Defer), and the task's result is then the statement's
+// Result, which the group reads.
+func (h *handler) runStmt(ctx context.Context, tx pgx.Tx, c *Call, a any, deferring bool) (any, error) {
+	s, err := h.stmt(c, a)
+	if err != nil {
+		return nil, err
+	}
+	if deferring && idempotency.Defer(ctx, s.deferred()) {
+		return nil, nil
+	}
+	return s.run(ctx, tx)
 }
 
 // run runs the statement on tx.
@@ -62,13 +76,8 @@ func (s Stmt) run(ctx context.Context, tx pgx.Tx) (any, error) {
 func (s Stmt) deferred() idempotency.Deferred {
 	d := idempotency.Deferred{SQL: s.SQL, Args: s.Args}
 	if s.Result != nil {
-		d.Row = func(row pgx.Row) (b []byte, err error) {
-			defer func() {
-				if r := recover(); r != nil {
-					b, err = nil, &PanicError{Value: r, Stack: debug.Stack(), pcs: panicPCs()}
-				}
-			}()
-			v, err := s.Result(row)
+		d.Row = func(row pgx.Row) ([]byte, error) {
+			v, err := protect(context.Background(), nil, func(context.Context, *Call) (any, error) { return s.Result(row) })
 			if err != nil {
 				return nil, fmt.Errorf("read the statement's row: %w", err)
 			}

@@ -365,11 +365,7 @@ func newHandler[A any](t Task[A]) (*handler, error) {
 		h.fnPC = reflect.ValueOf(t.RunStmt).Pointer()
 		h.stmt = func(c *Call, a any) (Stmt, error) { return t.RunStmt(c, a.(A)) }
 		h.runTx = func(ctx context.Context, tx pgx.Tx, c *Call, a any) (any, error) {
-			s, err := h.stmt(c, a)
-			if err != nil {
-				return nil, err
-			}
-			return s.run(ctx, tx)
+			return h.runStmt(ctx, tx, c, a, false)
 		}
 		h.callPC = reflect.ValueOf(h.runTx).Pointer()
 	}
