@@ -498,41 +498,62 @@ func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx contex
 		return c, nil
 	}
 	result, err := fn(ctx, tx)
-	ended := endedTx(tx)
-	if err != nil {
-		if ended {
+	if endedTx(tx) {
+		// Its connection goes back first: completing or holding may need
+		// one of the pool's.
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		if err != nil {
 			s.endedByTask(ctx, p.Ref(c.Token), p.heldMessage)
+			return Claim{}, err
 		}
-		return Claim{}, err
-	}
-	if ended {
 		return s.completeEnded(ctx, p, c, result)
 	}
+	if err == nil {
+		c, err = s.completeSolo(ctx, tx, p, c, result, committing)
+	}
+	if err != nil {
+		closed := tx.Conn().IsClosed()
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		committing()
+		if closed {
+			// Whether part of it committed cannot be known now (a commit
+			// of the task's own may still land): the caller's next attempt
+			// claims with a new token, so such a claim is never its own.
+			return Claim{}, err
+		}
+		return Claim{}, s.soloRolledBack(ctx, p, c, err)
+	}
+	return c, nil
+}
+
+// completeSolo completes the claim c in tx, after the task's function
+// returned result, and commits.
+func (s *Store) completeSolo(ctx context.Context, tx pgx.Tx, p ClaimParams, c Claim, result []byte, committing func()) (Claim, error) {
 	if failedTx(tx) {
-		return Claim{}, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
+		return c, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
 	}
 	stored, res, err := checkResult(result)
 	if err != nil {
-		return Claim{}, fmt.Errorf("run tx: %w", err)
+		return c, fmt.Errorf("run tx: %w", err)
 	}
 	ok, err := s.completeRaw(ctx, tx, p.Ref(c.Token), res)
 	if err != nil {
-		return Claim{}, fmt.Errorf("run tx: complete: %w", err)
+		return c, fmt.Errorf("run tx: complete: %w", err)
 	}
 	if !ok {
 		// Nobody else can see, let alone take, a claim uncommitted in this
 		// transaction: the task ended it (a ROLLBACK AND CHAIN in a string
 		// of statements), and nothing of it is left.
-		return Claim{}, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
+		return c, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
 	}
 	committing()
 	if err := tx.Commit(ctx); err != nil {
 		if refusedCommit(err) {
 			// Refused for what the task wrote (a deferred constraint):
 			// rolled back, the task's failure.
-			return Claim{}, &TaskTxError{What: "commit refused", Err: err}
+			return c, &TaskTxError{What: "commit refused", Err: err}
 		}
-		return Claim{}, writeError("run tx: commit", err)
+		return c, writeError("run tx: commit", err)
 	}
 	c.Status, c.Result, c.LeaseUntil = StatusCompleted, stored, time.Time{}
 	return c, nil

@@ -12,6 +12,7 @@ type queries struct {
 	fail, release        string
 	skip, hold           string
 	state                string
+	ownClaims            string
 	rewrite, reclaim     string
 	get, list            string
 	staleClaims          string
@@ -168,6 +169,12 @@ WHERE ` + currentClaim),
 		hold: endClaim(`status = 'held', reason = $5, message = COALESCE($4, message), token = 'settled:' || token`, "held",
 			` AND (NOT $6::bool OR lease_until <= now())`),
 		state: fill(`SELECT status, token FROM {S}.records WHERE task = $1 AND key = $2`),
+		// The claims of arrays ($1 tasks, $2 keys, $3 tokens) that are
+		// current, each looked up by its key (the LIMIT keeps the lookup
+		// per element, whatever the statistics).
+		ownClaims: fill(`SELECT v.task, v.key FROM unnest($1::text[], $2::text[], $3::text[]) AS v(task, key, token)
+CROSS JOIN LATERAL (SELECT 1 FROM {S}.records r
+    WHERE r.task = v.task AND r.key = v.key AND r.token = v.token AND r.status IS NOT DISTINCT FROM 'claimed' LIMIT 1) AS cur`),
 		// Writes the final state of a claim the record has lost (no row):
 		// inserted as it would have been updated, and nothing when a row
 		// exists (another delivery claimed the operation in between).

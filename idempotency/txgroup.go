@@ -66,6 +66,12 @@ type txOp struct {
 func (op *txOp) key() opKey         { return opKey{op.p.Task, op.p.Key} }
 func (op *txOp) stateRef() *opState { return &op.state }
 
+// newAttempt gives op a new token, for a run after its group's
+// transaction rolled back: should a claim of the last attempt commit all
+// the same (a function committed part of the transaction, its commit late
+// to land), the run finds it another's, never its own.
+func (op *txOp) newAttempt() { op.p.Token = NewToken() }
+
 type txResult struct {
 	c     Claim
 	err   error
@@ -431,6 +437,7 @@ type member struct {
 	commit   bool          // its claim (and, when first, its effect) commits with the group
 	done     bool          // its turn in the group is over
 	ran      bool          // its function returned without an error
+	invoked  bool          // its function was called
 	err      error         // its own answer when it does not commit
 }
 
@@ -471,16 +478,29 @@ func (g *txGroup) write(ctx context.Context, ms []*member, committing func()) er
 	if done, err := g.writeBatched(ctx, ms, committing); done {
 		return err
 	}
+	if g.chained(ctx, ms) {
+		return nil // rolled back, and yet part of it committed
+	}
 	for _, m := range ms {
 		*m = member{op: m.op}
+		m.op.newAttempt()
 	}
 	return g.writeEach(ctx, ms, committing)
 }
 
 // lose marks every member that was to commit, or had not had its turn,
-// failed by err: the transaction is gone and nothing of it commits.
-func (g *txGroup) lose(ms []*member, what string, err error) error {
+// failed by err: the transaction tx is gone and nothing of it commits
+// (unless a function committed part of it: chained).
+func (g *txGroup) lose(ctx context.Context, tx pgx.Tx, ms []*member, what string, err error) error {
 	g.s.log.Warn("idempotency transaction group lost", zap.String("step", what), zap.Error(err))
+	closed := tx.Conn().IsClosed()
+	_ = tx.Rollback(context.WithoutCancel(ctx))
+	// On a lost connection what committed cannot be known now (a commit a
+	// function ran may still land); each member's next attempt claims with
+	// a new token.
+	if !closed && g.chained(ctx, ms) {
+		return nil
+	}
 	for _, m := range ms {
 		if m.commit || !m.done {
 			m.commit, m.claim, m.err = false, Claim{}, fmt.Errorf("run tx: %s: %w", what, err)
@@ -509,11 +529,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		return false, nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	rows, err := tx.Query(ctx, g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p.inTx() }))...)
-	if err != nil {
-		return false, nil
-	}
-	byKey, err := scanClaimRows(rows, len(live))
+	byKey, txid, err := g.claimAll(ctx, tx, live)
 	if err != nil {
 		return false, nil
 	}
@@ -532,14 +548,14 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		misused, ferr := m.runDeferring(tx, !g.s.plainArrays)
 		if endedTx(tx) {
 			// The members whose statements wait have not run: ended runs
-			// them again, in transactions of their own; so too this one
-			// when it deferred its statement before it ended the
-			// transaction.
-			by := m
-			if m.deferred != nil {
-				by = nil
+			// them again, in transactions of their own. This one, had it
+			// deferred its statement, may have written before it ended the
+			// transaction: it fails, held, as one that failed after it.
+			if m.deferred != nil && ferr == nil {
+				ferr = &TaskTxError{What: "the task deferred its statement and ended its transaction itself"}
 			}
-			g.ended(ctx, ms, by, ferr)
+			_ = tx.Rollback(context.WithoutCancel(ctx)) // its connection, for the runs ended needs
+			g.ended(ctx, ms, m, ferr)
 			return true, nil
 		}
 		if ferr != nil || misused || failedTx(tx) {
@@ -580,7 +596,34 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 			m.err = fmt.Errorf("run tx: %w", context.Cause(m.op.ctx))
 		}
 	}
-	return true, g.finish(ctx, tx, ms, committing)
+	return true, g.finish(ctx, tx, ms, committing, txid)
+}
+
+// currentTxSQL is the transaction's id: a function that commits the group's
+// transaction and goes on in a new one (COMMIT AND CHAIN) changes it.
+const currentTxSQL = "SELECT pg_current_xact_id()::text"
+
+// claimAll claims the live members in tx in one statement, and returns the
+// claims by key and tx's id, in the same round trip.
+func (g *txGroup) claimAll(ctx context.Context, tx pgx.Tx, live []*member) (map[opKey]claimRow, string, error) {
+	b := &pgx.Batch{}
+	b.Queue(g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p.inTx() }))...)
+	b.Queue(currentTxSQL)
+	br := tx.SendBatch(ctx, b)
+	defer br.Close()
+	rows, err := br.Query()
+	if err != nil {
+		return nil, "", err
+	}
+	byKey, err := scanClaimRows(rows, len(live))
+	if err != nil {
+		return nil, "", err
+	}
+	var txid string
+	if err := br.QueryRow().Scan(&txid); err != nil {
+		return nil, "", err
+	}
+	return byKey, txid, br.Close()
 }
 
 // writeEach runs the group member by member, each in a savepoint.
@@ -593,7 +636,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()
 		return nil
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	lost := func(what string, err error) error { return g.lose(ms, what, err) }
+	lost := func(what string, err error) error { return g.lose(ctx, tx, ms, what, err) }
 	for _, m := range ms {
 		m.done = true
 		if cerr := m.op.ctx.Err(); cerr != nil {
@@ -632,6 +675,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()
 		}
 		ferr := m.run(tx)
 		if endedTx(tx) {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
 			g.ended(ctx, ms, m, ferr)
 			return nil
 		}
@@ -657,11 +701,12 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()
 			continue
 		}
 	}
-	return g.finish(ctx, tx, ms, committing)
+	return g.finish(ctx, tx, ms, committing, "")
 }
 
 // run runs the member's function in tx and keeps its result.
 func (m *member) run(tx pgx.Tx) error {
+	m.invoked = true
 	result, err := m.op.fn(m.op.ctx, tx)
 	if err != nil {
 		return err
@@ -678,6 +723,7 @@ func (m *member) runDeferring(tx pgx.Tx, offer bool) (misused bool, err error) {
 	if !offer {
 		return false, m.run(tx)
 	}
+	m.invoked = true
 	ctx, slot := withDeferral(m.op.ctx)
 	t0 := time.Now()
 	result, err := m.op.fn(ctx, tx)
@@ -741,17 +787,9 @@ func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr err
 			}
 			fallthrough // rolled back: nothing of it committed
 		case m.err == nil:
-			m.commit = false
-			m.claim, m.err = s.runSolo(m.op.ctx, m.op.p, m.op.fn)
-			if m.err != nil && !IsUnknownOutcome(m.err) {
-				// Its claim may have committed with the group's first part,
-				// without an effect: released, as after any failure.
-				if err := s.Release(ctx, m.op.p.Ref(m.op.p.Token)); err != nil &&
-					!errors.Is(err, ErrNotFound) && !errors.Is(err, ErrFenced) {
-					s.log.Warn("releasing a claim after its group's transaction was ended failed",
-						zap.String("task", m.op.p.Task), zap.Error(err))
-				}
-			}
+			// Its claim may have committed with the group's first part,
+			// without an effect.
+			g.rerunOwn(ctx, m)
 		}
 	}
 }
@@ -787,9 +825,14 @@ func endedTx(tx pgx.Tx) bool {
 }
 
 // finish completes the group's first claims and commits; committing is
-// called just before the commit.
-func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committing func()) error {
-	lost := func(what string, err error) error { return g.lose(ms, what, err) }
+// called just before the commit. txid, when not empty, is the id tx had
+// when the group claimed: a function that ended tx and went on in a new
+// transaction (COMMIT or ROLLBACK AND CHAIN) changed it, and the group
+// rolls back and runs again as rerunSolo says. (In the member-by-member
+// path each function runs in a savepoint, which such a function destroys:
+// its release fails.)
+func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committing func(), txid string) error {
+	lost := func(what string, err error) error { return g.lose(ctx, tx, ms, what, err) }
 	var firsts []*member
 	for _, m := range ms {
 		if m.commit && m.claim.Outcome == OutcomeFirst {
@@ -803,13 +846,33 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 		// All completions in one statement, as a flush of the batcher
 		// writes them: the records are this transaction's own, locked by
 		// its claims.
-		rs, err := tx.Query(ctx, g.s.q.completeBatch, g.s.batchArgs(completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
+		b := &pgx.Batch{}
+		b.Queue(currentTxSQL)
+		b.Queue(g.s.q.completeBatch, g.s.batchArgs(completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
 			return firsts[i].op.p.Ref(firsts[i].claim.Token), firsts[i].res
 		}))...)
+		br := tx.SendBatch(ctx, b)
+		var now string
+		if err := br.QueryRow().Scan(&now); err != nil {
+			_ = br.Close()
+			return lost("complete", err)
+		}
+		if txid != "" && now != txid {
+			_ = br.Close()
+			g.s.log.Error("a function ended its transaction group's transaction and went on in a new one; its members run again one by one")
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+			g.rerunSolo(ctx, ms)
+			return nil
+		}
+		rs, err := br.Query()
 		if err != nil {
+			_ = br.Close()
 			return lost("complete", err)
 		}
 		done, err := scanCompletedKeys(rs, len(firsts))
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
 		if err != nil {
 			return lost("complete", err)
 		}
@@ -821,7 +884,7 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 				// runs again in a transaction of its own.
 				g.s.log.Warn("a function ended its transaction group's transaction; its members run again one by one")
 				_ = tx.Rollback(ctx)
-				g.rerunSolo(ms)
+				g.rerunSolo(ctx, ms)
 				return nil
 			}
 		}
@@ -835,7 +898,7 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 			// group rolled back; each member runs again in a transaction of
 			// its own, where the refusal is that task's alone.
 			g.s.log.Info("transaction group's commit refused; its members run again one by one", zap.Error(err))
-			g.rerunSolo(ms)
+			g.rerunSolo(ctx, ms)
 			return nil
 		}
 		return writeError("run tx: commit", err)
@@ -844,11 +907,16 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 }
 
 // rerunSolo runs every member that was to commit again, each in a
-// transaction of its own: the group's transaction rolled back.
-func (g *txGroup) rerunSolo(ms []*member) {
+// transaction of its own: the group's transaction rolled back (unless a
+// function committed part of it: chained).
+func (g *txGroup) rerunSolo(ctx context.Context, ms []*member) {
+	if g.chained(ctx, ms) {
+		return
+	}
 	for _, m := range ms {
 		if m.commit {
 			m.commit = false
+			m.op.newAttempt()
 			m.claim, m.err = g.s.runSolo(m.op.ctx, m.op.p, m.op.fn)
 		}
 	}

@@ -133,8 +133,10 @@ func (r errRow) Scan(...any) error { return r.err }
 // not ROLLBACK TO a savepoint), PREPARE TRANSACTION, COMMIT or ROLLBACK
 // PREPARED, also AND CHAIN. Quoted text, quoted names, dollar-quoted bodies
 // and comments are skipped. (A task that ends its transaction through
-// tx.Conn(), outside this check, is found when it returns: the worker finds
-// the connection out of its transaction or its claim gone from it.)
+// tx.Conn() or a prepared statement, outside this check, is found when it
+// returns: the worker finds the connection out of its transaction, its
+// claim gone from it, or, after a rollback, its claim committed all the
+// same (COMMIT AND CHAIN), and holds it.)
 func endsTx(sql string) bool {
 	for _, stmt := range statements(sql) {
 		if endsTxStatement(stmt) {
