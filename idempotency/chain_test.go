@@ -53,6 +53,30 @@ func chainOutcome(t *testing.T, e *env, tbl, task, key string, err error) {
 	}
 }
 
+// over is an env of another store over e's schema, on a pool of its own
+// that set configures (nil: as it comes).
+func (e *env) over(t *testing.T, set func(*pgxpool.Config), batch idempotency.BatchConfig) *env {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if set != nil {
+		set(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema, Batch: batch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return &env{pool: pool, schema: e.schema, store: s}
+}
+
 // TestCommitAndChainInATransaction: a same-database task that commits its
 // transaction itself and goes on in a new one (COMMIT AND CHAIN, against
 // RunTx's contract) commits the claims and effects before it, also those
@@ -190,22 +214,8 @@ func TestEndedTasksDoNotExhaustThePool(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, idempotency.BatchConfig{})
 	tbl := e.effects(t)
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema,
-		Batch: idempotency.BatchConfig{GroupTx: 1, Timeout: 20 * time.Second}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := e.over(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 2 },
+		idempotency.BatchConfig{GroupTx: 1, Timeout: 20 * time.Second}).store
 	const n = 6
 	errs := make([]error, n)
 	start := make(chan struct{})
@@ -256,13 +266,9 @@ func TestRolledBackRunAnswersAtItsDeadline(t *testing.T) {
 		t.Fatal(err)
 	}
 	proxy := testenv.NewCutProxy(t, u.Host)
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var down atomic.Bool
 	up := make(chan struct{})
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
 		var d net.Dialer
 		if down.Load() {
 			// Unreachable: the dial hangs (no connect_timeout set).
@@ -275,17 +281,8 @@ func TestRolledBackRunAnswersAtItsDeadline(t *testing.T) {
 		}
 		return d.DialContext(ctx, "tcp", proxy.Addr())
 	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema,
-		Batch: idempotency.BatchConfig{Disabled: true, GroupTx: 1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DialFunc = dial },
+		idempotency.BatchConfig{Disabled: true, GroupTx: 1}).store
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	done := make(chan error, 1)
@@ -377,24 +374,18 @@ func TestChainCommitLandsLate(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 10
 	var cut atomic.Bool
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if cut.Load() {
-			return nil, errors.New("network unreachable")
+	pe := e.over(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 10
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if cut.Load() {
+				return nil, errors.New("network unreachable")
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
 		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	}, idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+	pool, s := pe.pool, pe.store
 	// Warm: idle connections for the group, made before the trouble.
 	var conns []*pgxpool.Conn
 	for range 8 {
@@ -407,13 +398,6 @@ func TestChainCommitLandsLate(t *testing.T) {
 	for _, c := range conns {
 		c.Release()
 	}
-	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema,
-		Batch: idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	pe := &env{pool: pool, schema: e.schema, store: s}
 	var calls atomic.Int32
 	errs := runQueued(t, pe, "late", map[string]func(context.Context, pgx.Tx) ([]byte, error){
 		"x0": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
@@ -477,23 +461,9 @@ func TestChainedLookupOnPlainPools(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, idempotency.BatchConfig{})
 			tbl := e.effects(t)
-			cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pool.Close()
-			s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema,
-				Batch: idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
-			pe := &env{pool: pool, schema: e.schema, store: s}
+			pe := e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
+				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+			s := pe.store
 			keys := []string{`a,"b"\{}`, "NULL", ` sp `, "é'"}
 			fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){}
 			for i, k := range keys {
