@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
 )
 
@@ -21,68 +22,82 @@ import (
 // token) found committed says that part did. Its effect may have
 // committed with it, whole or in part, so the claim is held for a person
 // and the task fails; an operation whose function had not run is released
-// and runs again. The question costs a statement on those paths only, and
-// is not asked when the connection was lost (a commit the task sent may
-// still land). Against such a late commit, every run again after a
-// rollback claims with a new token (txOp.newAttempt; the next RunTx call
-// of a caller brings a new one too): a claim of the last attempt is then
-// found another's, in progress, never its own. A group whose functions
-// ran without savepoints also compares its transaction's id before it
-// completes (finish): a function that ended the transaction and went on in
-// a new one changed it.
+// and runs again. The question follows the rollback on the transaction's
+// own connection: it costs no connection and no wait for one. It is not
+// asked when the connection was lost (a
+// commit the task sent may still land), nor when it fails; nothing relies
+// on it alone: RunTx's claims never take a claimed record for their own
+// (inTxClaim), whatever its token, so a claim of the last attempt that
+// committed, even late, is found in progress, then stale, by every later
+// run. A group whose functions ran without savepoints also compares its
+// transaction's id before it completes (finish): a function that ended the
+// transaction and went on in a new one changed it.
 
 // chainedClaimWhy is the reason a claim found committed after its
 // transaction rolled back is held with.
 const chainedClaimWhy = "its task committed part of its transaction itself (COMMIT AND CHAIN): its effect may have committed"
 
-// rolledBackTimeout bounds the question (and a hold) after a task's
-// transaction rolled back because its caller gave up.
+// rolledBackTimeout bounds the rollback and its question when the
+// caller's context is what ended the run.
 const rolledBackTimeout = 5 * time.Second
 
-// committedClaims reports which of refs are current claims in the
-// database: claims that committed.
-func (s *Store) committedClaims(ctx context.Context, refs []Ref) (map[opKey]bool, error) {
+// rollBackAsking rolls tx back and then, on the same connection (no wait
+// for one of the pool's), asks which of refs are current claims: claims
+// that committed all the same. It reports none when the connection is gone
+// or the question fails. The connection goes back to the pool.
+func (s *Store) rollBackAsking(ctx context.Context, tx pgx.Tx, refs []Ref) map[opKey]bool {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rolledBackTimeout)
+	defer cancel()
+	defer func() { _ = tx.Rollback(ctx) }() // the connection back to the pool
+	conn := tx.Conn()
+	if conn.IsClosed() {
+		return nil
+	}
+	// The rollback first, on its own: a statement the connection has not
+	// prepared cannot be, in a failed transaction.
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+		return nil
+	}
 	tasks, keys, tokens := make(textArray, len(refs)), make(textArray, len(refs)), make(textArray, len(refs))
 	for i, r := range refs {
 		tasks[i], keys[i], tokens[i] = r.Task, r.Key, string(r.Token)
 	}
-	rows, err := s.pool.Query(ctx, s.q.ownClaims, s.batchArgs([]any{tasks, keys, tokens})...)
-	if err != nil {
-		return nil, err
+	rows, err := conn.Query(ctx, s.q.ownClaims, s.batchArgs([]any{tasks, keys, tokens})...)
+	if err == nil {
+		var found map[opKey]bool
+		if found, err = scanCompletedKeys(rows, len(refs)); err == nil {
+			return found
+		}
 	}
-	return scanCompletedKeys(rows, len(refs))
+	s.log.Warn("asking the record what of a rolled-back transaction committed failed", zap.Error(err))
+	return nil
 }
 
-// soloRolledBack is the answer of a same-database task run in a
-// transaction of its own whose function ran and which then rolled back
-// (err: why). When its claim committed all the same, the claim is held and
-// the task fails as the task's error.
-func (s *Store) soloRolledBack(ctx context.Context, p ClaimParams, c Claim, err error) error {
-	// The caller's context may be what ended the run: the question has
-	// a bound of its own.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rolledBackTimeout)
-	defer cancel()
-	found, cerr := s.committedClaims(ctx, []Ref{p.Ref(c.Token)})
-	switch {
-	case cerr != nil:
-		return fmt.Errorf("run tx: %w (and finding whether part of it committed: %w)", err, &unknownError{err: cerr})
-	case len(found) == 0:
+// soloRolledBack rolls back the transaction tx of a same-database task run
+// on its own, whose function ran and which failed with err, and answers
+// it: when its claim committed all the same, the claim is held and the
+// task fails as the task's error.
+func (s *Store) soloRolledBack(ctx context.Context, tx pgx.Tx, p ClaimParams, c Claim, err error) error {
+	if len(s.rollBackAsking(ctx, tx, []Ref{p.Ref(c.Token)})) == 0 {
 		return err
 	}
 	s.log.Error("a same-database task committed part of its transaction itself; its claim is held",
 		zap.String("task", p.Task), zap.NamedError("failure", err))
-	s.holdEnded(ctx, p.Ref(c.Token), p.heldMessage, chainedClaimWhy)
+	hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rolledBackTimeout)
+	defer cancel()
+	s.holdEnded(hctx, p.Ref(c.Token), p.heldMessage, chainedClaimWhy)
 	return &TaskTxError{What: "the task committed part of its transaction itself (COMMIT AND CHAIN), then failed; its claim is held", Err: err}
 }
 
-// chained answers the members of a group whose transaction the worker
-// rolled back (or lost) after functions ran in it, when part of it
-// committed all the same: a member whose function ran and whose claim
-// committed is held; one whose claim committed before its function ran is
-// released and runs again on its own; the others run again on their own,
-// or keep the answer they have. It reports false, answering none, when no
-// function ran or no claim of the group committed.
-func (g *txGroup) chained(ctx context.Context, ms []*member) bool {
+// chained rolls back the transaction tx of a group in which functions ran
+// and, when part of it committed all the same, answers every member: one
+// whose function ran and whose claim committed is held; one whose claim
+// committed before its function ran is released and runs again on its
+// own; the others run again on their own, or keep the answer they have.
+// It reports false, answering none, when no claim of the group committed
+// (or, no function having run, nothing could have: tx is left to its
+// caller's rollback).
+func (g *txGroup) chained(ctx context.Context, tx pgx.Tx, ms []*member) bool {
 	if !slices.ContainsFunc(ms, func(m *member) bool { return m.invoked }) {
 		return false
 	}
@@ -90,24 +105,16 @@ func (g *txGroup) chained(ctx context.Context, ms []*member) bool {
 	for i, m := range ms {
 		refs[i] = m.op.p.Ref(m.op.p.Token)
 	}
-	found, err := g.s.committedClaims(ctx, refs)
-	if err == nil && len(found) == 0 {
+	found := g.s.rollBackAsking(ctx, tx, refs)
+	if len(found) == 0 {
 		return false
 	}
-	if err != nil {
-		err = fmt.Errorf("run tx: finding what of the group's transaction committed: %w", &unknownError{err: err})
-	} else {
-		g.s.log.Error("a function committed part of its transaction group's transaction itself; the claims that committed with it are held",
-			zap.Int("members", len(ms)), zap.Int("committed", len(found)))
-	}
+	g.s.log.Error("a function committed part of its transaction group's transaction itself; the claims that committed with it are held",
+		zap.Int("members", len(ms)), zap.Int("committed", len(found)))
 	for _, m := range ms {
 		answered := m.done && !m.commit && m.err != nil
 		m.done = true
 		switch {
-		case err != nil:
-			if !answered {
-				m.commit, m.claim, m.err = false, Claim{}, err
-			}
 		case found[m.op.key()] && m.invoked:
 			g.s.holdEnded(ctx, m.op.p.Ref(m.op.p.Token), m.op.p.heldMessage, chainedClaimWhy)
 			m.commit, m.claim = false, Claim{}

@@ -72,7 +72,12 @@ func (s *Store) claimOne(ctx context.Context, q querier, p ClaimParams, takeover
 }
 
 func (s *Store) claimRow(ctx context.Context, q querier, p ClaimParams, takeover bool) (claimRow, error) {
-	row := q.QueryRow(ctx, s.q.claimOne, p.Task, p.Key, string(p.Token), p.Owner, p.TaskID,
+	return s.claimRowWith(ctx, q, s.q.claimOne, p, takeover)
+}
+
+// claimRowWith is claimRow with sql, claimOne or claimOneTx.
+func (s *Store) claimRowWith(ctx context.Context, q querier, sql string, p ClaimParams, takeover bool) (claimRow, error) {
+	row := q.QueryRow(ctx, sql, p.Task, p.Key, string(p.Token), p.Owner, p.TaskID,
 		p.Fingerprint, p.Lease.Microseconds(), p.Message, takeover, p.AllowMismatch)
 	var r claimRow
 	err := r.scan(row)

@@ -40,7 +40,9 @@ type Deferred struct {
 // (its result is d.Row's). Defer takes one statement per call of the
 // function: a second Defer, or one after the function returned, reports
 // false and makes the group run its members one by one instead, where
-// nothing is deferred.
+// nothing is deferred. A function that used tx before Defer (it may have
+// written) gets false: it runs d itself, so that what it wrote is never
+// written twice should the group run it again.
 func Defer(ctx context.Context, d Deferred) bool {
 	return deferTo(ctx, d, true)
 }
@@ -54,7 +56,7 @@ func deferTo(ctx context.Context, d Deferred, check bool) bool {
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
 	switch {
-	case slot.closed:
+	case slot.closed || slot.used:
 		return false
 	case slot.d != nil:
 		slot.misused = true
@@ -84,6 +86,61 @@ type deferral struct {
 	d       *Deferred
 	closed  bool // the function returned
 	misused bool // a second Defer
+	used    bool // the function used its transaction (usedTx)
+}
+
+// use records that the function used its transaction.
+func (s *deferral) use() {
+	s.mu.Lock()
+	s.used = true
+	s.mu.Unlock()
+}
+
+// usedTx is the group's transaction as a function that may defer gets it.
+// Once the function has used it (it may have written), Defer refuses and
+// the function runs its statement itself: a member that deferred has
+// written nothing else, so that when another member ends the group's
+// transaction before the deferred statements run (ended), it runs again in
+// full without writing anything twice.
+type usedTx struct {
+	pgx.Tx
+	slot *deferral
+}
+
+func (t usedTx) Begin(ctx context.Context) (pgx.Tx, error) { t.slot.use(); return t.Tx.Begin(ctx) }
+func (t usedTx) Commit(ctx context.Context) error          { t.slot.use(); return t.Tx.Commit(ctx) }
+func (t usedTx) Rollback(ctx context.Context) error        { t.slot.use(); return t.Tx.Rollback(ctx) }
+func (t usedTx) LargeObjects() pgx.LargeObjects            { t.slot.use(); return t.Tx.LargeObjects() }
+func (t usedTx) Conn() *pgx.Conn                           { t.slot.use(); return t.Tx.Conn() }
+
+func (t usedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	t.slot.use()
+	return t.Tx.CopyFrom(ctx, table, cols, src)
+}
+
+func (t usedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	t.slot.use()
+	return t.Tx.SendBatch(ctx, b)
+}
+
+func (t usedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	t.slot.use()
+	return t.Tx.Prepare(ctx, name, sql)
+}
+
+func (t usedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	t.slot.use()
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+func (t usedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	t.slot.use()
+	return t.Tx.Query(ctx, sql, args...)
+}
+
+func (t usedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	t.slot.use()
+	return t.Tx.QueryRow(ctx, sql, args...)
 }
 
 // withDeferral returns ctx with an open deferral for one function call.

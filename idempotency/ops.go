@@ -485,7 +485,7 @@ func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx contex
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	// Errors before the commit are definite: nothing was committed.
-	row, err := s.claimRow(ctx, tx, p.inTx(), false)
+	row, err := s.claimRowWith(ctx, tx, s.q.claimOneTx, p.inTx(), false)
 	if err != nil {
 		return Claim{}, fmt.Errorf("run tx: claim: %w", err)
 	}
@@ -508,55 +508,51 @@ func (s *Store) runSoloTx(ctx context.Context, p ClaimParams, fn func(ctx contex
 		}
 		return s.completeEnded(ctx, p, c, result)
 	}
+	var stored []byte
 	if err == nil {
-		c, err = s.completeSolo(ctx, tx, p, c, result, committing)
+		stored, err = s.completeInTx(ctx, tx, p, c, result)
 	}
 	if err != nil {
-		closed := tx.Conn().IsClosed()
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		err = s.soloRolledBack(ctx, tx, p, c, err)
 		committing()
-		if closed {
-			// Whether part of it committed cannot be known now (a commit
-			// of the task's own may still land): the caller's next attempt
-			// claims with a new token, so such a claim is never its own.
-			return Claim{}, err
-		}
-		return Claim{}, s.soloRolledBack(ctx, p, c, err)
-	}
-	return c, nil
-}
-
-// completeSolo completes the claim c in tx, after the task's function
-// returned result, and commits.
-func (s *Store) completeSolo(ctx context.Context, tx pgx.Tx, p ClaimParams, c Claim, result []byte, committing func()) (Claim, error) {
-	if failedTx(tx) {
-		return c, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
-	}
-	stored, res, err := checkResult(result)
-	if err != nil {
-		return c, fmt.Errorf("run tx: %w", err)
-	}
-	ok, err := s.completeRaw(ctx, tx, p.Ref(c.Token), res)
-	if err != nil {
-		return c, fmt.Errorf("run tx: complete: %w", err)
-	}
-	if !ok {
-		// Nobody else can see, let alone take, a claim uncommitted in this
-		// transaction: the task ended it (a ROLLBACK AND CHAIN in a string
-		// of statements), and nothing of it is left.
-		return c, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
+		return Claim{}, err
 	}
 	committing()
 	if err := tx.Commit(ctx); err != nil {
 		if refusedCommit(err) {
 			// Refused for what the task wrote (a deferred constraint):
-			// rolled back, the task's failure.
-			return c, &TaskTxError{What: "commit refused", Err: err}
+			// rolled back, the task's failure. (Had the task committed part
+			// of the transaction itself, its claim is never taken for a
+			// later run's own: inTxClaim.)
+			return Claim{}, &TaskTxError{What: "commit refused", Err: err}
 		}
-		return c, writeError("run tx: commit", err)
+		return Claim{}, writeError("run tx: commit", err)
 	}
 	c.Status, c.Result, c.LeaseUntil = StatusCompleted, stored, time.Time{}
 	return c, nil
+}
+
+// completeInTx completes the claim c in tx, after the task's function
+// returned result, and returns the result as the record keeps it.
+func (s *Store) completeInTx(ctx context.Context, tx pgx.Tx, p ClaimParams, c Claim, result []byte) ([]byte, error) {
+	if failedTx(tx) {
+		return nil, &TaskTxError{What: "the task returned without an error, but one of its statements failed its transaction"}
+	}
+	stored, res, err := checkResult(result)
+	if err != nil {
+		return nil, fmt.Errorf("run tx: %w", err)
+	}
+	ok, err := s.completeRaw(ctx, tx, p.Ref(c.Token), res)
+	if err != nil {
+		return nil, fmt.Errorf("run tx: complete: %w", err)
+	}
+	if !ok {
+		// Nobody else can see, let alone take, a claim uncommitted in this
+		// transaction: the task ended it (a ROLLBACK AND CHAIN in a string
+		// of statements), and nothing of it is left.
+		return nil, &TaskTxError{What: "the task ended its transaction itself (its claim is gone from it)"}
+	}
+	return stored, nil
 }
 
 // completeEnded completes, outside any transaction, the claim c of a task

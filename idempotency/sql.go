@@ -5,25 +5,28 @@ import "strings"
 // queries holds every statement of the package, with the schema filled in.
 type queries struct {
 	claimOne, claimBatch string
-	complete             string
-	completeBatch        string
-	renew                string
-	lapse                string
-	fail, release        string
-	skip, hold           string
-	state                string
-	ownClaims            string
-	rewrite, reclaim     string
-	get, list            string
-	staleClaims          string
-	probe                string
-	resolveCompleted     string
-	resolveRetry         string
-	repeats              string
-	purgeRecords         string
-	purgeEvents          string
-	countPurgeRecords    string
-	countPurgeEvents     string
+	// claimOneTx and claimBatchTx claim for RunTx (ownClaim false): see
+	// inTxClaim.
+	claimOneTx, claimBatchTx string
+	complete                 string
+	completeBatch            string
+	renew                    string
+	lapse                    string
+	fail, release            string
+	skip, hold               string
+	state                    string
+	ownClaims                string
+	rewrite, reclaim         string
+	get, list                string
+	staleClaims              string
+	probe                    string
+	resolveCompleted         string
+	resolveRetry             string
+	repeats                  string
+	purgeRecords             string
+	purgeEvents              string
+	countPurgeRecords        string
+	countPurgeEvents         string
 }
 
 // purgeableRecords selects the records a purge may delete: final ones (never
@@ -74,6 +77,13 @@ SELECT task, key, status, token, attempt, result, error, lease_until, owner, tas
 // own claim, whatever its lease: first again, the attempt not counted twice.
 const ownClaim = `(r.status = 'claimed' AND r.token = EXCLUDED.token)`
 
+// inTxClaim is ownClaim for RunTx's claims, which commit with their
+// effects and completions: a claimed record that committed on its own was
+// committed by a task that ended its transaction itself, its effect maybe
+// with it, whatever the token. It is never found to be the caller's own:
+// in progress, then stale.
+const inTxClaim = `false`
+
 // claimNote is what a delivery found on an existing row r.
 const claimNote = `(CASE
             WHEN r.fingerprint <> EXCLUDED.fingerprint AND NOT {ALLOW} THEN 'mismatch'
@@ -120,14 +130,14 @@ RETURNING true`
 
 func newQueries(schema string) queries {
 	fill := func(q string) string { return strings.ReplaceAll(q, "{S}", schema) }
-	claim := func(src, takeover, allow string) string {
-		note := strings.NewReplacer("{ALLOW}", allow, "{TAKEOVER}", takeover, "{OWN}", ownClaim).Replace(claimNote)
+	claim := func(src, takeover, allow, own string) string {
+		note := strings.NewReplacer("{ALLOW}", allow, "{TAKEOVER}", takeover, "{OWN}", own).Replace(claimNote)
 		return fill(strings.NewReplacer(
 			"{SRC}", src,
 			"{CLAIM}", note+" IN ('first', 'takeover')",
 			"{DUP}", note+" IN ('completed', 'in_progress')",
 			"{NOTE}", note,
-			"{OWN}", ownClaim,
+			"{OWN}", own,
 		).Replace(claimSQL))
 	}
 	const cols = `task, key, status, token, owner, task_id, attempt, fingerprint, claimed_at,
@@ -145,9 +155,11 @@ func newQueries(schema string) queries {
 SELECT count(*) FROM up`)
 	}
 	return queries{
-		claimOne:   claim(claimOneSource, "$9::bool", "$10::bool"),
-		claimBatch: claim(claimBatchSource, "false", "false"),
-		complete:   fill(completeSQL),
+		claimOne:     claim(claimOneSource, "$9::bool", "$10::bool", ownClaim),
+		claimBatch:   claim(claimBatchSource, "false", "false", ownClaim),
+		claimOneTx:   claim(claimOneSource, "$9::bool", "$10::bool", inTxClaim),
+		claimBatchTx: claim(claimBatchSource, "false", "false", inTxClaim),
+		complete:     fill(completeSQL),
 		completeBatch: fill(`SELECT done_task, done_key
 FROM {S}.complete_batch($1::text[], $2::text[], $3::text[], $4::jsonb[])`),
 		renew: fill(`UPDATE {S}.records SET lease_until = now() + $4::bigint * interval '1 microsecond'

@@ -276,6 +276,9 @@ type ClaimParams struct {
 	// attempt and with the lease renewed, instead of finding its own claim
 	// in progress and, once it lapses, stale. Use a token for one claim only:
 	// once a claim's outcome is known, the next claim takes a new token.
+	// RunTx's claims commit with their completions and never find a claimed
+	// record their own, whatever its token: one that committed alone was
+	// committed by a task that ended its transaction itself.
 	Token Token
 }
 

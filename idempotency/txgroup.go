@@ -478,9 +478,6 @@ func (g *txGroup) write(ctx context.Context, ms []*member, committing func()) er
 	if done, err := g.writeBatched(ctx, ms, committing); done {
 		return err
 	}
-	if g.chained(ctx, ms) {
-		return nil // rolled back, and yet part of it committed
-	}
 	for _, m := range ms {
 		*m = member{op: m.op}
 		m.op.newAttempt()
@@ -493,12 +490,7 @@ func (g *txGroup) write(ctx context.Context, ms []*member, committing func()) er
 // (unless a function committed part of it: chained).
 func (g *txGroup) lose(ctx context.Context, tx pgx.Tx, ms []*member, what string, err error) error {
 	g.s.log.Warn("idempotency transaction group lost", zap.String("step", what), zap.Error(err))
-	closed := tx.Conn().IsClosed()
-	_ = tx.Rollback(context.WithoutCancel(ctx))
-	// On a lost connection what committed cannot be known now (a commit a
-	// function ran may still land); each member's next attempt claims with
-	// a new token.
-	if !closed && g.chained(ctx, ms) {
+	if g.chained(ctx, tx, ms) {
 		return nil
 	}
 	for _, m := range ms {
@@ -560,8 +552,9 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 		}
 		if ferr != nil || misused || failedTx(tx) {
 			// A function that failed, or returned with the transaction
-			// failed (it caught its statement's error): member by member.
-			return false, nil
+			// failed (it caught its statement's error): member by member,
+			// unless part of the transaction committed all the same.
+			return g.chained(ctx, tx, ms), nil
 		}
 		if m.deferred != nil {
 			pending = append(pending, m)
@@ -580,7 +573,7 @@ func (g *txGroup) writeBatched(ctx context.Context, ms []*member, committing fun
 			return true, nil
 		}
 		if !sent {
-			return false, nil
+			return g.chained(ctx, tx, ms), nil
 		}
 		g.deferred.Add(int64(len(pending)))
 		if g.adaptive() {
@@ -607,7 +600,7 @@ const currentTxSQL = "SELECT pg_current_xact_id()::text"
 // claims by key and tx's id, in the same round trip.
 func (g *txGroup) claimAll(ctx context.Context, tx pgx.Tx, live []*member) (map[opKey]claimRow, string, error) {
 	b := &pgx.Batch{}
-	b.Queue(g.s.q.claimBatch, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p.inTx() }))...)
+	b.Queue(g.s.q.claimBatchTx, g.s.batchArgs(claimBatchArgs(len(live), func(i int) ClaimParams { return live[i].op.p.inTx() }))...)
 	b.Queue(currentTxSQL)
 	br := tx.SendBatch(ctx, b)
 	defer br.Close()
@@ -646,7 +639,7 @@ func (g *txGroup) writeEach(ctx context.Context, ms []*member, committing func()
 		// The savepoint and the claim in one round trip.
 		b := &pgx.Batch{}
 		b.Queue("SAVEPOINT onceler_task")
-		b.Queue(g.s.q.claimOne, m.op.p.Task, m.op.p.Key, string(m.op.p.Token), m.op.p.Owner, m.op.p.TaskID,
+		b.Queue(g.s.q.claimOneTx, m.op.p.Task, m.op.p.Key, string(m.op.p.Token), m.op.p.Owner, m.op.p.TaskID,
 			m.op.p.Fingerprint, m.op.p.Lease.Microseconds(), m.op.p.inTx().Message, false, m.op.p.AllowMismatch)
 		br := tx.SendBatch(ctx, b)
 		_, serr := br.Exec()
@@ -726,7 +719,7 @@ func (m *member) runDeferring(tx pgx.Tx, offer bool) (misused bool, err error) {
 	m.invoked = true
 	ctx, slot := withDeferral(m.op.ctx)
 	t0 := time.Now()
-	result, err := m.op.fn(ctx, tx)
+	result, err := m.op.fn(ctx, usedTx{Tx: tx, slot: slot})
 	took := time.Since(t0)
 	d, misused := slot.close()
 	if err != nil || misused {
@@ -847,22 +840,27 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 		// writes them: the records are this transaction's own, locked by
 		// its claims.
 		b := &pgx.Batch{}
-		b.Queue(currentTxSQL)
+		if txid != "" {
+			b.Queue(currentTxSQL)
+		}
 		b.Queue(g.s.q.completeBatch, g.s.batchArgs(completeBatchArgs(len(firsts), func(i int) (Ref, *string) {
 			return firsts[i].op.p.Ref(firsts[i].claim.Token), firsts[i].res
 		}))...)
 		br := tx.SendBatch(ctx, b)
-		var now string
-		if err := br.QueryRow().Scan(&now); err != nil {
-			_ = br.Close()
-			return lost("complete", err)
-		}
-		if txid != "" && now != txid {
-			_ = br.Close()
-			g.s.log.Error("a function ended its transaction group's transaction and went on in a new one; its members run again one by one")
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-			g.rerunSolo(ctx, ms)
-			return nil
+		if txid != "" {
+			var now string
+			if err := br.QueryRow().Scan(&now); err != nil {
+				_ = br.Close()
+				return lost("complete", err)
+			}
+			if now != txid {
+				_ = br.Close()
+				g.s.log.Error("a function ended its transaction group's transaction and went on in a new one; its members run again one by one")
+				if !g.chained(ctx, tx, ms) {
+					g.rerunSolo(ms)
+				}
+				return nil
+			}
 		}
 		rs, err := br.Query()
 		if err != nil {
@@ -883,8 +881,9 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 				// statements). Nothing of the group commits; each member
 				// runs again in a transaction of its own.
 				g.s.log.Warn("a function ended its transaction group's transaction; its members run again one by one")
-				_ = tx.Rollback(ctx)
-				g.rerunSolo(ctx, ms)
+				if !g.chained(ctx, tx, ms) {
+					g.rerunSolo(ms)
+				}
 				return nil
 			}
 		}
@@ -898,7 +897,9 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 			// group rolled back; each member runs again in a transaction of
 			// its own, where the refusal is that task's alone.
 			g.s.log.Info("transaction group's commit refused; its members run again one by one", zap.Error(err))
-			g.rerunSolo(ctx, ms)
+			// Nothing of it committed before: the transaction's id held
+			// to the completion (or each function's savepoint was released).
+			g.rerunSolo(ms)
 			return nil
 		}
 		return writeError("run tx: commit", err)
@@ -907,12 +908,9 @@ func (g *txGroup) finish(ctx context.Context, tx pgx.Tx, ms []*member, committin
 }
 
 // rerunSolo runs every member that was to commit again, each in a
-// transaction of its own: the group's transaction rolled back (unless a
-// function committed part of it: chained).
-func (g *txGroup) rerunSolo(ctx context.Context, ms []*member) {
-	if g.chained(ctx, ms) {
-		return
-	}
+// transaction of its own: the group's transaction rolled back, and nothing
+// of it committed.
+func (g *txGroup) rerunSolo(ms []*member) {
 	for _, m := range ms {
 		if m.commit {
 			m.commit = false
