@@ -130,5 +130,6 @@
 // caller's (ClaimParams.Token): a claim or takeover that committed while
 // its answer was lost is then found to be the caller's own (OutcomeFirst,
 // the same attempt), not another's claim in progress that would lapse into
-// the stale-claim policy.
+// the stale-claim policy. RunTx's claims are not: its claim commits with the
+// effect and the completion, so a claimed record is never its own.
 package idempotency

@@ -750,8 +750,8 @@ func (m *member) keep(result []byte) error {
 // member that ran and whose claim committed is completed outside the
 // transaction (its effect committed with its claim); a member whose claim
 // did not commit, or whose turn had not come, runs again in a transaction
-// of its own (a claim that committed without its effect is found to be its
-// own, by its token).
+// of its own (a claim that committed without its effect is released first:
+// rerunOwn).
 func (g *txGroup) ended(ctx context.Context, ms []*member, by *member, byErr error) {
 	s := g.s
 	for _, m := range ms {
