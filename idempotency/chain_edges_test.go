@@ -304,3 +304,34 @@ func TestTxidOnPlainPools(t *testing.T) {
 		})
 	}
 }
+
+// TestConnReadBeforeDeferKeepsDeferral: a deferring function that reads
+// its transaction's connection harmlessly (its process id, for a log line)
+// before Defer still has its statement deferred: only statements sent
+// through the transaction make Defer refuse.
+func TestConnReadBeforeDeferKeepsDeferral(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, idempotency.BatchConfig{GroupTx: 16, GroupFlushers: 1})
+	tbl := e.effects(t)
+	fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){}
+	for _, k := range []string{"a", "b", "c"} {
+		ins := deferOrRun(`INSERT INTO `+tbl+` VALUES ($1, 1)`, k)
+		fns[k] = func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			_ = tx.Conn().PgConn().PID()
+			return ins(ctx, tx)
+		}
+	}
+	errs := runQueued(t, e, "pid", fns)
+	st := e.store.BatchStats()
+	for k, err := range errs {
+		if err != nil {
+			t.Errorf("%s: %v", k, err)
+		}
+	}
+	if st.TxGroups == 0 || st.TxDeferred == 0 {
+		t.Errorf("stats %+v: no statement deferred", st)
+	}
+	if n := e.count(t, `SELECT count(*) FROM `+tbl); n != 3 {
+		t.Errorf("%d effects, want 3", n)
+	}
+}

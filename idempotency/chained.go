@@ -54,8 +54,10 @@ func (s *Store) rollBackAsking(ctx context.Context, tx pgx.Tx, refs []Ref) map[o
 		return nil
 	}
 	// The rollback first, on its own: a statement the connection has not
-	// prepared cannot be, in a failed transaction.
-	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+	// prepared cannot be, in a failed transaction. AND CHAIN: the question
+	// runs in a new transaction, which pgx's rollback then ends (a plain
+	// ROLLBACK would leave it none to end, and the server would warn).
+	if _, err := conn.Exec(ctx, "ROLLBACK AND CHAIN"); err != nil {
 		return nil
 	}
 	tasks, keys, tokens := make(textArray, len(refs)), make(textArray, len(refs)), make(textArray, len(refs))

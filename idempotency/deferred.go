@@ -40,8 +40,8 @@ type Deferred struct {
 // (its result is d.Row's). Defer takes one statement per call of the
 // function: a second Defer, or one after the function returned, reports
 // false and makes the group run its members one by one instead, where
-// nothing is deferred. A function that used tx before Defer (it may have
-// written) gets false: it runs d itself, so that what it wrote is never
+// nothing is deferred. A function that sent a statement through tx before
+// Defer (it may have written) gets false: it runs d itself, so that what it wrote is never
 // written twice should the group run it again.
 func Defer(ctx context.Context, d Deferred) bool {
 	return deferTo(ctx, d, true)
@@ -97,7 +97,9 @@ func (s *deferral) use() {
 }
 
 // usedTx is the group's transaction as a function that may defer gets it.
-// Once the function has used it (it may have written), Defer refuses and
+// Once the function has sent anything through it (it may have written;
+// its connection, Conn, is not counted: reading it, for its process id or
+// its type map, is common), Defer refuses and
 // the function runs its statement itself: a member that deferred has
 // written nothing else, so that when another member ends the group's
 // transaction before the deferred statements run (ended), it runs again in
@@ -111,7 +113,6 @@ func (t usedTx) Begin(ctx context.Context) (pgx.Tx, error) { t.slot.use(); retur
 func (t usedTx) Commit(ctx context.Context) error          { t.slot.use(); return t.Tx.Commit(ctx) }
 func (t usedTx) Rollback(ctx context.Context) error        { t.slot.use(); return t.Tx.Rollback(ctx) }
 func (t usedTx) LargeObjects() pgx.LargeObjects            { t.slot.use(); return t.Tx.LargeObjects() }
-func (t usedTx) Conn() *pgx.Conn                           { t.slot.use(); return t.Tx.Conn() }
 
 func (t usedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
 	t.slot.use()
