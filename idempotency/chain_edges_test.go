@@ -257,52 +257,45 @@ func TestSameTokenRetryAfterUnknownDoesNotRunTwice(t *testing.T) {
 // comparison (nothing doubled, the chainer held).
 func TestTxidOnPlainPools(t *testing.T) {
 	t.Parallel()
-	for name, mode := range map[string]pgx.QueryExecMode{
-		"simple": pgx.QueryExecModeSimpleProtocol, "exec": pgx.QueryExecModeExec,
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			e := newEnv(t, idempotency.BatchConfig{})
-			tbl := e.effects(t)
-			pe := e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
-				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
-			ins := func(k string) func(context.Context, pgx.Tx) ([]byte, error) {
-				return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-					_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k)
-					return []byte(`1`), err
-				}
+	onPlainPools(t, func(t *testing.T, pe *env, tbl string) {
+		ins := func(k string) func(context.Context, pgx.Tx) ([]byte, error) {
+			return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k)
+				return []byte(`1`), err
 			}
-			errs := runQueued(t, pe, "ok", map[string]func(context.Context, pgx.Tx) ([]byte, error){
-				"o0": ins("o0"), "o1": ins("o1"), "o2": ins("o2"),
-			})
-			for k, err := range errs {
-				chainOutcome(t, pe, tbl, "ok", k, err)
-			}
-			e2 := newEnv(t, idempotency.BatchConfig{})
-			tbl2 := e2.effects(t)
-			pe2 := e2.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
-				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
-			errs = runQueued(t, pe2, "ch", map[string]func(context.Context, pgx.Tx) ([]byte, error){
-				"c0": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-					if _, err := tx.Exec(ctx, `INSERT INTO `+tbl2+` VALUES ('c0', 1)`); err != nil {
-						return nil, err
-					}
-					_, err := tx.Conn().Exec(ctx, "COMMIT AND CHAIN")
-					return nil, err
-				},
-				"c1": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-					_, err := tx.Exec(ctx, `INSERT INTO `+tbl2+` VALUES ('c1', 1)`)
-					return nil, err
-				},
-			})
-			for k, err := range errs {
-				chainOutcome(t, pe2, tbl2, "ch", k, err)
-			}
-			if st := pe.store.BatchStats(); st.TxGroups < 1 {
-				t.Fatalf("stats %+v", st)
-			}
+		}
+		errs := runQueued(t, pe, "ok", map[string]func(context.Context, pgx.Tx) ([]byte, error){
+			"o0": ins("o0"), "o1": ins("o1"), "o2": ins("o2"),
 		})
-	}
+		for k, err := range errs {
+			chainOutcome(t, pe, tbl, "ok", k, err)
+		}
+		// A store of its own: runQueued's blocker runs once per schema.
+		e2 := newEnv(t, idempotency.BatchConfig{})
+		tbl2 := e2.effects(t)
+		mode := pe.pool.Config().ConnConfig.DefaultQueryExecMode
+		pe2 := e2.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
+			idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+		errs = runQueued(t, pe2, "ch", map[string]func(context.Context, pgx.Tx) ([]byte, error){
+			"c0": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO `+tbl2+` VALUES ('c0', 1)`); err != nil {
+					return nil, err
+				}
+				_, err := tx.Conn().Exec(ctx, "COMMIT AND CHAIN")
+				return nil, err
+			},
+			"c1": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO `+tbl2+` VALUES ('c1', 1)`)
+				return nil, err
+			},
+		})
+		for k, err := range errs {
+			chainOutcome(t, pe2, tbl2, "ch", k, err)
+		}
+		if st := pe.store.BatchStats(); st.TxGroups < 1 {
+			t.Fatalf("stats %+v", st)
+		}
+	})
 }
 
 // TestConnReadBeforeDeferKeepsDeferral: a deferring function that reads

@@ -77,6 +77,23 @@ func (e *env) over(t *testing.T, set func(*pgxpool.Config), batch idempotency.Ba
 	return &env{pool: pool, schema: e.schema, store: s}
 }
 
+// onPlainPools runs f, in parallel, on a store with transaction groups over
+// a pool of each plain query mode (no statement described: plainArrays),
+// with its effects table tbl.
+func onPlainPools(t *testing.T, f func(t *testing.T, pe *env, tbl string)) {
+	t.Helper()
+	for name, mode := range map[string]pgx.QueryExecMode{
+		"simple": pgx.QueryExecModeSimpleProtocol, "exec": pgx.QueryExecModeExec,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, idempotency.BatchConfig{})
+			f(t, e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
+				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1}), e.effects(t))
+		})
+	}
+}
+
 // TestCommitAndChainInATransaction: a same-database task that commits its
 // transaction itself and goes on in a new one (COMMIT AND CHAIN, against
 // RunTx's contract) commits the claims and effects before it, also those
@@ -454,43 +471,34 @@ func TestChainCommitLandsLate(t *testing.T) {
 // (plainArrays), with keys that need quoting in an array literal.
 func TestChainedLookupOnPlainPools(t *testing.T) {
 	t.Parallel()
-	for name, mode := range map[string]pgx.QueryExecMode{
-		"simple": pgx.QueryExecModeSimpleProtocol, "exec": pgx.QueryExecModeExec,
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			e := newEnv(t, idempotency.BatchConfig{})
-			tbl := e.effects(t)
-			pe := e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
-				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
-			s := pe.store
-			keys := []string{`a,"b"\{}`, "NULL", ` sp `, "é'"}
-			fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){}
-			for i, k := range keys {
-				fns[k] = func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-					if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k); err != nil {
+	onPlainPools(t, func(t *testing.T, pe *env, tbl string) {
+		s := pe.store
+		keys := []string{`a,"b"\{}`, "NULL", ` sp `, "é'"}
+		fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){}
+		for i, k := range keys {
+			fns[k] = func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				if _, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k); err != nil {
+					return nil, err
+				}
+				if i == 1 {
+					if _, err := tx.Conn().Exec(ctx, "COMMIT AND CHAIN"); err != nil {
 						return nil, err
 					}
-					if i == 1 {
-						if _, err := tx.Conn().Exec(ctx, "COMMIT AND CHAIN"); err != nil {
-							return nil, err
-						}
-						return nil, errors.New("fails after committing")
-					}
-					return nil, nil
+					return nil, errors.New("fails after committing")
 				}
+				return nil, nil
 			}
-			errs := runQueued(t, pe, "plain", fns)
-			held := 0
-			for _, k := range keys {
-				chainOutcome(t, pe, tbl, "plain", k, errs[k])
-				if r, err := s.Get(context.Background(), "plain", k); err == nil && r.Status == idempotency.StatusHeld {
-					held++
-				}
+		}
+		errs := runQueued(t, pe, "plain", fns)
+		held := 0
+		for _, k := range keys {
+			chainOutcome(t, pe, tbl, "plain", k, errs[k])
+			if r, err := s.Get(context.Background(), "plain", k); err == nil && r.Status == idempotency.StatusHeld {
+				held++
 			}
-			if held == 0 {
-				t.Error("nothing held")
-			}
-		})
-	}
+		}
+		if held == 0 {
+			t.Error("nothing held")
+		}
+	})
 }
