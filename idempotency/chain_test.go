@@ -57,7 +57,13 @@ func chainOutcome(t *testing.T, e *env, tbl, task, key string, err error) {
 // that set configures (nil: as it comes).
 func (e *env) over(t *testing.T, set func(*pgxpool.Config), batch idempotency.BatchConfig) *env {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(testenv.DatabaseURL(t))
+	return e.overURL(t, testenv.DatabaseURL(t), set, batch)
+}
+
+// overURL is over, the pool connecting to url.
+func (e *env) overURL(t *testing.T, url string, set func(*pgxpool.Config), batch idempotency.BatchConfig) *env {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
 	}

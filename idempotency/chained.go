@@ -24,9 +24,8 @@ import (
 // and the task fails; an operation whose function had not run is released
 // and runs again. The question follows the rollback on the transaction's
 // own connection: it costs no connection and no wait for one. It is not
-// asked when the connection was lost (a
-// commit the task sent may still land), nor when it fails; nothing relies
-// on it alone: RunTx's claims never take a claimed record for their own
+// asked when the connection was lost (a commit the task sent may still
+// land), nor when it fails; nothing relies on it alone: RunTx's claims never take a claimed record for their own
 // (inTxClaim), whatever its token, so a claim of the last attempt that
 // committed, even late, is found in progress, then stale, by every later
 // run. A group whose functions ran without savepoints also compares its

@@ -41,8 +41,8 @@ type Deferred struct {
 // function: a second Defer, or one after the function returned, reports
 // false and makes the group run its members one by one instead, where
 // nothing is deferred. A function that sent a statement through tx before
-// Defer (it may have written) gets false: it runs d itself, so that what it wrote is never
-// written twice should the group run it again.
+// Defer (it may have written) gets false: it runs d itself, so that what
+// it wrote is never written twice should the group run it again.
 func Defer(ctx context.Context, d Deferred) bool {
 	return deferTo(ctx, d, true)
 }
@@ -99,11 +99,11 @@ func (s *deferral) use() {
 // usedTx is the group's transaction as a function that may defer gets it.
 // Once the function has sent anything through it (it may have written;
 // its connection, Conn, is not counted: reading it, for its process id or
-// its type map, is common), Defer refuses and
-// the function runs its statement itself: a member that deferred has
-// written nothing else, so that when another member ends the group's
-// transaction before the deferred statements run (ended), it runs again in
-// full without writing anything twice.
+// its type map, is common), Defer refuses and the function runs its
+// statement itself: a member that deferred has written nothing else, so
+// that when another member ends the group's transaction before the
+// deferred statements run (ended), it runs again in full without writing
+// anything twice.
 type usedTx struct {
 	pgx.Tx
 	slot *deferral

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceler/onceler/idempotency"
 	"github.com/onceler/onceler/internal/testenv"
@@ -21,17 +20,7 @@ import (
 func roleStore(t *testing.T, e *env, batch idempotency.BatchConfig) (*idempotency.Store, string) {
 	t.Helper()
 	role, url := testenv.Role(t, e.pool)
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	s, err := idempotency.New(pool, idempotency.Config{Schema: e.schema, Batch: batch})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Close)
-	return s, role
+	return e.overURL(t, url, nil, batch).store, role
 }
 
 // TestPrivilegesCoverEverySchemaObject: every table, sequence and function
