@@ -2,8 +2,10 @@
 
     events.py NODE
 
-Declares its event queue and prints "ready"; then, on the first event, turns
-task events on with enable_events, runs demo.add(2, 3) and waits until
+Declares its event queue and prints "ready"; then, on the node's first event
+(other workers on the broker send events too, and the node's mailbox is bound
+only once it sends), turns task events on with enable_events, runs
+demo.add(2, 3) and waits until
 celery.events.State has its full sequence and a few heartbeats; then turns
 task events off, runs demo.add(4, 5) and listens a little longer. Prints one
 JSON summary.
@@ -41,6 +43,8 @@ with app.connection_for_read() as conn:
             if time.time() > deadline:
                 break
             if first is None:
+                if not seen:
+                    continue
                 out['enable'] = app.control.enable_events(destination=[node], reply=True)
                 first = add.apply_async((2, 3))
                 out['first_value'] = first.get(timeout=15)
