@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	amqp091 "github.com/onceler/onceler/internal/amqp091"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 
@@ -301,7 +300,7 @@ func checkCeleryEvents(t *testing.T, n *node, start func(), wantResult string) {
 	}
 	// Another worker on the broker sends its events before this node starts
 	// (as the other tests' workers do): the script must wait for the node's.
-	otherWorkerEvent(t, n.url)
+	otherWorkerOnline(t)
 	start() // worker-online goes to the receiver's queue
 	var out map[string]any
 	if lines.Scan() {
@@ -350,25 +349,17 @@ func checkCeleryEvents(t *testing.T, n *node, start func(), wantResult string) {
 	t.Logf("events seen from %s: %v", n.name, types)
 }
 
-// otherWorkerEvent publishes a heartbeat of another worker to the event
-// exchange.
-func otherWorkerEvent(t *testing.T, url string) {
+// otherWorkerOnline starts another node and waits until its worker-online
+// is published.
+func otherWorkerOnline(t *testing.T) {
 	t.Helper()
-	conn, err := amqp091.Dial(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := json.Marshal(map[string]any{"type": "worker-heartbeat", "hostname": "other@" + t.Name(), "timestamp": float64(time.Now().UnixNano()) / 1e9,
-		"utcoffset": 0, "pid": 1, "clock": 1, "freq": 2.0, "sw_ident": "other", "sw_ver": "1", "sw_sys": "Linux", "active": 0, "processed": 0, "loadavg": []float64{0, 0, 0}})
-	err = ch.PublishWithContext(context.Background(), EventExchange, "worker.heartbeat", false, false,
-		amqp091.Publishing{ContentType: "application/json", ContentEncoding: "utf-8", Body: body})
-	if err != nil {
-		t.Fatal(err)
+	other := startNode(t, false)
+	deadline := time.Now().Add(10 * time.Second)
+	for sent, _, _ := other.ctl.Counters(); sent == 0; sent, _, _ = other.ctl.Counters() {
+		if time.Now().After(deadline) {
+			t.Fatal("the other node's worker-online was not published")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
