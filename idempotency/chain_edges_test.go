@@ -257,7 +257,8 @@ func TestSameTokenRetryAfterUnknownDoesNotRunTwice(t *testing.T) {
 // comparison (nothing doubled, the chainer held).
 func TestTxidOnPlainPools(t *testing.T) {
 	t.Parallel()
-	onPlainPools(t, func(t *testing.T, pe *env, tbl string) {
+	onPlainPools(t, func(t *testing.T, plain func() (*env, string)) {
+		pe, tbl := plain()
 		ins := func(k string) func(context.Context, pgx.Tx) ([]byte, error) {
 			return func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 				_, err := tx.Exec(ctx, `INSERT INTO `+tbl+` VALUES ($1, 1)`, k)
@@ -271,11 +272,7 @@ func TestTxidOnPlainPools(t *testing.T) {
 			chainOutcome(t, pe, tbl, "ok", k, err)
 		}
 		// A store of its own: runQueued's blocker runs once per schema.
-		e2 := newEnv(t, idempotency.BatchConfig{})
-		tbl2 := e2.effects(t)
-		mode := pe.pool.Config().ConnConfig.DefaultQueryExecMode
-		pe2 := e2.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
-			idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1})
+		pe2, tbl2 := plain()
 		errs = runQueued(t, pe2, "ch", map[string]func(context.Context, pgx.Tx) ([]byte, error){
 			"c0": func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 				if _, err := tx.Exec(ctx, `INSERT INTO `+tbl2+` VALUES ('c0', 1)`); err != nil {

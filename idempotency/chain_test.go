@@ -83,19 +83,21 @@ func (e *env) overURL(t *testing.T, url string, set func(*pgxpool.Config), batch
 	return &env{pool: pool, schema: e.schema, store: s}
 }
 
-// onPlainPools runs f, in parallel, on a store with transaction groups over
-// a pool of each plain query mode (no statement described: plainArrays),
-// with its effects table tbl.
-func onPlainPools(t *testing.T, f func(t *testing.T, pe *env, tbl string)) {
+// onPlainPools runs f, in parallel, for each plain query mode (no
+// statement described: plainArrays); plain makes a store with transaction
+// groups over a pool of that mode, with its effects table tbl.
+func onPlainPools(t *testing.T, f func(t *testing.T, plain func() (pe *env, tbl string))) {
 	t.Helper()
 	for name, mode := range map[string]pgx.QueryExecMode{
 		"simple": pgx.QueryExecModeSimpleProtocol, "exec": pgx.QueryExecModeExec,
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			e := newEnv(t, idempotency.BatchConfig{})
-			f(t, e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
-				idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1}), e.effects(t))
+			f(t, func() (*env, string) {
+				e := newEnv(t, idempotency.BatchConfig{})
+				return e.over(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode },
+					idempotency.BatchConfig{GroupTx: 32, GroupFlushers: 1}), e.effects(t)
+			})
 		})
 	}
 }
@@ -477,7 +479,8 @@ func TestChainCommitLandsLate(t *testing.T) {
 // (plainArrays), with keys that need quoting in an array literal.
 func TestChainedLookupOnPlainPools(t *testing.T) {
 	t.Parallel()
-	onPlainPools(t, func(t *testing.T, pe *env, tbl string) {
+	onPlainPools(t, func(t *testing.T, plain func() (*env, string)) {
+		pe, tbl := plain()
 		s := pe.store
 		keys := []string{`a,"b"\{}`, "NULL", ` sp `, "é'"}
 		fns := map[string]func(context.Context, pgx.Tx) ([]byte, error){}

@@ -25,12 +25,13 @@ import (
 // and runs again. The question follows the rollback on the transaction's
 // own connection: it costs no connection and no wait for one. It is not
 // asked when the connection was lost (a commit the task sent may still
-// land), nor when it fails; nothing relies on it alone: RunTx's claims never take a claimed record for their own
-// (inTxClaim), whatever its token, so a claim of the last attempt that
-// committed, even late, is found in progress, then stale, by every later
-// run. A group whose functions ran without savepoints also compares its
-// transaction's id before it completes (finish): a function that ended the
-// transaction and went on in a new one changed it.
+// land), nor when it fails; nothing relies on it alone: RunTx's claims
+// never take a claimed record for their own (inTxClaim), whatever its
+// token, so a claim of the last attempt that committed, even late, is
+// found in progress, then stale, by every later run. A group whose
+// functions ran without savepoints also compares its transaction's id
+// before it completes (finish): a function that ended the transaction and
+// went on in a new one changed it.
 
 // chainedClaimWhy is the reason a claim found committed after its
 // transaction rolled back is held with.
