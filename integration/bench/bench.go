@@ -164,7 +164,7 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 				r.latRate = b.o.latencyRate
 			}
 			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s after %.0f s of warm-up...\n", r.sc.ID, r.latRate, b.o.latencySecs, b.o.latencyWarmup)
-			if err := b.latency(ctx, r.sc, r.latRate, &r.lat); err != nil {
+			if err := b.latencyClear(ctx, r.sc, r.latRate, &r.lat); err != nil {
 				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
 				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)
 				continue
@@ -176,7 +176,7 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 			// worker's own cannot go below on this machine.
 			floor := r.sc
 			floor.ID, floor.Kind, floor.Replies = r.sc.ID+"-floor", "raw", false
-			if err := b.latency(ctx, floor, r.latRate, &r.floor); err != nil {
+			if err := b.latencyClear(ctx, floor, r.latRate, &r.floor); err != nil {
 				errs = append(errs, fmt.Errorf("(%s) latency of the raw consumer: %w", r.sc.ID, err))
 				fmt.Fprintf(os.Stderr, "(%s) raw consumer's latency failed: %v\n", r.sc.ID, err)
 				continue

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"maps"
 	"os"
+	"os/exec"
 	"slices"
 	"testing"
 	"time"
@@ -92,5 +93,29 @@ func TestPercentile(t *testing.T) {
 	}
 	if p := percentile(nil, 0.99); p != 0 {
 		t.Fatalf("empty p99 %v", p)
+	}
+}
+
+// TestSpawnWatch: a process started with the mark in its command line is
+// seen, one without it is not.
+func TestSpawnWatch(t *testing.T) {
+	if _, ok := lastPID(); !ok {
+		t.Skip("no /proc/loadavg")
+	}
+	w := watchSpawns("spawnwatch-test-mark")
+	if err := exec.Command("sh", "-c", "sleep 0.05", "other-name").Run(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n := w.Stop(); n != 0 {
+		t.Fatalf("saw %d marked processes, started none", n)
+	}
+	w = watchSpawns("spawnwatch-test-mark")
+	if err := exec.Command("sh", "-c", "sleep 0.05", "spawnwatch-test-mark-1").Run(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if n := w.Stop(); n != 1 {
+		t.Fatalf("saw %d marked processes, started 1", n)
 	}
 }

@@ -89,12 +89,28 @@ func report(o options, rows []row) string {
 		if r.lat.p99Cold > 0 {
 			title += fmt.Sprintf(" (p99 with the warm-up's messages: %s ms)", ms(r.lat.p99Cold))
 		}
+		title += disturbance("latency run", r.lat) + disturbance("raw consumer's latency run", r.floor)
 		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
 			ratio(a), ratio(e), lat(r.lat.p50), lat(r.lat.p99), load, floor, rss, commits, cpu, pgCPU, brokerCPU)
 	}
 	sb.WriteString("\n")
 	sb.WriteString(targets(rows))
 	return sb.String()
+}
+
+// disturbance says which of a row's latency runs the broker's epmd check
+// overlapped (brokerSpawnMark): set aside and measured again, or, when every
+// attempt was, kept.
+func disturbance(what string, l latStats) string {
+	switch {
+	case l.disturbed:
+		return fmt.Sprintf(" (every %s overlapped the broker's once-a-minute epmd check: the last kept)", what)
+	case l.setAside == 1:
+		return fmt.Sprintf(" (%s measured again: the first overlapped the broker's once-a-minute epmd check)", what)
+	case l.setAside > 1:
+		return fmt.Sprintf(" (%s measured again: %d overlapped the broker's once-a-minute epmd check)", what, l.setAside)
+	}
+	return ""
 }
 
 // ms is d in milliseconds, one decimal.
