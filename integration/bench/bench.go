@@ -66,6 +66,8 @@ type row struct {
 	lat         latStats // the worker at half load
 	floor       latStats // the raw consumer at the same load: the broker path's own latency
 	latRate     float64
+	sustained   float64  // the highest publish rate the consumer kept up with; 0: not measured
+	halfDrain   latStats // the worker at half the drain rate
 	rssKiB      int64
 	commits     float64 // per task
 	cpuUS       float64 // consumer process CPU µs per task
@@ -159,32 +161,89 @@ func (b *bench) runAll(ctx context.Context, ids []string) ([]row, error) {
 			if !r.sc.Latency || r.drainError != nil || r.rate <= 0 {
 				continue
 			}
-			r.latRate = r.rate / 2
-			if b.o.latencyRate > 0 {
-				r.latRate = b.o.latencyRate
+			if err := b.latencies(ctx, r); err != nil {
+				errs = append(errs, err)
+				fmt.Fprintf(os.Stderr, "%v\n", err)
 			}
-			fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %.0f s after %.0f s of warm-up...\n", r.sc.ID, r.latRate, b.o.latencySecs, b.o.latencyWarmup)
-			if err := b.latencyClear(ctx, r.sc, r.latRate, &r.lat); err != nil {
-				errs = append(errs, fmt.Errorf("(%s) latency: %w", r.sc.ID, err))
-				fmt.Fprintf(os.Stderr, "(%s) latency failed: %v\n", r.sc.ID, err)
-				continue
-			}
-			fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks; CPU µs/task: worker %.0f, PostgreSQL %.0f\n",
-				r.sc.ID, r.lat.p50, r.lat.p99, r.lat.n, r.lat.cpuUS, r.lat.pgCPUUS)
-			// The same load through the broker alone: the raw consumer
-			// acknowledging each message as it arrives, the latency the
-			// worker's own cannot go below on this machine.
-			floor := r.sc
-			floor.ID, floor.Kind, floor.Replies = r.sc.ID+"-floor", "raw", false
-			if err := b.latencyClear(ctx, floor, r.latRate, &r.floor); err != nil {
-				errs = append(errs, fmt.Errorf("(%s) latency of the raw consumer: %w", r.sc.ID, err))
-				fmt.Fprintf(os.Stderr, "(%s) raw consumer's latency failed: %v\n", r.sc.ID, err)
-				continue
-			}
-			fmt.Fprintf(os.Stderr, "(%s) raw consumer at the same load: p50 %v p99 %v\n", r.sc.ID, r.floor.p50, r.floor.p99)
 		}
 	}
 	return rows, errors.Join(errs...)
+}
+
+// latencies measures r's scenario at half load: half the sustained rate,
+// the highest publish rate its consumer keeps up with (sustainedRate), or
+// -latency-rate. Then the raw consumer at the same rate, and, for
+// comparison, the worker at half the drain rate.
+func (b *bench) latencies(ctx context.Context, r *row) error {
+	r.latRate = b.o.latencyRate
+	if r.latRate <= 0 {
+		sustained, err := b.sustainedRate(ctx, r.sc, r.rate)
+		if err != nil {
+			return fmt.Errorf("(%s) sustained rate: %w", r.sc.ID, err)
+		}
+		r.sustained, r.latRate = sustained, sustained/2
+	}
+	run := latRun{rate: r.latRate, warmup: b.o.latencyWarmup, secs: b.o.latencySecs}
+	fmt.Fprintf(os.Stderr, "(%s) latency at %.0f tasks/s for %g s after %g s of warm-up...\n", r.sc.ID, run.rate, run.secs, run.warmup)
+	if err := b.latencyClear(ctx, r.sc, run, &r.lat); err != nil {
+		return fmt.Errorf("(%s) latency: %w", r.sc.ID, err)
+	}
+	fmt.Fprintf(os.Stderr, "(%s) p50 %v p99 %v over %d tasks; CPU µs/task: worker %.0f, PostgreSQL %.0f\n",
+		r.sc.ID, r.lat.p50, r.lat.p99, r.lat.n, r.lat.cpuUS, r.lat.pgCPUUS)
+	// The same load through the broker alone: the raw consumer
+	// acknowledging each message as it arrives, the latency the worker's
+	// own cannot go below on this machine.
+	floor := r.sc
+	floor.ID, floor.Kind, floor.Replies = r.sc.ID+"-floor", "raw", false
+	if err := b.latencyClear(ctx, floor, run, &r.floor); err != nil {
+		return fmt.Errorf("(%s) latency of the raw consumer: %w", r.sc.ID, err)
+	}
+	fmt.Fprintf(os.Stderr, "(%s) raw consumer at the same load: p50 %v p99 %v\n", r.sc.ID, r.floor.p50, r.floor.p99)
+	if r.sustained == 0 {
+		return nil
+	}
+	half := run
+	half.rate, half.probe = r.rate/2, true
+	if err := b.latencyClear(ctx, r.sc, half, &r.halfDrain); err != nil {
+		return fmt.Errorf("(%s) latency at half the drain rate: %w", r.sc.ID, err)
+	}
+	fmt.Fprintf(os.Stderr, "(%s) at half the drain rate, %.0f tasks/s: p50 %v p99 %v\n", r.sc.ID, half.rate, r.halfDrain.p50, r.halfDrain.p99)
+	return nil
+}
+
+// keptUp is the most the messages of a probe's last second may wait (their
+// p50) for the consumer to count as keeping up: past its capacity the
+// backlog, and with it the latency, grows through the run (at 2% over it,
+// by 80 ms in four seconds).
+const keptUp = 50 * time.Millisecond
+
+// sustainedRate finds, by bisection within a twentieth of the drain rate,
+// the highest rate of steady publishing that sc's consumer keeps up with.
+// It is lower than the drain rate, which is measured with the queue filled
+// beforehand: while messages are published at the same time the broker's
+// publish path takes its share of the machine, about as much as its
+// deliveries.
+func (b *bench) sustainedRate(ctx context.Context, sc scenario, drain float64) (float64, error) {
+	lo, hi := 0.3*drain, drain // lo: taken to be kept up with; hi: not
+	step := drain / 20
+	if b.o.quick {
+		step = drain / 5
+	}
+	for hi-lo > step {
+		probe := latRun{rate: (lo + hi) / 2, warmup: min(1, b.o.latencyWarmup), secs: min(3, b.o.latencySecs), probe: true}
+		var st latStats
+		if err := b.latencyClear(ctx, sc, probe, &st); err != nil {
+			return 0, err
+		}
+		ok := st.p50Last <= keptUp
+		fmt.Fprintf(os.Stderr, "(%s) published at %.0f tasks/s: p50 of the last second %v, kept up: %v\n", sc.ID, probe.rate, st.p50Last, ok)
+		if ok {
+			lo = probe.rate
+		} else {
+			hi = probe.rate
+		}
+	}
+	return lo, nil
 }
 
 // paired drains sc (f) and its twin without events (b) in turn, b.o.pairs

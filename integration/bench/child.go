@@ -56,6 +56,7 @@ type childJob struct {
 	GOGC        int    // 0: the runtime's default
 	Procs       int    // GOMAXPROCS; 0: the runtime's default
 	DoneFile    string // when set, the commit time of each task is written there
+	Stages      bool   // and the times of its task-received and task-started events
 	Events      bool   // remote control on, task events on (Celery's -E)
 
 	ResultBackend string // the worker's result backend ("": rpc://)
@@ -160,7 +161,7 @@ func runRaw(ctx context.Context, job childJob) (childResult, error) {
 			res.Done++
 			now := time.Now()
 			if obs != nil {
-				obs.done[d.CorrelationId] = now
+				obs.done[d.CorrelationId] = taskTimes{done: now}
 			}
 			if res.Done == 1 {
 				res.First = now
@@ -262,6 +263,7 @@ func runWorkerChild(ctx context.Context, job childJob) (childResult, error) {
 	var taskObs tasks.Observer // stays a nil interface without DoneFile or Events
 	if job.DoneFile != "" {
 		obs = newDoneObserver(job.Expect)
+		obs.stages = job.Stages
 		taskObs = obs
 	}
 	hostname := "onceler-bench@" + strconv.Itoa(os.Getpid())

@@ -26,6 +26,8 @@ type latStats struct {
 	cpuUS    float64       // the consumer's CPU per message
 	pgCPUUS  float64       // its PostgreSQL backends' CPU per message
 
+	p50Last time.Duration // p50 of the messages sent in the run's last second
+
 	setAside  int  // earlier runs the broker's epmd check overlapped
 	disturbed bool // this run too: every attempt was overlapped
 }
@@ -39,10 +41,10 @@ const latencyAttempts = 3
 // Erlang VM of its epmd check meanwhile: that burst takes the machine from
 // every process for half a second, whatever the consumer (brokerSpawnMark).
 // The runs set aside are counted in out, and the report says so.
-func (b *bench) latencyClear(ctx context.Context, sc scenario, rate float64, out *latStats) error {
+func (b *bench) latencyClear(ctx context.Context, sc scenario, run latRun, out *latStats) error {
 	for attempt := 1; ; attempt++ {
 		w := watchSpawns(brokerSpawnMark)
-		err := b.latency(ctx, sc, rate, out)
+		err := b.latency(ctx, sc, run, out)
 		overlapped := w.Stop() > 0
 		if err != nil || !overlapped || attempt == latencyAttempts {
 			out.setAside, out.disturbed = attempt-1, overlapped
@@ -53,17 +55,26 @@ func (b *bench) latencyClear(ctx context.Context, sc scenario, rate float64, out
 	}
 }
 
+// latRun is one latency run: its publish rate, and how many seconds of it
+// are warm-up and how many are measured. A probe (of the sustained rate) is
+// neither profiled nor dumped.
+type latRun struct {
+	rate, warmup, secs float64
+	probe              bool
+}
+
 // latency runs the consumer of scenario sc on an empty queue, publishes at
-// rate for the configured duration, and measures each message from the
+// run.rate for run.warmup + run.secs seconds, and measures each message from the
 // moment it was handed to the publisher to its end: the result's arrival on
 // reply_to when results are published, else the moment the worker reported
 // the task succeeded (task-succeeded, emitted once the record's completion
 // or the same-database transaction committed, just before the ack); for the
 // raw consumer (sc.Kind "raw"), the moment the delivery arrived, acked at
 // once.
-func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *latStats) error {
-	warm := int(rate * b.o.latencyWarmup)
-	n := warm + max(200, int(rate*b.o.latencySecs))
+func (b *bench) latency(ctx context.Context, sc scenario, run latRun, out *latStats) error {
+	rate := run.rate
+	warm := int(rate * run.warmup)
+	n := warm + max(200, int(rate*run.secs))
 	queue, schema := b.names(sc, "-lat")
 	reply := ""
 	if sc.Replies {
@@ -143,7 +154,8 @@ func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *lat
 	}
 	job := b.consumerJob(kind, queue, schema, n)
 	job.DoneFile = doneFile
-	if sc.ID+"-latency" == b.o.profiled {
+	job.Stages = b.o.latencyDump != "" && kind == "worker" && !run.probe
+	if sc.ID+"-latency" == b.o.profiled && !run.probe {
 		job.CPUProfile, job.MemProfile = b.o.cpuProfile, b.o.memProfile
 	}
 	ready := make(chan struct{})
@@ -186,14 +198,17 @@ func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *lat
 	stopReplies()
 
 	ends := arrived
+	var stages []taskTimes // for the dump: when each task's events were emitted
 	if reply == "" {
 		done, err := readDone(doneFile)
 		if err != nil {
 			return fmt.Errorf("read commit times: %w", err)
 		}
 		ends = make([]time.Time, n)
+		stages = make([]taskTimes, n)
 		for i, m := range msgs {
-			ends[i] = done[m.CorrelationID]
+			stages[i] = done[m.CorrelationID]
+			ends[i] = stages[i].done
 		}
 	}
 	all := make([]time.Duration, n) // in sending order
@@ -203,11 +218,14 @@ func (b *bench) latency(ctx context.Context, sc scenario, rate float64, out *lat
 		}
 		all[i] = max(0, ends[i].Sub(sent[i]))
 	}
-	if b.o.latencyDump != "" {
-		if err := dumpLatencies(b.o.latencyDump+"."+strings.ReplaceAll(sc.ID, "'", "2")+".csv", sent, all); err != nil {
+	if b.o.latencyDump != "" && !run.probe {
+		if err := dumpLatencies(b.o.latencyDump+"."+strings.ReplaceAll(sc.ID, "'", "2")+".csv", sent, all, stages); err != nil {
 			return err
 		}
 	}
+	last := slices.Clone(all[max(warm, n-int(rate)):])
+	sortDurations(last)
+	out.p50Last = percentile(last, 0.50)
 	lat := slices.Clone(all[warm:])
 	sortDurations(lat)
 	out.n, out.p50, out.p99 = len(lat), percentile(lat, 0.50), percentile(lat, 0.99)
@@ -241,12 +259,24 @@ func readReplies(ctx context.Context, in <-chan amqp091.Delivery, index map[stri
 }
 
 // dumpLatencies writes one line per message: when it was sent (ms since the
-// first) and its latency (ms), for finding when a tail happened.
-func dumpLatencies(path string, sent []time.Time, lat []time.Duration) error {
+// first) and its latency (ms), for finding when a tail happened; with stages,
+// also when its task-received and task-started events were emitted (ms after
+// it was sent; empty when not seen), for finding where.
+func dumpLatencies(path string, sent []time.Time, lat []time.Duration, stages []taskTimes) error {
 	var sb strings.Builder
-	sb.WriteString("sent_ms,latency_ms\n")
+	sb.WriteString("sent_ms,latency_ms,received_ms,started_ms\n")
+	msAfter := func(t, from time.Time) string {
+		if t.IsZero() {
+			return ""
+		}
+		return fmt.Sprintf("%.3f", float64(t.Sub(from).Microseconds())/1000)
+	}
 	for i := range lat {
-		fmt.Fprintf(&sb, "%.3f,%.3f\n", float64(sent[i].Sub(sent[0]).Microseconds())/1000, float64(lat[i].Microseconds())/1000)
+		var received, started string
+		if stages != nil {
+			received, started = msAfter(stages[i].received, sent[i]), msAfter(stages[i].started, sent[i])
+		}
+		fmt.Fprintf(&sb, "%.3f,%.3f,%s,%s\n", float64(sent[i].Sub(sent[0]).Microseconds())/1000, float64(lat[i].Microseconds())/1000, received, started)
 	}
 	return os.WriteFile(path, []byte(sb.String()), 0o644)
 }

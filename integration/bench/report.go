@@ -66,6 +66,9 @@ func report(o options, rows []row) string {
 		}
 		if r.lat.n > 0 {
 			load = fmt.Sprintf("%.0f/s", r.latRate)
+			if r.sustained > 0 {
+				load += fmt.Sprintf(", half the %.0f/s sustained", r.sustained)
+			}
 			if r.lat.busy > 0 {
 				load += fmt.Sprintf(" (CPU %.0f%% busy)", 100*r.lat.busy)
 			}
@@ -88,6 +91,10 @@ func report(o options, rows []row) string {
 		}
 		if r.lat.p99Cold > 0 {
 			title += fmt.Sprintf(" (p99 with the warm-up's messages: %s ms)", ms(r.lat.p99Cold))
+		}
+		if r.halfDrain.n > 0 {
+			title += fmt.Sprintf(" (at half the drain rate, %.0f/s, CPU %.0f%% busy: p50 %s, p99 %s ms)",
+				r.rate/2, 100*r.halfDrain.busy, ms(r.halfDrain.p50), ms(r.halfDrain.p99))
 		}
 		title += disturbance("latency run", r.lat) + disturbance("raw consumer's latency run", r.floor)
 		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
@@ -153,8 +160,14 @@ func targets(rows []row) string {
 		ok bool
 	}{{"b", b, okB}, {"b'", b2, okB2}, {"c", c, okC}} {
 		got := ms(x.r.lat.p99) + " ms"
+		if x.r.sustained > 0 {
+			got += fmt.Sprintf(" at %.0f/s, half the %.0f/s sustained", x.r.latRate, x.r.sustained)
+		}
 		if x.r.floor.n > 0 {
 			got += "; the raw consumer at that load: " + ms(x.r.floor.p99) + " ms"
+		}
+		if x.r.halfDrain.n > 0 {
+			got += fmt.Sprintf("; at half the drain rate (%.0f/s): %s ms", x.r.rate/2, ms(x.r.halfDrain.p99))
 		}
 		check("("+x.id+") p99 at half load ≤ 20 ms", x.ok && x.r.lat.n > 0 && x.r.lat.p99 <= 20*time.Millisecond, x.ok && x.r.lat.n > 0, got)
 	}
