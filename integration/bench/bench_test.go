@@ -115,7 +115,8 @@ func TestSpawnWatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(20 * time.Millisecond)
-	if n := w.Stop(); n != 1 {
+	// sh may fork for the sleep: its child has the mark for a moment too.
+	if n := w.Stop(); n < 1 {
 		t.Fatalf("saw %d marked processes, started 1", n)
 	}
 }

@@ -26,7 +26,8 @@ type latStats struct {
 	cpuUS    float64       // the consumer's CPU per message
 	pgCPUUS  float64       // its PostgreSQL backends' CPU per message
 
-	p50Last time.Duration // p50 of the messages sent in the run's last second
+	p50Last  time.Duration // p50 of the messages sent in the run's last second
+	achieved float64       // the publish rate reached, messages a second
 
 	setAside  int  // earlier runs the broker's epmd check overlapped
 	disturbed bool // this run too: every attempt was overlapped
@@ -43,9 +44,7 @@ const latencyAttempts = 3
 // The runs set aside are counted in out, and the report says so.
 func (b *bench) latencyClear(ctx context.Context, sc scenario, run latRun, out *latStats) error {
 	for attempt := 1; ; attempt++ {
-		w := watchSpawns(brokerSpawnMark)
-		err := b.latency(ctx, sc, run, out)
-		overlapped := w.Stop() > 0
+		err, overlapped := b.latencyWatched(ctx, sc, run, out)
 		if err != nil || !overlapped || attempt == latencyAttempts {
 			out.setAside, out.disturbed = attempt-1, overlapped
 			return err
@@ -53,6 +52,13 @@ func (b *bench) latencyClear(ctx context.Context, sc scenario, run latRun, out *
 		fmt.Fprintf(os.Stderr, "(%s) the broker started the Erlang VM of its epmd check during the latency run (p99 %v): measuring again\n", sc.ID, out.p99)
 		*out = latStats{}
 	}
+}
+
+// latencyWatched runs latency while watching for the broker's epmd check.
+func (b *bench) latencyWatched(ctx context.Context, sc scenario, run latRun, out *latStats) (err error, overlapped bool) {
+	w := watchSpawns(brokerSpawnMark)
+	defer func() { overlapped = w.Stop() > 0 }()
+	return b.latency(ctx, sc, run, out), false
 }
 
 // latRun is one latency run: its publish rate, and how many seconds of it
@@ -222,6 +228,9 @@ func (b *bench) latency(ctx context.Context, sc scenario, run latRun, out *latSt
 		if err := dumpLatencies(b.o.latencyDump+"."+strings.ReplaceAll(sc.ID, "'", "2")+".csv", sent, all, stages); err != nil {
 			return err
 		}
+	}
+	if n > 1 {
+		out.achieved = float64(n-1) / sent[n-1].Sub(sent[0]).Seconds()
 	}
 	last := slices.Clone(all[max(warm, n-int(rate)):])
 	sortDurations(last)

@@ -122,7 +122,7 @@ func run() error {
 	fs.Float64Var(&o.latencySecs, "latency-seconds", 5, "duration of each steady-load latency run (0: none)")
 	fs.Float64Var(&o.latencyWarmup, "latency-warmup", 2, "seconds of the same load before each latency run's measured messages (a fresh worker's first seconds)")
 	fs.StringVar(&o.latencyDump, "latency-dump", "", "write each latency run's per-message send time, latency and (worker scenarios without results) the times of task-received and task-started to PREFIX.<scenario>.csv")
-	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's measured rate)")
+	fs.Float64Var(&o.latencyRate, "latency-rate", 0, "publish rate of the latency runs (0: half of each scenario's sustained rate, found by short runs first)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write the CPU profile of the worker in the -profile scenario to this file")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write the allocation profile of the worker in the -profile scenario to this file")
 	fs.StringVar(&o.profiled, "profile", "b", "the scenario whose worker -cpuprofile and -memprofile profile (for (f): its first round; b-latency: (b)'s latency run)")

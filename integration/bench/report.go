@@ -96,7 +96,8 @@ func report(o options, rows []row) string {
 			title += fmt.Sprintf(" (at half the drain rate, %.0f/s, CPU %.0f%% busy: p50 %s, p99 %s ms)",
 				r.rate/2, 100*r.halfDrain.busy, ms(r.halfDrain.p50), ms(r.halfDrain.p99))
 		}
-		title += disturbance("latency run", r.lat) + disturbance("raw consumer's latency run", r.floor)
+		title += disturbance("latency run", r.lat) + disturbance("raw consumer's latency run", r.floor) +
+			disturbance("latency run at half the drain rate", r.halfDrain)
 		fmt.Fprintf(&sb, "| (%s) %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.sc.ID, title, r.n, r.rate,
 			ratio(a), ratio(e), lat(r.lat.p50), lat(r.lat.p99), load, floor, rss, commits, cpu, pgCPU, brokerCPU)
 	}
@@ -166,10 +167,21 @@ func targets(rows []row) string {
 		if x.r.floor.n > 0 {
 			got += "; the raw consumer at that load: " + ms(x.r.floor.p99) + " ms"
 		}
-		if x.r.halfDrain.n > 0 {
-			got += fmt.Sprintf("; at half the drain rate (%.0f/s): %s ms", x.r.rate/2, ms(x.r.halfDrain.p99))
+
+		name := "(" + x.id + ") p99 at half load ≤ 20 ms"
+		if x.r.sustained > 0 {
+			name = "(" + x.id + ") p99 at half load (half the sustained rate) ≤ 20 ms"
 		}
-		check("("+x.id+") p99 at half load ≤ 20 ms", x.ok && x.r.lat.n > 0 && x.r.lat.p99 <= 20*time.Millisecond, x.ok && x.r.lat.n > 0, got)
+		check(name, x.ok && x.r.lat.n > 0 && x.r.lat.p99 <= 20*time.Millisecond, x.ok && x.r.lat.n > 0, got)
+	}
+	for _, x := range []struct {
+		id string
+		r  row
+	}{{"b", b}, {"b'", b2}, {"c", c}} {
+		if x.r.halfDrain.n > 0 {
+			fmt.Fprintf(&sb, "- (%s) p99 at half the drain rate (%.0f/s, CPU %.0f%% busy): %s ms (measured, no target)\n",
+				x.id, x.r.rate/2, 100*x.r.halfDrain.busy, ms(x.r.halfDrain.p99))
+		}
 	}
 	var peak int64
 	for _, r := range rows {
