@@ -44,7 +44,7 @@ const latencyAttempts = 3
 // The runs set aside are counted in out, and the report says so.
 func (b *bench) latencyClear(ctx context.Context, sc scenario, run latRun, out *latStats) error {
 	for attempt := 1; ; attempt++ {
-		err, overlapped := b.latencyWatched(ctx, sc, run, out)
+		overlapped, err := b.latencyWatched(ctx, sc, run, out)
 		if err != nil || !overlapped || attempt == latencyAttempts {
 			out.setAside, out.disturbed = attempt-1, overlapped
 			return err
@@ -55,10 +55,10 @@ func (b *bench) latencyClear(ctx context.Context, sc scenario, run latRun, out *
 }
 
 // latencyWatched runs latency while watching for the broker's epmd check.
-func (b *bench) latencyWatched(ctx context.Context, sc scenario, run latRun, out *latStats) (err error, overlapped bool) {
+func (b *bench) latencyWatched(ctx context.Context, sc scenario, run latRun, out *latStats) (overlapped bool, err error) {
 	w := watchSpawns(brokerSpawnMark)
 	defer func() { overlapped = w.Stop() > 0 }()
-	return b.latency(ctx, sc, run, out), false
+	return false, b.latency(ctx, sc, run, out)
 }
 
 // latRun is one latency run: its publish rate, and how many seconds of it
