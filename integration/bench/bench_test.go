@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -118,5 +119,53 @@ func TestSpawnWatch(t *testing.T) {
 	// sh may fork for the sleep: its child has the mark for a moment too.
 	if n := w.Stop(); n < 1 {
 		t.Fatalf("saw %d marked processes, started 1", n)
+	}
+}
+
+// TestTargets checks the verdicts of the report's targets: a ratio under
+// its bound is MISSED, a scenario not run is "not measured", and the p99 at
+// half the drain rate follows its scenario's half-load check, with no
+// verdict of its own.
+func TestTargets(t *testing.T) {
+	ms := time.Millisecond
+	worker := func(id string, rate float64, p99 time.Duration) row {
+		return row{sc: scenario{ID: id, Kind: "worker"}, rate: rate, rssKiB: 50 * 1024, commits: 0.03,
+			lat: latStats{n: 100, p99: p99}, latRate: rate / 4, sustained: rate / 2,
+			halfDrain: latStats{n: 100, p99: 3 * p99, busy: 0.86}}
+	}
+	rows := []row{
+		{sc: scenario{ID: "a", Kind: "raw"}, rate: 10000},
+		worker("b", 8000, 17*ms),
+		worker("b'", 4000, 25*ms),
+		worker("c", 5000, 18*ms),
+		{sc: scenario{ID: "e", Kind: "python"}, rate: 1000},
+		{sc: scenario{ID: "b'-hot", Kind: "worker"}, rate: 3000, drainError: os.ErrDeadlineExceeded},
+	}
+	got := strings.Split(strings.TrimSpace(targets(rows)), "\n")
+	want := []string{
+		"- (b) ≥ 60% of (a): met (80%)",
+		"- (b) ≥ 10× (e): MISSED (8.0×)",
+		"- (b') ≥ 45% of (a): MISSED (40%)",
+		"- (c) ≥ 45% of (a): met (50%)",
+		"- (b'-hot) ≥ 20% of (a): not measured (0%)",
+		"- (b) p99 at half load (half the sustained rate) ≤ 20 ms: met (17.0 ms at 2000/s, half the 4000/s sustained)",
+		"- (b) p99 at half the drain rate (4000/s, CPU 86% busy): 51.0 ms (measured, no target)",
+		"- (b') p99 at half load (half the sustained rate) ≤ 20 ms: MISSED (25.0 ms at 1000/s, half the 2000/s sustained)",
+		"- (b') p99 at half the drain rate (2000/s, CPU 86% busy): 75.0 ms (measured, no target)",
+		"- (c) p99 at half load (half the sustained rate) ≤ 20 ms: met (18.0 ms at 1250/s, half the 2500/s sustained)",
+		"- (c) p99 at half the drain rate (2500/s, CPU 86% busy): 54.0 ms (measured, no target)",
+		"- worker peak RSS ≤ 100 MiB (every worker scenario): met (50.0 MiB)",
+		"- (b) PostgreSQL commits per task ≤ 0.1: met (0.030)",
+	}
+	for i, w := range want {
+		if i >= len(got) {
+			t.Fatalf("targets has %d lines, want at least %d:\n%s", len(got), len(want)+1, strings.Join(got, "\n"))
+		}
+		if got[i] != w {
+			t.Errorf("targets line %d:\n got %q\nwant %q", i, got[i], w)
+		}
+	}
+	if last := got[len(got)-1]; !strings.HasPrefix(last, "- (f) events and remote control cost < 5% of (b)'s throughput: not measured") {
+		t.Errorf("last line %q: (f) was not run", last)
 	}
 }

@@ -167,17 +167,11 @@ func targets(rows []row) string {
 		if x.r.floor.n > 0 {
 			got += "; the raw consumer at that load: " + ms(x.r.floor.p99) + " ms"
 		}
-
 		name := "(" + x.id + ") p99 at half load ≤ 20 ms"
 		if x.r.sustained > 0 {
 			name = "(" + x.id + ") p99 at half load (half the sustained rate) ≤ 20 ms"
 		}
 		check(name, x.ok && x.r.lat.n > 0 && x.r.lat.p99 <= 20*time.Millisecond, x.ok && x.r.lat.n > 0, got)
-	}
-	for _, x := range []struct {
-		id string
-		r  row
-	}{{"b", b}, {"b'", b2}, {"c", c}} {
 		if x.r.halfDrain.n > 0 {
 			fmt.Fprintf(&sb, "- (%s) p99 at half the drain rate (%.0f/s, CPU %.0f%% busy): %s ms (measured, no target)\n",
 				x.id, x.r.rate/2, 100*x.r.halfDrain.busy, ms(x.r.halfDrain.p99))
