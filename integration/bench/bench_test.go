@@ -127,7 +127,7 @@ func TestSpawnWatch(t *testing.T) {
 // half the drain rate follows its scenario's half-load check, with no
 // verdict of its own.
 func TestTargets(t *testing.T) {
-	ms := time.Millisecond
+	msec := time.Millisecond
 	worker := func(id string, rate float64, p99 time.Duration) row {
 		return row{sc: scenario{ID: id, Kind: "worker"}, rate: rate, rssKiB: 50 * 1024, commits: 0.03,
 			lat: latStats{n: 100, p99: p99}, latRate: rate / 4, sustained: rate / 2,
@@ -135,9 +135,9 @@ func TestTargets(t *testing.T) {
 	}
 	rows := []row{
 		{sc: scenario{ID: "a", Kind: "raw"}, rate: 10000},
-		worker("b", 8000, 17*ms),
-		worker("b'", 4000, 25*ms),
-		worker("c", 5000, 18*ms),
+		worker("b", 8000, 17*msec),
+		worker("b'", 4000, 25*msec),
+		worker("c", 5000, 18*msec),
 		{sc: scenario{ID: "e", Kind: "python"}, rate: 1000},
 		{sc: scenario{ID: "b'-hot", Kind: "worker"}, rate: 3000, drainError: os.ErrDeadlineExceeded},
 	}
